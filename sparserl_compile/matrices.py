@@ -1,0 +1,232 @@
+"""Sparse matrices to run on: the real set in ``../shared/matrices`` and seeded generators.
+
+Generators return ``scipy.sparse.csr_matrix`` with float32 values, int32 indices, sorted
+column indices and no duplicates, and are deterministic in their ``seed``: the supervision
+data set stores (generator, arguments, seed) rather than the matrices themselves.
+
+The real matrices are data read at run time from ``../shared/matrices`` next to the checkout
+(or ``$SPARSERL_SHARED_MATRICES``); they are never copied into the project.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def shared_matrices_dir() -> Path | None:
+    """``$SPARSERL_SHARED_MATRICES``, else ``../shared/matrices`` beside the checkout, else None."""
+    env = os.environ.get("SPARSERL_SHARED_MATRICES")
+    for cand in ([Path(env)] if env else []) + [_REPO.parent / "shared" / "matrices", _REPO / "shared" / "matrices"]:
+        if (cand / "MANIFEST.json").is_file():
+            return cand
+    return None
+
+
+@dataclass(frozen=True)
+class MatrixInfo:
+    name: str
+    kind: str
+    n_rows: int
+    n_cols: int
+    nnz: int
+    path: Path
+
+
+def shared_manifest(directory: Path | None = None) -> list[MatrixInfo]:
+    """The real matrices (square or rectangular CSR; GNN feature matrices excluded)."""
+    d = directory or shared_matrices_dir()
+    if d is None:
+        return []
+    entries = json.loads((d / "MANIFEST.json").read_text())
+    out = []
+    for e in entries:
+        out.append(MatrixInfo(e["name"], e["kind"], e["n_rows"], e["n_cols"], e["nnz"], d / e["file"]))
+    return out
+
+
+def load_npz(path: str | os.PathLike) -> sp.csr_matrix:
+    """Load a CSR ``.npz`` (keys indptr, indices, data, shape) without pickle."""
+    with np.load(path, allow_pickle=False) as z:
+        keys = set(z.files)
+        if {"indptr", "indices", "data", "shape"} <= keys:
+            m = sp.csr_matrix(
+                (z["data"], z["indices"].astype(np.int32), z["indptr"].astype(np.int32)),
+                shape=tuple(int(s) for s in z["shape"]),
+            )
+        elif {"row", "col", "data", "shape"} <= keys:  # scipy.sparse.save_npz COO layout
+            m = sp.coo_matrix((z["data"], (z["row"], z["col"])), shape=tuple(z["shape"])).tocsr()
+        else:
+            raise ValueError(
+                f"{path}: not a sparse matrix .npz (expected keys indptr, indices, data, shape; "
+                f"found {sorted(keys)})"
+            )
+    return canonical(m)
+
+
+def load_matrix(path: str | os.PathLike) -> sp.csr_matrix:
+    """Load ``.npz`` (CSR) or Matrix Market (``.mtx``, ``.mtx.gz``) as canonical CSR."""
+    p = str(path)
+    if p.endswith(".npz"):
+        return load_npz(p)
+    if p.endswith((".mtx", ".mtx.gz", ".mm")):
+        import scipy.io
+
+        return canonical(sp.csr_matrix(scipy.io.mmread(p)))
+    raise ValueError(f"{p}: unknown matrix file type (use .npz CSR or Matrix Market .mtx)")
+
+
+def canonical(m: sp.spmatrix) -> sp.csr_matrix:
+    """CSR, float32 values, int32 indices, sorted, duplicates summed."""
+    m = sp.csr_matrix(m)
+    m.sum_duplicates()
+    m.sort_indices()
+    if m.data.dtype != np.float32:
+        m.data = m.data.astype(np.float32)
+    m.indices = m.indices.astype(np.int32, copy=False)
+    m.indptr = m.indptr.astype(np.int32, copy=False)
+    return m
+
+
+def _values(nnz: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal(nnz).astype(np.float32)
+
+
+def stencil2d(n: int, seed: int = 0) -> sp.csr_matrix:
+    """5-point Laplacian on an n x n grid (n^2 rows)."""
+    one = sp.diags([-1, 2, -1], [-1, 0, 1], shape=(n, n))
+    eye = sp.identity(n)
+    m = canonical(sp.kron(one, eye) + sp.kron(eye, one))
+    m.data = _values(m.nnz, np.random.default_rng(seed))
+    return m
+
+
+def stencil3d(n: int, seed: int = 0) -> sp.csr_matrix:
+    """7-point Laplacian on an n x n x n grid (n^3 rows)."""
+    one = sp.diags([-1, 2, -1], [-1, 0, 1], shape=(n, n))
+    eye = sp.identity(n)
+    m = sp.kron(sp.kron(one, eye), eye) + sp.kron(sp.kron(eye, one), eye) + sp.kron(sp.kron(eye, eye), one)
+    m = canonical(m)
+    m.data = _values(m.nnz, np.random.default_rng(seed))
+    return m
+
+
+def banded(n: int, half_bandwidth: int, fill: float = 1.0, seed: int = 0) -> sp.csr_matrix:
+    """n x n band of the given half bandwidth; ``fill`` < 1 drops entries at random."""
+    rng = np.random.default_rng(seed)
+    offsets = np.arange(-half_bandwidth, half_bandwidth + 1)
+    m = sp.diags([np.ones(n - abs(o)) for o in offsets], offsets, shape=(n, n), format="csr")
+    if fill < 1.0:
+        keep = rng.random(m.nnz) < fill
+        coo = m.tocoo()
+        m = sp.csr_matrix((coo.data[keep], (coo.row[keep], coo.col[keep])), shape=(n, n))
+    m = canonical(m)
+    m.data = _values(m.nnz, rng)
+    return m
+
+
+def block_diagonal(n_blocks: int, block: int, density: float = 1.0, seed: int = 0) -> sp.csr_matrix:
+    """``n_blocks`` dense (or ``density``-filled) ``block`` x ``block`` blocks on the diagonal."""
+    rng = np.random.default_rng(seed)
+    blocks = [sp.random(block, block, density=density, random_state=rng, format="csr") if density < 1
+              else sp.csr_matrix(np.ones((block, block))) for _ in range(n_blocks)]
+    m = canonical(sp.block_diag(blocks, format="csr"))
+    m.data = _values(m.nnz, rng)
+    return m
+
+
+def block_random(n_brows: int, n_bcols: int, R: int, C: int, blocks_per_row: int, seed: int = 0) -> sp.csr_matrix:
+    """Random block-sparse matrix of dense R x C blocks (``blocks_per_row`` per block row)."""
+    rng = np.random.default_rng(seed)
+    rows, cols = [], []
+    for b in range(n_brows):
+        bc = rng.choice(n_bcols, size=min(blocks_per_row, n_bcols), replace=False)
+        for c in bc:
+            rr, cc = np.meshgrid(np.arange(R) + b * R, np.arange(C) + c * C, indexing="ij")
+            rows.append(rr.ravel())
+            cols.append(cc.ravel())
+    r = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    c = np.concatenate(cols) if cols else np.zeros(0, np.int64)
+    m = sp.csr_matrix((np.ones(len(r), np.float32), (r, c)), shape=(n_brows * R, n_bcols * C))
+    m = canonical(m)
+    m.data = _values(m.nnz, rng)
+    return m
+
+
+def uniform_random(n_rows: int, n_cols: int, per_row: float, seed: int = 0) -> sp.csr_matrix:
+    """Each row gets Poisson(per_row) entries at uniform random columns."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.poisson(per_row, size=n_rows)
+    rows = np.repeat(np.arange(n_rows), lengths)
+    cols = rng.integers(0, max(n_cols, 1), size=rows.size)
+    m = sp.csr_matrix((np.ones(rows.size, np.float32), (rows, cols)), shape=(n_rows, n_cols))
+    m = canonical(m)
+    m.data = _values(m.nnz, rng)
+    return m
+
+
+def rmat(scale: int, edge_factor: int, a: float = 0.57, b: float = 0.19, c: float = 0.19,
+         seed: int = 0) -> sp.csr_matrix:
+    """R-MAT power-law graph with 2^scale vertices and about edge_factor * 2^scale edges."""
+    rng = np.random.default_rng(seed)
+    n = 1 << scale
+    m_edges = edge_factor * n
+    src = np.zeros(m_edges, np.int64)
+    dst = np.zeros(m_edges, np.int64)
+    for bit in range(scale):
+        r = rng.random(m_edges)
+        go_down = r > (a + b)  # quadrants c, d: source bit set
+        go_right = ((r > a) & (r <= a + b)) | (r > a + b + c)  # quadrants b, d: target bit set
+        src |= go_down.astype(np.int64) << bit
+        dst |= go_right.astype(np.int64) << bit
+    m = sp.csr_matrix((np.ones(m_edges, np.float32), (src, dst)), shape=(n, n))
+    m = canonical(m)
+    m.data = _values(m.nnz, rng)
+    return m
+
+
+def random_geometric(n: int, avg_degree: float, seed: int = 0) -> sp.csr_matrix:
+    """Random geometric graph in the unit square, symmetric, about ``avg_degree`` per row."""
+    from scipy.spatial import cKDTree
+
+    rng = np.random.default_rng(seed)
+    pts = rng.random((n, 2))
+    # rows sorted by a coarse grid cell so that neighbours are close in index (locality)
+    cells = int(np.sqrt(n))
+    key = (pts[:, 0] * cells).astype(np.int64) * cells + (pts[:, 1] * cells).astype(np.int64)
+    pts = pts[np.argsort(key, kind="stable")]
+    radius = np.sqrt(avg_degree / (np.pi * n))
+    pairs = cKDTree(pts).query_pairs(radius, output_type="ndarray")
+    r = np.concatenate([pairs[:, 0], pairs[:, 1]])
+    c = np.concatenate([pairs[:, 1], pairs[:, 0]])
+    m = canonical(sp.csr_matrix((np.ones(r.size, np.float32), (r, c)), shape=(n, n)))
+    m.data = _values(m.nnz, rng)
+    return m
+
+
+GENERATORS = {
+    "stencil2d": stencil2d,
+    "stencil3d": stencil3d,
+    "banded": banded,
+    "block_diagonal": block_diagonal,
+    "block_random": block_random,
+    "uniform_random": uniform_random,
+    "rmat": rmat,
+    "random_geometric": random_geometric,
+}
+
+
+def generate(generator: str, **kwargs) -> sp.csr_matrix:
+    """Build a generated matrix by generator name and keyword arguments (incl. ``seed``)."""
+    try:
+        fn = GENERATORS[generator]
+    except KeyError:
+        raise ValueError(f"unknown generator {generator!r}; choose from {sorted(GENERATORS)}") from None
+    return fn(**kwargs)
