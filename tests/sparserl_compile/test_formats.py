@@ -1,0 +1,357 @@
+"""formats.convert: every format reconstructs the matrix, read literally as contract.FORMATS says."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparserl_compile import matrices
+from sparserl_compile.contract import FORMATS, signature
+from sparserl_compile.formats import (
+    FormatData,
+    FormatNotSuitable,
+    convert,
+    floor_bytes,
+    to_device,
+)
+
+# ------------------------------------------------------------ literal reference kernels
+# Each computes Y = A @ X (X: n_cols x n, float64) from FormatData as the Format.doc reads.
+
+
+def _ref_csr_rows(rows, row_ptr, col_idx, vals, X, Y):
+    for i in rows:
+        for p in range(row_ptr[i], row_ptr[i + 1]):
+            Y[i] += vals[p] * X[col_idx[p]]
+
+
+def ref_product(fd: FormatData, vals: np.ndarray, X: np.ndarray) -> np.ndarray:
+    s, a = fd.scalars, fd.arrays
+    n_rows = s["n_rows"]
+    v = fd.gather_values(vals.astype(np.float64))
+    Y = np.zeros((n_rows, X.shape[1]))
+    if fd.fmt == "csr":
+        _ref_csr_rows(range(n_rows), a["row_ptr"], a["col_idx"], v, X, Y)
+    elif fd.fmt == "csr_perm":
+        assert sorted(a["perm"].tolist()) == list(range(n_rows))
+        _ref_csr_rows(a["perm"], a["row_ptr"], a["col_idx"], v, X, Y)
+    elif fd.fmt == "csr_part":
+        pp = a["part_ptr"]
+        assert pp.size == s["n_parts"] + 1 and pp[0] == 0 and pp[-1] == n_rows
+        for p in range(s["n_parts"]):
+            assert pp[p] < pp[p + 1]
+            _ref_csr_rows(range(pp[p], pp[p + 1]), a["row_ptr"], a["col_idx"], v, X, Y)
+    elif fd.fmt == "merge":
+        rp, pr, items = a["row_ptr"], a["part_row"], s["items_per_part"]
+        nnz = int(rp[-1])
+        assert s["n_parts"] == math.ceil((n_rows + nnz) / items) and pr.size == s["n_parts"] + 1
+        for p in range(s["n_parts"]):
+            d0, d1 = p * items, min((p + 1) * items, n_rows + nnz)
+            i, i_end = pr[p], pr[p + 1]
+            j, j_end = d0 - i, d1 - i_end
+            assert rp[min(i, n_rows)] <= j <= (rp[i + 1] if i < n_rows else nnz)
+            while i < i_end:  # rows finished inside this piece (their tail)
+                while j < rp[i + 1]:
+                    Y[i] += v[j] * X[a["col_idx"][j]]
+                    j += 1
+                i += 1
+            while j < j_end:  # the head of the row the next piece finishes
+                Y[i] += v[j] * X[a["col_idx"][j]]
+                j += 1
+        assert pr[-1] == n_rows
+    elif fd.fmt == "ell":
+        w = s["width"]
+        for k in range(w):
+            for i in range(n_rows):
+                c = a["ell_col"][k * n_rows + i]
+                if c >= 0:
+                    Y[i] += v[k * n_rows + i] * X[c]
+                else:
+                    assert v[k * n_rows + i] == 0
+    elif fd.fmt == "sell":
+        C, sp_ = fd.params["C"], a["slice_ptr"]
+        perm = a["perm"]
+        assert perm.size == s["n_slices"] * C
+        assert sorted(perm[perm >= 0].tolist()) == list(range(n_rows))
+        assert np.all(perm[n_rows:] == -1)
+        for sl in range(s["n_slices"]):
+            width = (sp_[sl + 1] - sp_[sl]) // C
+            for lane in range(C):
+                r = perm[sl * C + lane]
+                for k in range(width):
+                    q = sp_[sl] + k * C + lane
+                    c = a["sell_col"][q]
+                    if c >= 0:
+                        assert r >= 0
+                        Y[r] += v[q] * X[c]
+                    else:
+                        assert v[q] == 0
+    elif fd.fmt == "dia":
+        off = a["offsets"]
+        assert off.size == s["n_diags"] and np.all(np.diff(off) > 0)
+        for d in range(s["n_diags"]):
+            for i in range(n_rows):
+                c = i + off[d]
+                if 0 <= c < s["n_cols"]:
+                    Y[i] += v[d * n_rows + i] * X[c]
+                else:
+                    assert v[d * n_rows + i] == 0
+    elif fd.fmt == "bsr":
+        R, C = fd.params["R"], fd.params["C"]
+        bp, bc = a["bsr_ptr"], a["bsr_col"]
+        assert bp.size == s["n_brows"] + 1 == math.ceil(n_rows / R) + 1
+        for b in range(s["n_brows"]):
+            assert np.all(np.diff(bc[bp[b]:bp[b + 1]]) > 0)
+            for k in range(bp[b], bp[b + 1]):
+                for r in range(R):
+                    for c in range(C):
+                        row, col = b * R + r, bc[k] * C + c
+                        val = v[(k * R + r) * C + c]
+                        if row < n_rows and col < s["n_cols"]:
+                            Y[row] += val * X[col]
+                        else:
+                            assert val == 0
+    else:
+        raise AssertionError(fd.fmt)
+    return Y
+
+
+PARAMS = {
+    "csr": [{}],
+    "csr_perm": [{}],
+    "csr_part": [{"nnz_per_part": 1}, {"nnz_per_part": 7}, {}],
+    "merge": [{"items_per_part": 1}, {"items_per_part": 5}, {}],
+    "ell": [{}],
+    "sell": [{"C": 1, "sigma": 1}, {"C": 4, "sigma": 8}, {"C": 32, "sigma": 1}],
+    "dia": [{}],
+    "bsr": [{"R": 1, "C": 1}, {"R": 3, "C": 2}, {"R": 4, "C": 4}],
+}
+
+
+def _edge_cases() -> dict[str, sp.csr_matrix]:
+    rng = np.random.default_rng(3)
+    long_row = sp.lil_matrix((6, 40), dtype=np.float32)
+    long_row[2, :] = 1.0
+    empty_rows = sp.random(13, 11, density=0.2, random_state=rng, format="lil")
+    empty_rows[[0, 4, 5, 12], :] = 0
+    return {
+        "nnz0": sp.csr_matrix((5, 7), dtype=np.float32),
+        "zero_rows": sp.csr_matrix((0, 4), dtype=np.float32),
+        "one_row": sp.csr_matrix(rng.standard_normal((1, 9)).astype(np.float32)),
+        "long_row": sp.csr_matrix(long_row),
+        "empty_rows": sp.csr_matrix(empty_rows),
+        "rect_wide": sp.random(7, 23, density=0.3, random_state=rng, format="csr"),
+        "rect_tall": sp.random(29, 5, density=0.4, random_state=rng, format="csr"),
+        "stencil": matrices.stencil2d(7),
+        "blocks": matrices.block_random(5, 4, 3, 2, 2, seed=1),
+    }
+
+
+def _check(A: sp.csr_matrix, fmt: str, params: dict, max_fill: float = 1e9) -> FormatData:
+    A = matrices.canonical(A)
+    fd = convert(A.indptr, A.indices, A.shape, fmt, params, max_fill=max_fill)
+    f = FORMATS[fmt]
+    assert fd.fmt == fmt and fd.value_array == f.value_array
+    assert set(fd.scalars) == set(f.scalars)
+    assert set(fd.arrays) == set(f.arrays) - {f.value_array}
+    assert all(a.dtype == np.int32 for a in fd.arrays.values())
+    assert fd.value_map.dtype == np.int64
+    # every CSR nonzero lands in exactly one slot
+    used = fd.value_map[fd.value_map >= 0]
+    assert np.array_equal(np.sort(used), np.arange(A.nnz))
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal(A.nnz)
+    X = rng.standard_normal((A.shape[1], 3))
+    B = sp.csr_matrix((vals, A.indices, A.indptr), shape=A.shape)
+    np.testing.assert_allclose(ref_product(fd, vals, X), B @ X, rtol=1e-12, atol=1e-12)
+    return fd
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_formats_table_covered(fmt):
+    assert fmt in PARAMS
+
+
+@pytest.mark.parametrize("case", list(_edge_cases()))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_edge_cases_reconstruct(case, fmt):
+    A = _edge_cases()[case]
+    for params in PARAMS[fmt]:
+        _check(A, fmt, params)
+
+
+@pytest.mark.parametrize("name", ["add32", "bcspwr10", "dnn_n1024_l1"])
+def test_real_matrices_reconstruct(shared_matrices, name):
+    A = matrices.load_npz(shared_matrices / f"{name}.npz")
+    X = np.random.default_rng(1).standard_normal((A.shape[1], 2))
+    B = sp.csr_matrix((A.data.astype(np.float64), A.indices, A.indptr), shape=A.shape)
+    want = B @ X
+    for fmt in FORMATS:
+        try:
+            fd = convert(A.indptr, A.indices, A.shape, fmt, {"C": 4, "sigma": 64} if fmt == "sell" else None)
+        except FormatNotSuitable:
+            assert fmt in ("ell", "dia", "bsr", "sell")
+            continue
+        # vectorized reconstruction (the loop reference is too slow at this size)
+        v = fd.gather_values(A.data.astype(np.float64))
+        rows, cols = _coords(fd)
+        got = np.zeros_like(want)
+        slots = fd.value_map >= 0
+        assert np.all(v[~slots] == 0)
+        np.add.at(got, rows, v[slots][:, None] * X[cols])
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def _coords(fd: FormatData):
+    """(row, col) of every value slot whose value_map >= 0, per the format's layout."""
+    m = fd.value_map
+    slots = np.nonzero(m >= 0)[0]
+    a, s = fd.arrays, fd.scalars
+    if fd.fmt in ("csr", "csr_perm", "csr_part", "merge"):
+        rows = np.repeat(np.arange(s["n_rows"]), np.diff(a["row_ptr"]))
+        return rows[slots], a["col_idx"][slots]
+    if fd.fmt == "ell":
+        return slots % s["n_rows"], a["ell_col"][slots]
+    if fd.fmt == "dia":
+        i = slots % s["n_rows"]
+        return i, i + a["offsets"][slots // s["n_rows"]]
+    if fd.fmt == "sell":
+        C = fd.params["C"]
+        sl = np.searchsorted(a["slice_ptr"], slots, side="right") - 1
+        lane = (slots - a["slice_ptr"][sl]) % C
+        return a["perm"][sl * C + lane], a["sell_col"][slots]
+    if fd.fmt == "bsr":
+        R, C = fd.params["R"], fd.params["C"]
+        k, rc = slots // (R * C), slots % (R * C)
+        brow = np.searchsorted(a["bsr_ptr"], k, side="right") - 1
+        return brow * R + rc // C, a["bsr_col"][k] * C + rc % C
+    raise AssertionError(fd.fmt)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_rows=st.integers(0, 12), n_cols=st.integers(1, 12), density=st.floats(0, 1),
+    seed=st.integers(0, 2**16), fmt=st.sampled_from(list(FORMATS)), k=st.integers(1, 6),
+)
+def test_random_small_matrices(n_rows, n_cols, density, seed, fmt, k):
+    A = sp.random(n_rows, n_cols, density=density, random_state=seed, format="csr")
+    params = {"csr_part": {"nnz_per_part": k}, "merge": {"items_per_part": k},
+              "sell": {"C": k, "sigma": k + seed % 5}, "bsr": {"R": k, "C": 1 + seed % 4}}.get(fmt, {})
+    _check(A, fmt, params)
+
+
+def test_merge_part_row_is_the_merge_path():
+    # rows of lengths 3, 0, 2 -> path items: nz0 nz1 nz2 end0 end1 nz3 nz4 end2
+    A = sp.csr_matrix(np.array([[1, 1, 1, 0], [0, 0, 0, 0], [0, 1, 0, 1]], np.float32))
+    fd = convert(A.indptr, A.indices, A.shape, "merge", {"items_per_part": 2})
+    assert fd.scalars["n_parts"] == 4
+    # diagonals 0, 2, 4, 6, 8 -> row ends consumed before each: 0, 0, 1, 2, 3
+    assert fd.arrays["part_row"].tolist() == [0, 0, 1, 2, 3]
+
+
+def test_csr_part_is_greedy_and_never_splits_rows():
+    A = matrices.canonical(sp.csr_matrix(np.array(
+        [[1] * 5, [0] * 5, [0] * 5, [1, 1, 0, 0, 0], [1] * 5], np.float32)))
+    fd = convert(A.indptr, A.indices, A.shape, "csr_part", {"nnz_per_part": 3})
+    # works 5 | 1+1+2 | 5
+    assert fd.arrays["part_ptr"].tolist() == [0, 1, 4, 5]
+    assert fd.scalars["n_parts"] == 3
+
+
+def test_perm_orders_and_sell_windows():
+    lens = [1, 3, 0, 3, 2, 5]
+    A = sp.csr_matrix(np.array([[1] * L + [0] * (6 - L) for L in lens], np.float32))
+    fd = convert(A.indptr, A.indices, A.shape, "csr_perm")
+    assert fd.arrays["perm"].tolist() == [5, 1, 3, 4, 0, 2]
+    fs = convert(A.indptr, A.indices, A.shape, "sell", {"C": 4, "sigma": 3})
+    assert fs.arrays["perm"].tolist() == [1, 0, 2, 5, 3, 4, -1, -1]
+    assert fs.arrays["slice_ptr"].tolist() == [0, 20, 32]  # widths 5 and 3, C=4
+
+
+@pytest.mark.parametrize("fmt", ["ell", "dia", "bsr", "sell"])
+def test_padded_formats_refused_over_budget(fmt):
+    # 6000 rows: one long row + a random scatter: ELL width, DIA diagonals and BSR fill blow up
+    A = matrices.uniform_random(6000, 6000, 1.0, seed=2).tolil()
+    A[0, :] = 1.0
+    A = matrices.canonical(A)
+    params = {"sell": {"C": 32, "sigma": 1}}.get(fmt)
+    if fmt == "sell":
+        with pytest.raises(FormatNotSuitable, match=r"fill"):
+            convert(A.indptr, A.indices, A.shape, fmt, params, max_fill=1.0)
+        return
+    with pytest.raises(FormatNotSuitable, match=r"fill 0\.\d+"):
+        convert(A.indptr, A.indices, A.shape, fmt, params)
+    fd = convert(A.indptr, A.indices, A.shape, fmt, params, max_fill=1e6)
+    assert fd.fill < 1 / 3
+
+
+def test_bad_inputs_say_what_is_wrong():
+    A = matrices.stencil2d(3)
+    with pytest.raises(ValueError, match="unknown format"):
+        convert(A.indptr, A.indices, A.shape, "coo")
+    with pytest.raises(ValueError, match="unknown"):
+        convert(A.indptr, A.indices, A.shape, "bsr", {"B": 2})
+    with pytest.raises(ValueError, match=">= 1"):
+        convert(A.indptr, A.indices, A.shape, "sell", {"C": 0})
+    with pytest.raises(ValueError, match="n_rows\\+1"):
+        convert(A.indptr[:-1], A.indices, A.shape, "csr")
+    with pytest.raises(ValueError, match="n_cols"):
+        convert(A.indptr, A.indices, (9, 2), "csr")
+
+
+def test_gather_values_torch_matches_numpy_and_keeps_grad():
+    A = matrices.block_random(4, 4, 2, 3, 2, seed=0)
+    fd = convert(A.indptr, A.indices, A.shape, "bsr", {"R": 3, "C": 3}, max_fill=10)
+    want = fd.gather_values(A.data)
+    t = torch.tensor(A.data, requires_grad=True)
+    got = fd.gather_values(t)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got.detach().numpy(), want)
+    got.sum().backward()
+    assert torch.equal(t.grad, torch.ones_like(t))  # every value used exactly once
+    with pytest.raises(ValueError, match="nnz"):
+        fd.gather_values(A.data[:-1])
+    empty = convert(np.zeros(3, np.int32), np.zeros(0, np.int32), (2, 2), "ell")
+    assert empty.gather_values(torch.zeros(0)).numel() == 0
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("op", ["spmv", "spmm"])
+def test_kernel_args_follow_the_contract_order(fmt, op):
+    A = matrices.stencil2d(4)
+    fd = convert(A.indptr, A.indices, A.shape, fmt)
+    dev = to_device(fd, "cpu")
+    assert all(t.dtype == torch.int32 for t in dev.values())
+    vals = fd.gather_values(torch.from_numpy(A.data))
+    x, y = object(), object()
+    args = fd.kernel_args(op, 8, dev, vals, x, y)
+    names = [n for _, n in signature(op, fmt, "f32")]
+    assert len(args) == len(names)
+    for name, arg in zip(names, args):
+        if name in fd.scalars:
+            assert isinstance(arg, np.int32) and arg == fd.scalars[name]
+        elif name == "n":
+            assert isinstance(arg, np.int32) and arg == 8
+        elif name == fd.value_array:
+            assert arg is vals
+        elif name in ("x", "y"):
+            assert arg is (x if name == "x" else y)
+        else:
+            assert arg is dev[name]
+    with pytest.raises(KeyError, match="needs array"):
+        fd.kernel_args(op, 8, {}, vals, x, y)
+
+
+def test_floor_bytes_matches_anchor_formula():
+    n_rows, n_cols, nnz = 1000, 800, 5000
+    assert floor_bytes("spmv", n_rows, n_cols, nnz) == nnz * 8 + 4 * (n_rows + 1) + 4 * n_cols + 4 * n_rows
+    assert floor_bytes("spmm", n_rows, n_cols, nnz, n=32) == nnz * 8 + 4 * (n_rows + 1) + 4 * 32 * (n_cols + n_rows)
+    assert floor_bytes("spmv", n_rows, n_cols, nnz, value_bytes=2) == nnz * 6 + 4 * (n_rows + 1) + 2 * (n_cols + n_rows)
+    with pytest.raises(ValueError):
+        floor_bytes("sddmm", 1, 1, 1)
