@@ -1,0 +1,190 @@
+"""Sampling kernels from the policy: greedy, temperature sampling, k samples at once, with or
+without the grammar.
+
+``generate(model, tokenizer, structure, op, dtype, n, k=..., config=...)`` runs k samples of
+one matrix in one batch (identical prompts, so no padding; a KV cache makes each step one
+token). With ``constrained=True`` (the default) every sample has its own llguidance matcher
+over ``grammar.kernel_grammar()``: before each step the matcher's bitmask of allowed tokens is
+applied to the logits (disallowed -> -inf), so only kernels that parse can come out, and
+``<|eos|>`` is allowed only where the kernel is complete. The packed bitmasks are kept in the
+``Rollout`` so that PPO recomputes log-probabilities under exactly the masks the rollout used
+(``unpack_masks``); ``logprobs`` are the log-probabilities of the chosen tokens under the
+masked, temperature-scaled distribution the sample was drawn from.
+
+Generated text is the completion after ``<|kernel|>``: the two contract header lines and the
+kernel, without ``<|eos|>``. This module does not parse headers or compile anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from policy.encoder import PreparedStructure, StructureBatch
+from policy.tokenizer import prompt_text
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to sample."""
+
+    greedy: bool = False  # argmax at each step (k identical samples; use k=1)
+    temperature: float = 1.0  # softmax temperature when sampling
+    top_k: int = 0  # keep only the k most likely allowed tokens (0 = all)
+    max_new_tokens: int = 1024  # a sample not finished by then is returned with finished=False
+    constrained: bool = True  # llguidance grammar masks; False is the unconstrained ablation
+    seed: int | None = None  # torch generator seed for reproducible samples
+
+
+@dataclass
+class Rollout:
+    """One sample: what was written and everything PPO needs to score it again."""
+
+    prompt_ids: list[int]
+    tokens: list[int]  # completion tokens, including the final <|eos|> if finished
+    text: str  # completion text without <|eos|>
+    logprobs: list[float]  # per token, under the (masked) sampling distribution
+    finished: bool  # ended with <|eos|> (not cut by max_new_tokens)
+    masks: torch.Tensor | None = None  # (len(tokens), ceil(V/32)) int32 packed allowed-token bitmask
+    grammar_error: str | None = None  # llguidance's message if the matcher failed
+    extra: dict = field(default_factory=dict)
+
+
+_LLTOK_CACHE: dict[int, object] = {}
+
+
+def ll_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's view of the tokenizer (built once per tokenizer object: ~1 s)."""
+    import llguidance.hf
+
+    key = (id(tokenizer), vocab_size)
+    if key not in _LLTOK_CACHE:
+        _LLTOK_CACHE[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    return _LLTOK_CACHE[key]
+
+
+def make_matcher(tokenizer, vocab_size: int, grammar_text: str | None = None,
+                 op: str | None = None, dtype: str | None = None):
+    """A fresh llguidance matcher for one sample; raises with llguidance's message if the
+    grammar does not compile."""
+    import llguidance
+
+    from policy.grammar import kernel_grammar
+
+    g = llguidance.LLMatcher.grammar_from_lark(grammar_text or kernel_grammar(op, dtype))
+    m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), g, log_level=0)
+    if m.is_error():
+        raise ValueError(f"the kernel grammar does not compile under llguidance: {m.get_error()}")
+    return m
+
+
+def unpack_masks(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(..., W) int32 llguidance bitmasks -> (..., vocab_size) bool (True = allowed)."""
+    bits = torch.arange(32, dtype=torch.int32, device=packed.device)
+    allowed = (packed.unsqueeze(-1) >> bits) & 1
+    return allowed.reshape(*packed.shape[:-1], -1)[..., :vocab_size].bool()
+
+
+def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None):
+    """Choose one token per row; returns (tokens, logprobs of the chosen tokens)."""
+    if cfg.greedy:
+        logp = torch.log_softmax(logits, -1)
+        tok = logits.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    scaled = logits / max(cfg.temperature, 1e-5)
+    if cfg.top_k:
+        kth = scaled.topk(min(cfg.top_k, scaled.shape[-1]), -1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    logp = torch.log_softmax(scaled, -1)
+    tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
+             k: int = 1, config: DecodeConfig = DecodeConfig(),
+             grammar_text: str | None = None) -> list[Rollout]:
+    """k completions for one matrix (see the module docstring)."""
+    import llguidance.torch as llt
+
+    if k < 1:
+        raise ValueError(f"k={k}: ask for at least one sample")
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer.encode(prompt_text(op, dtype, n))
+    gen = None
+    if config.seed is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(config.seed)
+    matchers = [make_matcher(tokenizer, vocab, grammar_text, op, dtype) for _ in range(k)] if config.constrained else None
+    bitmask = llt.allocate_token_bitmask(k, vocab) if config.constrained else None
+    sb = StructureBatch.collate([structure]).repeat(k).to(device)
+    ids = torch.tensor([prompt] * k, device=device)
+    out = model(ids, sb, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1]
+    tokens = [[] for _ in range(k)]
+    logps = [[] for _ in range(k)]
+    masks = [[] for _ in range(k)]
+    done = [False] * k
+    errors: list[str | None] = [None] * k
+    for _ in range(config.max_new_tokens):
+        logits = logits.float().clone()
+        if matchers is not None:
+            for i, m in enumerate(matchers):
+                if done[i]:
+                    bitmask[i].fill_(-1)
+                    continue
+                llt.fill_next_token_bitmask(m, bitmask, i)
+            allowed = unpack_masks(bitmask, vocab).to(device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+            dead = ~allowed.any(-1)
+            logits[dead, eos] = 0.0  # a failed matcher allows nothing: end that sample
+        tok, lp = _pick(logits, config, gen)
+        for i in range(k):
+            if done[i]:
+                continue
+            t = int(tok[i])
+            tokens[i].append(t)
+            logps[i].append(float(lp[i]))
+            if matchers is not None:
+                masks[i].append(bitmask[i].clone())
+                if not matchers[i].consume_token(t) and matchers[i].is_error():
+                    errors[i] = matchers[i].get_error()
+            if t == eos:
+                done[i] = True
+        if all(done):
+            break
+        step = torch.where(torch.tensor(done, device=device), torch.full_like(tok, eos), tok)
+        out = model(step[:, None], past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+    rollouts = []
+    for i in range(k):
+        finished = bool(tokens[i]) and tokens[i][-1] == eos
+        body = tokens[i][:-1] if finished else tokens[i]
+        rollouts.append(Rollout(
+            prompt_ids=list(prompt), tokens=tokens[i], text=tokenizer.decode(body),
+            logprobs=logps[i], finished=finished,
+            masks=torch.stack(masks[i]) if matchers is not None and masks[i] else None,
+            grammar_error=errors[i]))
+    return rollouts
+
+
+def completion_ids(tokenizer, source: str) -> list[int]:
+    """Token ids of a training target: the kernel (trailing whitespace stripped) and <|eos|>.
+
+    The grammar ends at the kernel's closing brace, so targets must not end in whitespace.
+    """
+    return tokenizer.encode(source.rstrip()) + [tokenizer.eos_token_id]
+
+
+def grammar_accepts(tokenizer, vocab_size: int, source: str, grammar_text: str | None = None) -> bool:
+    """Whether ``source`` + <|eos|> is a complete sentence of the grammar (as tokenized)."""
+    m = make_matcher(tokenizer, vocab_size, grammar_text)
+    ids = completion_ids(tokenizer, source)
+    return m.validate_tokens(ids) == len(ids)
+
+
+_ = np  # numpy is used by callers building structures; kept for type hints in docs

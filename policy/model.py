@@ -1,0 +1,188 @@
+"""The policy model: a small Llama-style causal LM with a structure prefix and a value head.
+
+``SparseRLPolicy`` is a ``transformers.PreTrainedModel``: a ``LlamaModel`` decoder, an LM head,
+the ``StructureEncoder`` (``encoder.py``) whose ``n_slots + 1`` output vectors are placed in
+``inputs_embeds`` before the token embeddings, and a scalar value head (used by PPO, ignored
+elsewhere). Checkpoints are written with ``save_pretrained`` as one ``model.safetensors``
+plus ``config.json``, and the tokenizer beside them; loading never unpickles.
+
+Sizes: ``PolicyHParams()`` gives about 4 M parameters (a 16-bit checkpoint well under 16 MiB);
+tests use ``PolicyHParams.tiny()``.
+
+This module builds, runs and saves the network; it does not sample (``decode.py``) or train
+(``training/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
+
+from policy.encoder import StructureBatch, StructureEncoder
+
+
+@dataclass
+class PolicyHParams:
+    """Model hyperparameters (the tokenizer fixes ``vocab_size``)."""
+
+    vocab_size: int = 2048  # tokens, including the four special tokens
+    d_model: int = 256  # width of the residual stream
+    n_layers: int = 4  # decoder blocks
+    n_heads: int = 4  # attention heads (head size d_model / n_heads)
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    d_ff: int = 704  # MLP hidden width (SwiGLU)
+    max_positions: int = 2048  # prefix + prompt + kernel tokens the model can attend over
+    rope_theta: float = 10000.0  # rotary embedding base
+    n_slots: int = 16  # structure prefix vectors from attention pooling of the nonzeros
+    n_freqs: int = 12  # sinusoidal frequency banks per coordinate (row, column, diagonal)
+    n_features: int = 39  # width of structure.features(...).as_vector()
+    sinusoidal: bool = True  # False: raw coordinates, the no-sinusoidal-embedding ablation
+    max_points: int = 1024  # nonzeros shown to the encoder (stratified sample beyond this)
+
+    @classmethod
+    def tiny(cls, vocab_size: int, n_features: int) -> "PolicyHParams":
+        """A model for tests and CI: ~100k parameters, trains in seconds on a CPU."""
+        return cls(vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
+                   d_ff=128, max_positions=1024, n_slots=4, n_freqs=6,
+                   n_features=n_features, max_points=128)
+
+    def to_config(self, **special_ids) -> "PolicyConfig":
+        return PolicyConfig(
+            vocab_size=self.vocab_size, hidden_size=self.d_model, num_hidden_layers=self.n_layers,
+            num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads,
+            intermediate_size=self.d_ff, max_position_embeddings=self.max_positions,
+            rope_theta=self.rope_theta, tie_word_embeddings=True,
+            n_slots=self.n_slots, n_freqs=self.n_freqs, n_features=self.n_features,
+            sinusoidal=self.sinusoidal, max_points=self.max_points, **special_ids,
+        )
+
+
+class PolicyConfig(LlamaConfig):
+    """``LlamaConfig`` plus the structure encoder's settings."""
+
+    model_type = "sparserl_policy"
+
+    def __init__(self, n_slots: int = 16, n_freqs: int = 12, n_features: int = 39,
+                 sinusoidal: bool = True, max_points: int = 1024, **kwargs):
+        self.n_slots = n_slots
+        self.n_freqs = n_freqs
+        self.n_features = n_features
+        self.sinusoidal = sinusoidal
+        self.max_points = max_points
+        kwargs.setdefault("pad_token_id", 0)
+        kwargs.setdefault("eos_token_id", 1)
+        kwargs.setdefault("bos_token_id", 2)
+        super().__init__(**kwargs)
+
+
+@dataclass
+class PolicyOutput:
+    """Logits and values for the token positions (the prefix positions are cut off)."""
+
+    logits: torch.Tensor  # (B, T, V)
+    values: torch.Tensor  # (B, T)
+    past_key_values: object | None = None
+
+
+class SparseRLPolicy(LlamaPreTrainedModel):
+    config_class = PolicyConfig
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: PolicyConfig):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.encoder = StructureEncoder(
+            config.hidden_size, config.n_features, config.n_slots, config.n_freqs,
+            n_heads=max(1, config.hidden_size // 64), sinusoidal=config.sinusoidal)
+        self.value_head = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @property
+    def prefix_len(self) -> int:
+        return self.config.n_slots + 1
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, input_ids: torch.Tensor, structure: StructureBatch | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None,
+                use_cache: bool = False, **_) -> PolicyOutput:
+        """Run the decoder over ``[structure prefix] + input_ids``.
+
+        With ``structure`` the prefix is prepended (the first call of a generation or a training
+        step); without it ``input_ids`` continue ``past_key_values``. ``attention_mask`` covers
+        ``input_ids`` only (the prefix is always attended).
+        """
+        emb = self.model.embed_tokens(input_ids)
+        n_prefix = 0
+        if structure is not None:
+            prefix = self.encoder(structure.to(emb.device)).to(emb.dtype)
+            n_prefix = prefix.shape[1]
+            emb = torch.cat([prefix, emb], dim=1)
+            if attention_mask is not None:
+                ones = torch.ones(attention_mask.shape[0], n_prefix, dtype=attention_mask.dtype,
+                                  device=attention_mask.device)
+                attention_mask = torch.cat([ones, attention_mask], dim=1)
+        elif attention_mask is not None and past_key_values is not None:
+            past = past_key_values.get_seq_length()
+            ones = torch.ones(attention_mask.shape[0], past, dtype=attention_mask.dtype,
+                              device=attention_mask.device)
+            attention_mask = torch.cat([ones, attention_mask], dim=1)
+        out = self.model(inputs_embeds=emb, attention_mask=attention_mask,
+                         past_key_values=past_key_values, use_cache=use_cache)
+        h = out.last_hidden_state[:, n_prefix:]
+        return PolicyOutput(self.lm_head(h).float(), self.value_head(h).squeeze(-1).float(),
+                            out.past_key_values if use_cache else None)
+
+
+def build_policy(hp: PolicyHParams, seed: int = 0) -> SparseRLPolicy:
+    """A freshly initialized policy (deterministic in ``seed``)."""
+    torch.manual_seed(seed)
+    return SparseRLPolicy(hp.to_config())
+
+
+def save_policy(model: SparseRLPolicy, tokenizer, directory: str | Path) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and ``tokenizer.json`` into ``directory``."""
+    from policy.tokenizer import save_tokenizer
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(d, safe_serialization=True)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, d)
+    return d
+
+
+def load_policy(directory: str | Path, device: str | torch.device = "cpu"):
+    """Load a checkpoint folder: returns ``(model, tokenizer)``; safetensors only."""
+    from policy.tokenizer import load_tokenizer
+
+    d = Path(directory)
+    if not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"no policy checkpoint in {d} (model.safetensors missing); train one with "
+            "`sparserl train sft` or point to a folder written by save_policy"
+        )
+    model = SparseRLPolicy.from_pretrained(d, use_safetensors=True).to(device)
+    model.eval()
+    return model, load_tokenizer(d)
+
+
+def hparams_of(model: SparseRLPolicy) -> dict:
+    """The config as a plain dict (for logs and reports)."""
+    return {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
+
+
+_ = asdict  # re-exported helper for callers that log PolicyHParams
