@@ -1,0 +1,512 @@
+"""The on-disk kernel cache: verified cubins (or the verdict "the reference wins") by key.
+
+A ``CacheKey`` holds everything that changes which kernel is right for a call: the
+structure fingerprint, op, value dtype, dense width bucket, GPU arch and name, driver and
+NVRTC versions, package and kernel-space versions and the policy checkpoint hash. A
+``CacheEntry`` is what a search found for that key: the cubin bytes with the source and
+launch header, or ``cubin=None`` when no candidate beat the reference (cached too, so the
+search is not repeated), plus measured times and the verification record.
+
+Layout, one self-contained JSON file per entry (one file, so one atomic rename publishes it
+and no half-written pair can exist)::
+
+    <dir>/<digest[:2]>/<digest>.json     {"format": 1, "key": {...}, "cubin_b64": ...,
+                                          "source": ..., "header": ..., "times": {...},
+                                          "verification": {...}, "created": ..., "sha256": ...}
+
+``sha256`` covers the canonical JSON of every other field (sorted keys, no spaces). Reads
+check it and that the stored key equals the requested one; anything that does not parse,
+does not match or does not hash is a miss, the file is removed and a warning logged -- never
+an exception. Writes go to a temp file in the same folder, are fsynced and ``os.replace``d,
+so readers see the old entry or the new one and concurrent writers of one key are safe (the
+last rename wins; both wrote valid entries). No pickle: JSON and base64 only.
+
+The folder is ``$SPARSERL_CACHE_DIR`` or ``~/.cache/sparserl``, created 0700. If it cannot be
+created or written, is not owned by this user, or group/others can write it, the cache warns
+once (``CacheWarning``) and runs memory-only: a kernel planted by another user must never
+be loaded, and an unusable cache must never stop a product from being computed.
+
+``KernelCache`` puts an in-memory dict in front of the disk. ``sparserl cache ls | show |
+clear | verify`` inspects and repairs a cache folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import stat
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("sparserl.cache")
+
+#: bump when the entry file layout changes (old entries then read as misses)
+ENTRY_FORMAT = 1
+#: temp files older than this are debris of a crashed writer; ``verify`` removes them
+STALE_TEMP_S = 3600.0
+
+
+class CacheWarning(UserWarning):
+    """The kernel cache cannot be used as configured and runs memory-only."""
+
+
+def package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sparserl")
+    except Exception:  # pragma: no cover - not installed (running from a bare checkout)
+        return "0+unknown"
+
+
+def width_bucket(n: int) -> int:
+    """The dense width bucket of a call: 1 for SpMV (n <= 1), else the next power of two >= n.
+
+    Kernels tuned for width 33..64 share a key; the kernel itself takes the exact ``n``.
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"dense width n={n} must be >= 0")
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything that changes which kernel is right (and valid) for one call."""
+
+    fingerprint: str  # structure.fingerprint of the pattern
+    op: str  # "spmv" | "spmm"
+    dtype: str  # contract value dtype: "f32" | "f16" | "bf16" (indices are always i32)
+    width: int  # width_bucket(n): 1 for spmv
+    arch: str  # e.g. "sm_90"
+    gpu_name: str  # e.g. "NVIDIA H200"
+    driver_version: str  # CUDA driver version, e.g. "13000"
+    nvrtc_version: str  # e.g. "13.0"
+    package_version: str = field(default_factory=package_version)
+    kernel_space_version: str = "1"  # bump when families or the contract change
+    policy_hash: str = "none"  # sha256 of the policy checkpoint, "none" = families only
+
+    def digest(self) -> str:
+        """64 hex chars: sha256 of the key's canonical JSON; names the entry file."""
+        return hashlib.sha256(_canonical(dataclasses.asdict(self))).hexdigest()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CacheKey":
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) != names:
+            raise ValueError(f"cache key fields {sorted(d)} differ from {sorted(names)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One search result. ``cubin is None`` records that the reference (cuSPARSE) won."""
+
+    key: CacheKey
+    cubin: bytes | None
+    source: str = ""  # the winning kernel's CUDA C (empty when the reference won)
+    header: str = ""  # its two header lines (launch configuration)
+    times: dict = field(default_factory=dict)  # measured medians, e.g. {"kernel_us":..., "reference_us":...}
+    verification: dict = field(default_factory=dict)  # verify.py's record, JSON-able
+    created: float = field(default_factory=time.time)  # unix time of the search
+
+    @property
+    def reference_wins(self) -> bool:
+        return self.cubin is None
+
+    def to_json_dict(self) -> dict:
+        d = {
+            "format": ENTRY_FORMAT,
+            "key": dataclasses.asdict(self.key),
+            "cubin_b64": None if self.cubin is None else base64.b64encode(self.cubin).decode("ascii"),
+            "source": self.source,
+            "header": self.header,
+            "times": self.times,
+            "verification": self.verification,
+            "created": self.created,
+        }
+        d["sha256"] = hashlib.sha256(_canonical(d)).hexdigest()
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "CacheEntry":
+        """Parse and check an entry; raises ``ValueError`` on any inconsistency."""
+        if not isinstance(d, dict) or d.get("format") != ENTRY_FORMAT:
+            raise ValueError(f"not a format-{ENTRY_FORMAT} cache entry")
+        body = dict(d)
+        want = body.pop("sha256", None)
+        if hashlib.sha256(_canonical(body)).hexdigest() != want:
+            raise ValueError("sha256 mismatch: the entry is corrupt or was edited")
+        b64 = body["cubin_b64"]
+        try:
+            cubin = None if b64 is None else base64.b64decode(b64, validate=True)
+        except (binascii.Error, TypeError) as e:
+            raise ValueError(f"cubin is not valid base64: {e}") from None
+        return cls(CacheKey.from_dict(body["key"]), cubin, str(body["source"]), str(body["header"]),
+                   dict(body["times"]), dict(body["verification"]), float(body["created"]))
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One entry file as ``ls`` sees it."""
+
+    digest: str
+    path: Path
+    size: int
+    entry: CacheEntry | None  # None: the file is corrupt
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    valid: int
+    removed: tuple[str, ...]  # paths of corrupt entries and stale temp files removed
+
+
+def default_dir() -> Path:
+    """``$SPARSERL_CACHE_DIR`` if set, else ``~/.cache/sparserl`` (read at call time)."""
+    env = os.environ.get("SPARSERL_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "sparserl"
+
+
+def check_dir(path: Path) -> str | None:
+    """Create ``path`` (0700) if needed; return why it may not be used, or None if it may."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot create {path}: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"another user could plant kernels: run `chmod 700 {path}`")
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this user"
+    return None
+
+
+class KernelCache:
+    """In-memory dict in front of the on-disk entry files of one folder."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.directory = Path(directory) if directory is not None else default_dir()
+        self._mem: dict[str, CacheEntry] = {}
+        self.disabled_reason = check_dir(self.directory)
+        self._warned = False
+        if self.disabled_reason:
+            self._warn(self.disabled_reason)
+
+    _defaults: dict[str, "KernelCache"] = {}
+
+    @classmethod
+    def default(cls) -> "KernelCache":
+        """The process-wide cache of ``default_dir()`` as the environment says now."""
+        d = str(default_dir())
+        if d not in cls._defaults:
+            cls._defaults[d] = cls(d)
+        return cls._defaults[d]
+
+    @property
+    def on_disk(self) -> bool:
+        return self.disabled_reason is None
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"sparserl kernel cache runs memory-only: {why}", CacheWarning, stacklevel=3)
+
+    def path_of(self, digest: str) -> Path:
+        return self.directory / digest[:2] / f"{digest}.json"
+
+    # ---------------------------------------------------------------- read
+
+    def get(self, key: CacheKey) -> CacheEntry | None:
+        """The entry for ``key``, or None (a miss, also for any unreadable or corrupt file)."""
+        digest = key.digest()
+        hit = self._mem.get(digest)
+        if hit is not None or not self.on_disk:
+            return hit
+        entry = self._load(self.path_of(digest), expect=key)
+        if entry is not None:
+            self._mem[digest] = entry
+        return entry
+
+    def _load(self, path: Path, expect: CacheKey | None = None) -> CacheEntry | None:
+        try:
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                raw = fh.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("kernel cache: cannot read %s (%s): treated as a miss", path, e)
+            return None
+        try:
+            entry = CacheEntry.from_json_dict(json.loads(raw.decode("utf-8")))
+            if expect is not None and entry.key != expect:
+                raise ValueError("the stored key differs from the requested one")
+            if entry.key.digest() != path.stem:
+                raise ValueError("the file name does not match the stored key")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            self._discard(path, st, str(e))
+            return None
+        return entry
+
+    def _discard(self, path: Path, st: os.stat_result, why: str) -> None:
+        """Remove a corrupt entry unless a writer replaced it since we read it."""
+        log.warning("kernel cache: removing corrupt entry %s: %s", path, why)
+        try:
+            now = os.stat(path)
+            if (now.st_ino, now.st_mtime_ns, now.st_size) == (st.st_ino, st.st_mtime_ns, st.st_size):
+                os.unlink(path)
+        except OSError:
+            pass
+
+    # ---------------------------------------------------------------- write
+
+    def put(self, entry: CacheEntry) -> bool:
+        """Store ``entry`` (memory always, disk when usable); True if it reached the disk."""
+        digest = entry.key.digest()
+        self._mem[digest] = entry
+        if not self.on_disk:
+            return False
+        path = self.path_of(digest)
+        data = json.dumps(entry.to_json_dict(), sort_keys=True, indent=1).encode("utf-8")
+        tmp = None
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            tmp = None
+            _fsync_dir(path.parent)
+            return True
+        except OSError as e:
+            self._warn(f"cannot write {path}: {e}")
+            return False
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    # ---------------------------------------------------------------- manage
+
+    def _files(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.glob("??/*.json") if not p.name.startswith(".tmp-"))
+
+    def ls(self) -> list[Listing]:
+        """Every entry file, parsed and hash-checked (corrupt ones listed with the problem)."""
+        out = []
+        for p in self._files():
+            try:
+                raw = p.read_bytes()
+                entry = CacheEntry.from_json_dict(json.loads(raw.decode("utf-8")))
+                if entry.key.digest() != p.stem:
+                    raise ValueError("the file name does not match the stored key")
+                out.append(Listing(p.stem, p, len(raw), entry))
+            except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+                out.append(Listing(p.stem, p, p.stat().st_size if p.exists() else 0, None, str(e)))
+        return out
+
+    def find(self, prefix: str) -> list[Listing]:
+        """Entries whose digest starts with ``prefix``."""
+        return [x for x in self.ls() if x.digest.startswith(prefix.lower())]
+
+    def remove(self, key: CacheKey | str) -> bool:
+        """Forget one entry (a key or a full digest); True if a file was removed."""
+        digest = key.digest() if isinstance(key, CacheKey) else key
+        self._mem.pop(digest, None)
+        try:
+            os.unlink(self.path_of(digest))
+            return True
+        except OSError:
+            return False
+
+    def clear(self) -> int:
+        """Remove every entry (and temp file); returns the number of entries removed."""
+        self._mem.clear()
+        n = 0
+        if not self.directory.is_dir():
+            return 0
+        for p in self.directory.glob("??/*.json"):
+            try:
+                os.unlink(p)
+                n += 0 if p.name.startswith(".tmp-") else 1
+            except OSError:
+                pass
+        return n
+
+    def verify(self) -> VerifyReport:
+        """Re-hash every entry; remove corrupt ones and temp files older than STALE_TEMP_S."""
+        removed, valid = [], 0
+        for x in self.ls():
+            if x.entry is None:
+                log.warning("kernel cache: removing corrupt entry %s: %s", x.path, x.problem)
+                try:
+                    os.unlink(x.path)
+                    removed.append(str(x.path))
+                except OSError:
+                    pass
+                self._mem.pop(x.digest, None)
+            else:
+                valid += 1
+        now = time.time()
+        for p in self.directory.glob("??/.tmp-*") if self.directory.is_dir() else ():
+            try:
+                if now - p.stat().st_mtime > STALE_TEMP_S:
+                    os.unlink(p)
+                    removed.append(str(p))
+            except OSError:
+                pass
+        return VerifyReport(valid, tuple(removed))
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------- CLI
+
+
+def _age(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _open(args) -> KernelCache | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        c = KernelCache(args.dir)
+    if not c.on_disk:
+        print(f"error: cannot use the cache folder: {c.disabled_reason}")
+        return None
+    return c
+
+
+def _cmd_ls(args) -> int:
+    c = _open(args)
+    if c is None:
+        return 1
+    items = c.ls()
+    if not items:
+        print(f"{c.directory}: empty")
+        return 0
+    rows = [["DIGEST", "OP", "DTYPE", "WIDTH", "ARCH", "VERDICT", "KERNEL_US", "REF_US", "SIZE", "AGE"]]
+    for x in items:
+        if x.entry is None:
+            rows.append([x.digest[:12], "?", "?", "?", "?", "CORRUPT", "-", "-", str(x.size), "-"])
+            continue
+        e, k = x.entry, x.entry.key
+        fmt = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        rows.append([x.digest[:12], k.op, k.dtype, str(k.width), k.arch,
+                     "reference" if e.reference_wins else "kernel",
+                     fmt(e.times.get("kernel_us")), fmt(e.times.get("reference_us")),
+                     str(x.size), _age(e.created)])
+    print(_table(rows))
+    print(f"{len(items)} entries in {c.directory}")
+    return 0
+
+
+def _cmd_show(args) -> int:
+    c = _open(args)
+    if c is None:
+        return 1
+    hits = c.find(args.key)
+    if len(hits) != 1:
+        print(f"error: {len(hits)} entries match {args.key!r}; give a longer digest prefix (see `sparserl cache ls`)")
+        return 1
+    x = hits[0]
+    if x.entry is None:
+        print(f"{x.path}: CORRUPT ({x.problem}); `sparserl cache verify` removes it")
+        return 1
+    e = x.entry
+    print(f"entry   {x.path}")
+    for k, v in dataclasses.asdict(e.key).items():
+        print(f"key.{k:<22} {v}")
+    print("verdict " + ("reference wins (no kernel)" if e.reference_wins else
+                        f"kernel, cubin {len(e.cubin)} bytes sha256 {hashlib.sha256(e.cubin).hexdigest()[:16]}"))
+    print(f"times   {json.dumps(e.times, sort_keys=True)}")
+    print(f"verify  {json.dumps(e.verification, sort_keys=True)}")
+    print(f"created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.created))}")
+    if e.source:
+        print("source:\n" + e.source.rstrip())
+    return 0
+
+
+def _cmd_clear(args) -> int:
+    c = _open(args)
+    if c is None:
+        return 1
+    n = len(c._files())
+    if not args.yes:
+        print(f"would remove {n} entries from {c.directory}; run again with --yes to remove them")
+        return 1
+    print(f"removed {c.clear()} entries from {c.directory}")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    c = _open(args)
+    if c is None:
+        return 1
+    r = c.verify()
+    for p in r.removed:
+        print(f"removed {p}")
+    print(f"{r.valid} valid entries, {len(r.removed)} removed in {c.directory}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """``sparserl cache ls | show KEY | clear [--yes] | verify``."""
+    p = subparsers.add_parser("cache", help="inspect or repair the kernel cache")
+    p.add_argument("--dir", default=None, help="cache folder (default $SPARSERL_CACHE_DIR or ~/.cache/sparserl)")
+    sub = p.add_subparsers(dest="cache_command", metavar="ACTION")
+    sub.add_parser("ls", help="list entries").set_defaults(func=_cmd_ls)
+    s = sub.add_parser("show", help="show one entry by digest prefix")
+    s.add_argument("key", help="digest or a unique prefix of it")
+    s.set_defaults(func=_cmd_show)
+    c = sub.add_parser("clear", help="remove every entry")
+    c.add_argument("--yes", action="store_true", help="really remove them")
+    c.set_defaults(func=_cmd_clear)
+    sub.add_parser("verify", help="re-hash every entry and remove corrupt ones").set_defaults(func=_cmd_verify)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

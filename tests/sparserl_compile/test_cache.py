@@ -1,0 +1,247 @@
+"""cache: round trips, corruption is a miss, atomic concurrent writes, folder permissions, CLI."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from sparserl_compile import cli
+from sparserl_compile.cache import (
+    CacheEntry,
+    CacheKey,
+    CacheWarning,
+    KernelCache,
+    default_dir,
+    width_bucket,
+)
+
+
+def _key(fp: str = "ab" * 16, **kw) -> CacheKey:
+    base = dict(fingerprint=fp, op="spmv", dtype="f32", width=1, arch="sm_90",
+                gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
+    base.update(kw)
+    return CacheKey(**base)
+
+
+def _entry(key: CacheKey, cubin: bytes | None = b"\x7fELF" + bytes(range(256)) * 4) -> CacheEntry:
+    return CacheEntry(key, cubin, source="// sparserl op=spmv ...\nkernel", header="// sparserl ...",
+                      times={"kernel_us": 3.5, "reference_us": 9.25},
+                      verification={"max_rel_err": 1e-7, "value_sets": 3})
+
+
+def test_width_bucket():
+    assert [width_bucket(n) for n in (0, 1, 2, 3, 4, 5, 32, 33, 128)] == [1, 1, 2, 4, 4, 8, 32, 64, 128]
+    with pytest.raises(ValueError):
+        width_bucket(-1)
+
+
+def test_key_digest_covers_every_field():
+    k = _key()
+    assert len(k.digest()) == 64 and k.digest() == _key().digest()
+    for field, value in [("fingerprint", "cd" * 16), ("op", "spmm"), ("dtype", "f16"), ("width", 2),
+                         ("arch", "sm_100"), ("gpu_name", "X"), ("driver_version", "1"),
+                         ("nvrtc_version", "12.9"), ("package_version", "9"),
+                         ("kernel_space_version", "2"), ("policy_hash", "ff")]:
+        assert _key(**{field: value}).digest() != k.digest(), field
+
+
+def test_round_trip_disk_and_memory(tmp_path):
+    c = KernelCache(tmp_path / "c")
+    k, e = _key(), _entry(_key())
+    assert c.get(k) is None
+    assert c.put(e)
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+    assert c.get(k) == e
+    fresh = KernelCache(tmp_path / "c")  # a new process would see the disk only
+    got = fresh.get(k)
+    assert got == e and got.cubin == e.cubin and not got.reference_wins
+    ref = _entry(_key(op="spmm", width=64), cubin=None)
+    assert c.put(ref)
+    assert KernelCache(tmp_path / "c").get(ref.key).reference_wins
+    assert c.remove(k) and c.get(k) is None and not c.remove(k)
+
+
+def _corrupt_variants():
+    def truncate(p: Path):
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+    def bitflip(p: Path):
+        b = bytearray(p.read_bytes())
+        i = b.index(b'"cubin_b64"') + 20
+        b[i] ^= 0x01
+        p.write_bytes(bytes(b))
+
+    def drop_cubin(p: Path):  # cubin removed, hash left as it was
+        d = json.loads(p.read_text())
+        d["cubin_b64"] = None
+        p.write_text(json.dumps(d))
+
+    def wrong_hash(p: Path):
+        d = json.loads(p.read_text())
+        d["sha256"] = "0" * 64
+        p.write_text(json.dumps(d))
+
+    def edited_times(p: Path):
+        d = json.loads(p.read_text())
+        d["times"]["kernel_us"] = 0.001
+        p.write_text(json.dumps(d))
+
+    def empty(p: Path):
+        p.write_bytes(b"")
+
+    def not_utf8(p: Path):
+        p.write_bytes(b"\xff\xfe\x00garbage")
+
+    return [truncate, bitflip, drop_cubin, wrong_hash, edited_times, empty, not_utf8]
+
+
+@pytest.mark.parametrize("damage", _corrupt_variants(), ids=lambda f: f.__name__)
+def test_corrupt_entries_are_misses_and_removed(tmp_path, damage, caplog):
+    KernelCache(tmp_path).put(_entry(_key()))
+    path = KernelCache(tmp_path).path_of(_key().digest())
+    damage(path)
+    c = KernelCache(tmp_path)
+    with caplog.at_level("WARNING", logger="sparserl.cache"):
+        assert c.get(_key()) is None
+    assert "corrupt" in caplog.text
+    assert not path.exists()
+    assert c.put(_entry(_key())) and KernelCache(tmp_path).get(_key()) is not None
+
+
+def test_entry_under_another_keys_name_is_a_miss(tmp_path):
+    c = KernelCache(tmp_path)
+    c.put(_entry(_key()))
+    other = _key(op="spmm", width=8)
+    src, dst = c.path_of(_key().digest()), c.path_of(other.digest())
+    dst.parent.mkdir(exist_ok=True)
+    os.replace(src, dst)
+    assert KernelCache(tmp_path).get(other) is None
+
+
+def _writer(args):
+    directory, worker = args
+    c = KernelCache(directory)
+    for i in range(25):
+        c.put(_entry(_key(), cubin=bytes([worker]) * (4000 + i)))  # same key, all writers
+        c.put(_entry(_key(fp=f"{worker:02x}{i:02x}" * 8)))  # own keys
+        got = KernelCache(directory).get(_key())
+        assert got is not None and len(set(got.cubin)) == 1
+    return True
+
+
+def test_concurrent_writers_leave_only_valid_entries(tmp_path):
+    ctx = mp.get_context("spawn" if os.name != "posix" else "fork")
+    with ctx.Pool(4) as pool:
+        assert all(pool.map(_writer, [(str(tmp_path), w) for w in range(4)]))
+    c = KernelCache(tmp_path)
+    items = c.ls()
+    assert len(items) == 1 + 4 * 25
+    assert all(x.entry is not None for x in items)
+    assert not list(tmp_path.glob("??/.tmp-*"))
+    assert c.verify().removed == ()
+
+
+def test_other_writable_dir_is_refused_with_one_warning(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.warns(CacheWarning, match="chmod 700"):
+        c = KernelCache(d)
+    assert not c.on_disk
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        assert not c.put(_entry(_key()))
+        assert c.get(_key()) is not None  # memory-only still works
+    assert not list(d.iterdir())
+
+
+def test_dir_owned_by_someone_else_is_refused(tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 12345, 12345)
+    with pytest.warns(CacheWarning, match="owned by uid 12345"):
+        assert not KernelCache(d).on_disk
+
+
+def test_unusable_dir_runs_uncached(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.warns(CacheWarning, match="cannot create"):
+        c = KernelCache(blocker / "cache")
+    assert not c.put(_entry(_key())) and c.get(_key()) is not None
+
+
+def test_write_failure_warns_once_and_keeps_memory(tmp_path, monkeypatch):
+    c = KernelCache(tmp_path)
+
+    def no_space(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tempfile.mkstemp", no_space)
+    with pytest.warns(CacheWarning, match="No space"):
+        assert not c.put(_entry(_key()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not c.put(_entry(_key(op="spmm")))
+    assert c.get(_key()) is not None
+
+
+def test_default_follows_env_at_call_time(tmp_path, monkeypatch, _isolated_cache):
+    assert default_dir() == Path(_isolated_cache)
+    a = KernelCache.default()
+    assert a.directory == Path(_isolated_cache) and KernelCache.default() is a
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "other"))
+    b = KernelCache.default()
+    assert b.directory == tmp_path / "other" and b is not a
+    monkeypatch.delenv("SPARSERL_CACHE_DIR")
+    assert default_dir() == Path.home() / ".cache" / "sparserl"
+
+
+def test_cli_ls_show_verify_clear(tmp_path, capsys):
+    c = KernelCache(tmp_path)
+    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
+    assert "empty" in capsys.readouterr().out
+    c.put(_entry(_key()))
+    c.put(_entry(_key(op="spmm", width=32), cubin=None))
+    bad = _key(fp="ee" * 16)
+    c.put(_entry(bad))
+    c.path_of(bad.digest()).write_text("{not json")
+
+    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
+    out = capsys.readouterr().out
+    assert "DIGEST" in out and "kernel" in out and "reference" in out and "CORRUPT" in out
+    assert "3 entries" in out
+
+    digest = _key().digest()
+    assert cli.main(["cache", "--dir", str(tmp_path), "show", digest[:10]]) == 0
+    out = capsys.readouterr().out
+    assert "sm_90" in out and "kernel_us" in out and "cubin" in out and "kernel" in out
+    assert cli.main(["cache", "--dir", str(tmp_path), "show", "zz"]) == 1
+    assert "0 entries match" in capsys.readouterr().out
+
+    assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "2 valid entries, 1 removed" in out
+
+    assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
+    assert "--yes" in capsys.readouterr().out and len(c.ls()) == 2
+    assert cli.main(["cache", "--dir", str(tmp_path), "clear", "--yes"]) == 0
+    assert "removed 2" in capsys.readouterr().out and c.ls() == []
+
+
+def test_cli_uses_env_dir_and_refuses_insecure(tmp_path, capsys, monkeypatch):
+    KernelCache.default().put(_entry(_key()))
+    assert cli.main(["cache", "ls"]) == 0
+    assert "1 entries" in capsys.readouterr().out
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    assert cli.main(["cache", "--dir", str(d), "ls"]) == 1
+    assert "writable by group or others" in capsys.readouterr().out
