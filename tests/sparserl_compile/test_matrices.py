@@ -1,0 +1,105 @@
+"""matrices: generators are deterministic canonical CSR of the stated shape; the shared set loads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from sparserl_compile import matrices
+
+CASES = {
+    "stencil2d": dict(n=12),
+    "stencil3d": dict(n=5),
+    "banded": dict(n=40, half_bandwidth=3, fill=0.6),
+    "block_diagonal": dict(n_blocks=5, block=4, density=0.5),
+    "block_random": dict(n_brows=6, n_bcols=5, R=2, C=3, blocks_per_row=2),
+    "uniform_random": dict(n_rows=50, n_cols=30, per_row=4.0),
+    "rmat": dict(scale=7, edge_factor=4),
+    "random_geometric": dict(n=300, avg_degree=6.0),
+}
+
+
+def _assert_canonical(m: sp.csr_matrix):
+    assert isinstance(m, sp.csr_matrix)
+    assert m.data.dtype == np.float32
+    assert m.indices.dtype == np.int32 and m.indptr.dtype == np.int32
+    assert m.indptr[0] == 0 and m.indptr[-1] == m.nnz and np.all(np.diff(m.indptr) >= 0)
+    # within each row, strictly increasing columns (sorted, no duplicates)
+    inside = np.ones(max(m.nnz - 1, 0), bool)
+    starts = m.indptr[1:-1][(m.indptr[1:-1] > 0) & (m.indptr[1:-1] < m.nnz)]
+    inside[starts - 1] = False
+    assert np.all(np.diff(m.indices.astype(np.int64))[inside] > 0), "unsorted or duplicated row"
+
+
+def test_every_generator_is_covered():
+    assert set(CASES) == set(matrices.GENERATORS)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_generators_deterministic_and_canonical(name):
+    a = matrices.generate(name, seed=3, **CASES[name])
+    b = matrices.generate(name, seed=3, **CASES[name])
+    _assert_canonical(a)
+    assert a.shape == b.shape
+    assert np.array_equal(a.indptr, b.indptr) and np.array_equal(a.indices, b.indices)
+    assert np.array_equal(a.data, b.data)
+    c = matrices.generate(name, seed=4, **CASES[name])
+    assert not np.array_equal(a.data, c.data) if a.nnz else True
+
+
+def test_generator_shapes_and_counts():
+    n = 12
+    s2 = matrices.stencil2d(n)
+    assert s2.shape == (n * n, n * n) and s2.nnz == 5 * n * n - 4 * n
+    s3 = matrices.stencil3d(5)
+    assert s3.shape == (125, 125) and s3.nnz == 7 * 125 - 6 * 25
+    band = matrices.banded(40, 3)
+    assert band.nnz == 40 * 7 - 2 * (1 + 2 + 3)
+    bd = matrices.block_diagonal(5, 4)
+    assert bd.shape == (20, 20) and bd.nnz == 5 * 16
+    br = matrices.block_random(6, 5, 2, 3, 2)
+    assert br.shape == (12, 15) and br.nnz == 6 * 2 * 2 * 3
+    ur = matrices.uniform_random(50, 30, 4.0)
+    assert ur.shape == (50, 30)
+    rm = matrices.rmat(7, 4)
+    assert rm.shape == (128, 128) and 0 < rm.nnz <= 4 * 128
+    rg = matrices.random_geometric(300, 6.0)
+    assert rg.shape == (300, 300)
+    assert (rg != rg.T).nnz == 0 or np.array_equal((rg != 0).toarray(), (rg.T != 0).toarray())
+
+
+def test_canonical_sums_duplicates_and_sorts():
+    m = sp.csr_matrix((np.array([1.0, 2.0, 3.0]), np.array([2, 0, 2]), np.array([0, 3])), shape=(1, 3))
+    c = matrices.canonical(m)
+    _assert_canonical(c)
+    assert c.indices.tolist() == [0, 2] and c.data.tolist() == [2.0, 4.0]
+
+
+def test_unknown_generator_and_file_type():
+    with pytest.raises(ValueError, match="unknown generator"):
+        matrices.generate("nope")
+    with pytest.raises(ValueError, match="unknown matrix file type"):
+        matrices.load_matrix("a.csv")
+
+
+def test_load_npz_round_trip_and_bad_keys(tmp_path):
+    m = matrices.uniform_random(20, 10, 2.0, seed=1)
+    p = tmp_path / "m.npz"
+    np.savez(p, indptr=m.indptr, indices=m.indices, data=m.data, shape=np.array(m.shape))
+    back = matrices.load_matrix(p)
+    assert (back != m).nnz == 0 and back.shape == m.shape
+    q = tmp_path / "bad.npz"
+    np.savez(q, foo=np.zeros(3))
+    with pytest.raises(ValueError, match="expected keys"):
+        matrices.load_npz(q)
+
+
+def test_shared_manifest_loads_with_stated_sizes(shared_matrices):
+    infos = matrices.shared_manifest(shared_matrices)
+    assert len(infos) >= 30
+    for info in infos:
+        m = matrices.load_npz(info.path)
+        _assert_canonical(m)
+        assert m.shape == (info.n_rows, info.n_cols), info.name
+        assert m.nnz == info.nnz, info.name
