@@ -1,0 +1,197 @@
+"""GPU timing: CUDA events, warm-up, medians, L2 flushed between repetitions, graph replay.
+
+* ``time_fn(fn, warmup=, reps=, flush_l2=True)``: each repetition writes a buffer twice the
+  size of the device's L2 (so nothing of the operands stays cached), then records a start
+  event, runs ``fn`` once and records an end event. The flush also keeps the GPU busy while
+  the host enqueues ``fn``, so the host launch cost does not leak into the event time.
+* ``time_graph(fn, launches=)``: ``launches`` back-to-back calls captured into one CUDA graph
+  and replayed; per-call time = replay time / launches. This is the figure for kernels of a
+  few microseconds whose single-launch timing is dominated by the host (anchors README);
+  operands stay in L2 across the launches, so it is a hot-cache figure.
+* ``copy_bandwidth()``: bytes read + written per second of a large device-to-device copy,
+  measured once per process; ``floor_us(bytes)`` = bytes over it. A kernel measured (L2
+  flushed) faster than ``floor_us / IMPOSSIBLE_SLACK`` cannot have done its work:
+  ``is_impossible`` flags it (the "impossible speed" check of verification).
+* ``torch_sparse_fn(...)``: the reference users have: ``torch.mv``/``torch.mm`` on a CSR
+  tensor (cuSPARSE) with int32 or int64 indices.
+
+Nothing here runs on the CPU: all functions need a CUDA device.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+#: a measurement may beat the copy-bandwidth floor by this factor (copy kernels do not reach
+#: peak DRAM bandwidth exactly); anything faster is rejected as impossible.
+IMPOSSIBLE_SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Timing of one function; all times in microseconds."""
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    samples_us: tuple[float, ...] = field(repr=False)
+    method: str = "events"  # "events" (one launch per sample) or "graph" (replay / launches)
+    l2_flushed: bool = True
+
+    @staticmethod
+    def from_samples(samples: list[float], method: str, flushed: bool) -> "BenchResult":
+        if not samples:
+            raise ValueError("no timing samples: reps must be >= 1")
+        q = np.percentile(np.asarray(samples), [10, 90])
+        return BenchResult(float(statistics.median(samples)), float(q[0]), float(q[1]),
+                           tuple(float(s) for s in samples), method, flushed)
+
+    def to_dict(self) -> dict:
+        return {"median_us": self.median_us, "p10_us": self.p10_us, "p90_us": self.p90_us,
+                "method": self.method, "l2_flushed": self.l2_flushed, "reps": len(self.samples_us)}
+
+
+def _torch():
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench needs a CUDA device; on a CPU-only machine there is no timing")
+    return torch
+
+
+_FLUSH: dict[int, object] = {}
+_BANDWIDTH: dict[int, float] = {}
+
+
+def l2_bytes(device: int | None = None) -> int:
+    """The device's L2 size in bytes (50 MiB assumed if torch does not report it)."""
+    torch = _torch()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+
+
+def _flush_buffer():
+    torch = _torch()
+    dev = torch.cuda.current_device()
+    buf = _FLUSH.get(dev)
+    if buf is None:
+        buf = torch.empty(2 * l2_bytes(dev), dtype=torch.uint8, device="cuda")
+        _FLUSH[dev] = buf
+    return buf
+
+
+def flush_l2() -> None:
+    """Evict the L2 by writing a buffer of twice its size (enqueued on the current stream)."""
+    _flush_buffer().fill_(1)
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, flush_l2: bool = True) -> BenchResult:
+    """Median of ``reps`` CUDA-event timings of one ``fn()`` each, after ``warmup`` calls."""
+    torch = _torch()
+    for _ in range(warmup):
+        fn()
+    buf = _flush_buffer() if flush_l2 else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if buf is not None:
+            buf.fill_(i & 0xFF)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    return BenchResult.from_samples(samples, "events", flush_l2)
+
+
+def time_graph(fn: Callable[[], object], *, launches: int = 100, reps: int = 10, warmup: int = 3) -> BenchResult:
+    """Per-call time of ``launches`` back-to-back calls captured in one CUDA graph (hot L2)."""
+    torch = _torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside capture, as torch.cuda.graphs requires
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        samples.append(s.elapsed_time(e) * 1e3 / launches)
+    del graph
+    return BenchResult.from_samples(samples, "graph", False)
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), measured once per device."""
+    torch = _torch()
+    dev = torch.cuda.current_device()
+    if dev not in _BANDWIDTH:
+        free = torch.cuda.mem_get_info()[0]
+        nbytes = int(min(nbytes, free // 4))
+        a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+        b = torch.empty_like(a)
+        a.fill_(1.0)
+        r = time_fn(lambda: b.copy_(a), warmup=2, reps=10, flush_l2=False)
+        _BANDWIDTH[dev] = 2 * a.numel() * 4 / (r.median_us * 1e-6)
+        del a, b
+        torch.cuda.empty_cache()
+    return _BANDWIDTH[dev]
+
+
+def floor_us(nbytes: int, bandwidth: float | None = None) -> float:
+    """Microseconds to move ``nbytes`` at the measured copy bandwidth."""
+    bw = copy_bandwidth() if bandwidth is None else bandwidth
+    return nbytes / bw * 1e6
+
+
+def is_impossible(time_us: float, floor: float) -> bool:
+    """True when an L2-flushed time beats the byte floor by more than IMPOSSIBLE_SLACK."""
+    return time_us * IMPOSSIBLE_SLACK < floor
+
+
+def torch_sparse_fn(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, int], values, x, *,
+                    index_dtype: str = "int32") -> Callable[[], object]:
+    """``() -> A @ x`` with A a CUDA CSR tensor (cuSPARSE); ``x`` 1-D (SpMV) or 2-D (SpMM)."""
+    torch = _torch()
+    it = {"int32": torch.int32, "int64": torch.int64}[index_dtype]
+    crow = torch.as_tensor(np.asarray(indptr), device="cuda").to(it)
+    col = torch.as_tensor(np.asarray(indices), device="cuda").to(it)
+    a = torch.sparse_csr_tensor(crow, col, values, size=tuple(shape), device="cuda")
+    if x.dim() == 1:
+        return lambda: torch.mv(a, x)
+    return lambda: torch.mm(a, x)
+
+
+def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = "f32",
+                   warmup: int = 5, reps: int = 30, seed: int = 0) -> dict[str, BenchResult]:
+    """torch.sparse CSR timings with int32 and int64 indices (L2 flushed), keyed by index type."""
+    torch = _torch()
+    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nnz = int(np.asarray(indices).size)
+    vals = (torch.rand(nnz, generator=g, device="cuda") + 0.5).to(tdt)
+    xs = (int(shape[1]),) if op == "spmv" else (int(shape[1]), n)
+    x = (torch.rand(*xs, generator=g, device="cuda") + 0.5).to(tdt)
+    out = {}
+    for it in ("int32", "int64"):
+        try:
+            out[it] = time_fn(torch_sparse_fn(indptr, indices, shape, vals, x, index_dtype=it),
+                              warmup=warmup, reps=reps)
+        except RuntimeError:  # dtype/index combination cuSPARSE does not support
+            continue
+    return out

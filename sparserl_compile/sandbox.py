@@ -1,0 +1,300 @@
+"""Run untrusted kernels in killable worker processes: hangs, crashes and CUDA errors stay there.
+
+A ``SandboxPool`` keeps a few persistent workers (``multiprocessing`` "spawn": each a fresh
+interpreter with its own CUDA context, nothing inherited from the parent). A ``SandboxJob``
+names a candidate kernel, the op/dtype/width, value-set seeds, the executor and whether to
+time it; the matrix pattern travels once per worker and is reused by the following jobs on
+the same pattern (a search sends ~100 candidates for one matrix). The worker compiles,
+verifies (``verify.verify``, every check) and, on the GPU and when asked, times the kernel
+(``bench.time_fn`` L2-flushed, plus ``bench.time_graph`` for kernels under
+``GRAPH_BELOW_US``) and flags impossible speed against the byte floor. A job without a
+candidate times the torch.sparse reference (int32 and int64 indices) in the same worker,
+side by side with the candidates.
+
+The parent waits at most ``timeout_s`` per job: a hang is killed (``timeout``); a worker that
+dies (segfault, abort, OOM kill) gives ``crash``; a CUDA error (illegal address, ...) gives
+``cuda_error`` and the worker, whose context is now unusable, is replaced. After any job
+whose kernel ran and failed, the worker is restarted before the next job, since a wrong
+kernel may have scribbled over the worker's memory. The parent never touches CUDA for a job,
+so its own context and process stay healthy whatever the kernel does.
+
+``SandboxResult.kind`` is one of ``KINDS``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparserl_compile.contract import Candidate
+from sparserl_compile.verify import Pattern, VerifyResult
+
+KINDS = ("ok", "contract", "unsuitable", "compile_error", "wrong", "impossible", "fault",
+         "cuda_error", "timeout", "crash", "internal")
+#: kinds after which the worker is replaced (its kernel ran and failed, or the worker is gone)
+_RESTART = {"wrong", "impossible", "fault", "cuda_error", "timeout", "crash", "internal"}
+#: verify check -> result kind
+_CHECK_KIND = {"header": "contract", "language": "contract", "signature": "contract", "align": "contract",
+               "format": "unsuitable", "compile": "compile_error", "launch": "fault"}
+#: kernels faster than this (flushed, us) are also timed by CUDA-graph replay
+GRAPH_BELOW_US = 50.0
+
+
+@dataclass(frozen=True)
+class SandboxJob:
+    """One unit of work for a worker. ``candidate=None`` times the torch.sparse reference."""
+
+    candidate: Candidate | None
+    op: str
+    dtype: str = "f32"
+    n: int = 1
+    executor: str = "cpu"
+    seed: int = 0
+    value_sets: int = 3
+    time: bool = False
+    warmup: int = 5
+    reps: int = 30
+    static: bool = True  # False skips the static checks (fault-injection tests only)
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What happened to one job."""
+
+    kind: str
+    error: str = ""
+    verify: VerifyResult | None = None
+    bench: dict | None = None  # BenchResult.to_dict() of the L2-flushed timing
+    graph_bench: dict | None = None  # per-launch time from CUDA-graph replay (hot L2)
+    reference: dict | None = None  # index type -> BenchResult.to_dict() (reference jobs)
+    floor_us: float | None = None
+    cubin: bytes | None = field(default=None, repr=False)
+    compile_log: str = ""
+    wall_s: float = 0.0
+    worker_pid: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+    @property
+    def compile_ok(self) -> bool:
+        return self.verify is not None and "compile" in self.verify.checks_passed
+
+    @property
+    def kernel_us(self) -> float | None:
+        return None if self.bench is None else self.bench["median_us"]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "error": self.error[:2000],
+                "verify": self.verify.to_dict() if self.verify else None,
+                "bench": self.bench, "graph_bench": self.graph_bench, "reference": self.reference,
+                "floor_us": self.floor_us, "wall_s": self.wall_s}
+
+
+# ------------------------------------------------------------------ worker side
+
+def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
+    """Execute one job in this process (what a worker does; also usable directly for trusted kernels)."""
+    t0 = time.perf_counter()
+    if job.candidate is None:
+        from sparserl_compile import bench
+
+        ref = bench.time_reference(pattern.indptr, pattern.indices, pattern.shape, op=job.op, n=job.n,
+                                   dtype=job.dtype, warmup=job.warmup, reps=job.reps, seed=job.seed)
+        return SandboxResult("ok", reference={k: v.to_dict() for k, v in ref.items()},
+                             floor_us=_floor(job, pattern), wall_s=time.perf_counter() - t0, worker_pid=os.getpid())
+    from sparserl_compile import verify as V
+
+    runners: list = []
+    vr = V.verify(job.candidate, pattern, op=job.op, dtype=job.dtype, executor=job.executor, n=job.n,
+                  value_sets=job.value_sets, seed=job.seed, static=job.static, runner_out=runners)
+    cubin = getattr(runners[0], "cubin", None) if runners else None
+    if not vr.ok:
+        kind = _CHECK_KIND.get(vr.failed, "wrong")
+        if kind == "fault" and job.executor == "gpu":
+            kind = "cuda_error"
+        return SandboxResult(kind, vr.reason, vr, cubin=cubin, compile_log=vr.compile_log,
+                             wall_s=time.perf_counter() - t0, worker_pid=os.getpid())
+    b = g = floor = None
+    kind, err = "ok", ""
+    if job.time and job.executor == "gpu":
+        from sparserl_compile import bench
+
+        fn = runners[0].launch_fn()
+        br = bench.time_fn(fn, warmup=job.warmup, reps=job.reps, flush_l2=True)
+        b = br.to_dict()
+        if br.median_us < GRAPH_BELOW_US:
+            g = bench.time_graph(fn).to_dict()
+        floor = _floor(job, pattern)
+        if bench.is_impossible(br.median_us, floor):
+            kind, err = "impossible", (f"impossible speed: {br.median_us:.2f} us with L2 flushed is below the "
+                                       f"byte floor {floor:.2f} us / {bench.IMPOSSIBLE_SLACK}")
+    return SandboxResult(kind, err, vr, b, g, None, floor, cubin, vr.compile_log,
+                         time.perf_counter() - t0, os.getpid())
+
+
+def _floor(job: SandboxJob, pattern: Pattern) -> float | None:
+    try:
+        from sparserl_compile import bench, formats
+    except ImportError:
+        return None
+    vb = 4 if job.dtype == "f32" else 2
+    nbytes = formats.floor_bytes(job.op, pattern.shape[0], pattern.shape[1], pattern.nnz, job.n, vb)
+    return bench.floor_us(nbytes)
+
+
+def _worker_main(conn) -> None:
+    pattern: Pattern | None = None
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if msg[0] == "stop":
+            return
+        if msg[0] == "pattern":
+            _, key, indptr, indices, shape = msg
+            pattern = Pattern(indptr, indices, tuple(shape))
+            continue
+        job = msg[1]
+        try:
+            res = run_job(job, pattern)
+        except Exception as e:  # noqa: BLE001 - report, never die on our own bug
+            res = SandboxResult("internal", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}",
+                                worker_pid=os.getpid())
+        conn.send(("result", res))
+
+
+# ------------------------------------------------------------------ parent side
+
+class _Worker:
+    def __init__(self, ctx, start_timeout_s: float):
+        self.parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="sparserl-sandbox")
+        self.proc.start()
+        child.close()
+        self.pattern_key: str | None = None
+        if not self.parent.poll(start_timeout_s):
+            self.kill()
+            raise RuntimeError(f"sandbox worker did not start within {start_timeout_s} s")
+        self.parent.recv()
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.parent.close()
+
+    def stop(self) -> None:
+        try:
+            self.parent.send(("stop",))
+            self.proc.join(5)
+        except (BrokenPipeError, OSError):
+            pass
+        self.kill()
+
+
+class SandboxPool:
+    """Persistent sandbox workers. Use as a context manager, or call ``close()``.
+
+    ``workers`` > 1 runs jobs concurrently (``map``); on one GPU keep 1 while timing, since
+    concurrent kernels disturb each other's times.
+    """
+
+    def __init__(self, workers: int = 1, *, timeout_s: float = 60.0, start_timeout_s: float = 180.0):
+        if workers < 1:
+            raise ValueError(f"workers={workers}: need at least one")
+        self._ctx = mp.get_context("spawn")
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._n = workers
+        self._free: list[_Worker] = []
+        self._lock = threading.Lock()
+        self.restarts = 0
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._free = self._free, []
+        for w in workers:
+            w.stop()
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            while self._free:
+                w = self._free.pop()
+                if w.alive():
+                    return w
+                w.kill()
+        return _Worker(self._ctx, self.start_timeout_s)
+
+    def _give(self, w: _Worker) -> None:
+        with self._lock:
+            self._free.append(w)
+
+    def run(self, job: SandboxJob, pattern, *, pattern_key: str | None = None,
+            timeout_s: float | None = None) -> SandboxResult:
+        """Run ``job`` on ``pattern`` (scipy CSR or ``verify.Pattern``) in a worker."""
+        pattern = Pattern.of(pattern)
+        key = pattern_key or _key(pattern)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.perf_counter()
+        w = self._take()
+        try:
+            if w.pattern_key != key:
+                w.parent.send(("pattern", key, pattern.indptr, pattern.indices, pattern.shape))
+                w.pattern_key = key
+            w.parent.send(("job", job))
+            if not w.parent.poll(limit):
+                w.kill()
+                self.restarts += 1
+                return SandboxResult("timeout", f"no result within {limit:g} s: the kernel hangs or is far too "
+                                                "slow; the worker was killed", wall_s=time.perf_counter() - t0,
+                                     worker_pid=w.proc.pid)
+            _, res = w.parent.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            w.proc.join(5)
+            code = w.proc.exitcode
+            w.kill()
+            self.restarts += 1
+            return SandboxResult("crash", f"the worker died (exit code {code}) while running the job",
+                                 wall_s=time.perf_counter() - t0, worker_pid=w.proc.pid)
+        if res.kind in _RESTART:
+            w.stop()
+            self.restarts += 1
+        else:
+            self._give(w)
+        return res
+
+    def map(self, jobs: list[SandboxJob], pattern, *, timeout_s: float | None = None) -> list[SandboxResult]:
+        """Run ``jobs`` on one pattern across the pool's workers; results in job order."""
+        pattern = Pattern.of(pattern)
+        key = _key(pattern)
+        if self._n == 1 or len(jobs) <= 1:
+            return [self.run(j, pattern, pattern_key=key, timeout_s=timeout_s) for j in jobs]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self._n) as ex:
+            return list(ex.map(lambda j: self.run(j, pattern, pattern_key=key, timeout_s=timeout_s), jobs))
+
+
+def _key(p: Pattern) -> str:
+    from sparserl_compile.verify import digest
+
+    return digest([np.asarray(p.shape, np.int64), p.indptr, p.indices])

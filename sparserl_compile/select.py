@@ -1,0 +1,163 @@
+"""Pick the kernel for a problem: sandboxed verify + time every candidate against the reference.
+
+``choose(problem, candidates)`` runs each candidate through a ``SandboxPool`` worker
+(compile, every verification check, and on the GPU L2-flushed timing with the impossible-
+speed check), times the reference (torch.sparse CSR, i.e. cuSPARSE, int32 and int64
+indices) in the same worker so both are measured side by side, and returns a ``Choice``:
+
+* GPU with timing: the fastest verified candidate, kept only if its median is strictly
+  below ``(1 - margin)`` x the reference's (int32 indices; int64 if int32 is unsupported);
+  otherwise ``candidate=None``: the reference wins and the runtime falls back to it.
+* CPU executor (or ``time=False``): nothing can be timed, so the rule is "the first verified
+  candidate in the provider's order" (providers list their best guess first); all times None.
+
+``Choice.record`` holds every candidate's outcome (kind, reason, times, errors) as plain JSON
+for the cache entry and for debugging. Nothing is cached or launched here.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparserl_compile.contract import Candidate
+from sparserl_compile.sandbox import SandboxJob, SandboxPool, SandboxResult
+from sparserl_compile.verify import Pattern
+
+#: a candidate must beat the reference by this fraction to be kept
+DEFAULT_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The selection for one problem. ``candidate=None``: use the reference."""
+
+    candidate: Candidate | None
+    cubin: bytes | None = field(default=None, repr=False)
+    kernel_us: float | None = None
+    reference_us: float | None = None
+    record: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def speedup(self) -> float | None:
+        if self.kernel_us is None or self.reference_us is None or self.kernel_us <= 0:
+            return None
+        return self.reference_us / self.kernel_us
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Every candidate's sandbox result, plus the reference timing (None on the CPU)."""
+
+    results: tuple[SandboxResult, ...]
+    reference: SandboxResult | None
+    seconds: float
+
+    def reference_us(self) -> float | None:
+        r = self.reference
+        if r is None or not r.ok or not r.reference:
+            return None
+        for it in ("int32", "int64"):
+            if it in r.reference:
+                return float(r.reference[it]["median_us"])
+        return None
+
+
+def default_executor() -> str:
+    """"gpu" when torch sees a CUDA device, else "cpu"."""
+    try:
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover
+        return "cpu"
+
+
+def _pattern(problem) -> Pattern:
+    return Pattern(np.asarray(problem.indptr, np.int32), np.asarray(problem.indices, np.int32),
+                   (int(problem.n_rows), int(problem.n_cols)))
+
+
+def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executor: str, time: bool = True,
+             value_sets: int = 3, seed: int = 0, timeout_s: float | None = None, reps: int = 30) -> Evaluation:
+    """Sandbox every candidate (and, when timing on the GPU, the reference) for ``problem``."""
+    t0 = _time.perf_counter()
+    pattern = _pattern(problem)
+    timed = time and executor == "gpu"
+    common = dict(op=problem.op, dtype=problem.dtype, n=problem.n, executor=executor, seed=seed,
+                  value_sets=value_sets, time=timed, reps=reps)
+    ref = None
+    if timed:
+        ref = pool.run(SandboxJob(None, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
+    results = [pool.run(SandboxJob(c, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
+               for c in candidates]
+    return Evaluation(tuple(results), ref, _time.perf_counter() - t0)
+
+
+def outcome_record(c: Candidate, r: SandboxResult) -> dict:
+    """One candidate's outcome as plain JSON."""
+    v = r.verify
+    return {"name": c.name, "family": c.family, "params": {k: _jsonable(x) for k, x in c.params},
+            "format": c.header.format, "kind": r.kind, "error": r.error[:500],
+            "failed_check": v.failed if v else None,
+            "max_rel_err": max(v.max_rel_err) if v and v.max_rel_err else None,
+            "kernel_us": r.kernel_us, "p10_us": r.bench["p10_us"] if r.bench else None,
+            "p90_us": r.bench["p90_us"] if r.bench else None,
+            "graph_us": r.graph_bench["median_us"] if r.graph_bench else None,
+            "floor_us": r.floor_us, "wall_s": round(r.wall_s, 4)}
+
+
+def _jsonable(x):
+    return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
+
+
+def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAULT_MARGIN) -> Choice:
+    """Apply the selection rule of the module docstring to an ``Evaluation``."""
+    ref_us = ev.reference_us()
+    record = {"candidates": [outcome_record(c, r) for c, r in zip(candidates, ev.results)],
+              "reference": ev.reference.reference if ev.reference else None,
+              "reference_us": ref_us, "margin": margin, "seconds": round(ev.seconds, 3)}
+    ok = [(c, r) for c, r in zip(candidates, ev.results) if r.ok]
+    if not ok:
+        record.update(chosen=None, rule="no candidate verified")
+        return Choice(None, None, None, ref_us, record)
+    timed = [(c, r) for c, r in ok if r.kernel_us is not None]
+    if not timed:
+        c, r = ok[0]
+        record.update(chosen=c.name, rule="untimed: first verified candidate in provider order")
+        return Choice(c, r.cubin, None, ref_us, record)
+    c, r = min(timed, key=lambda cr: cr[1].kernel_us)
+    if ref_us is not None and not (r.kernel_us < (1.0 - margin) * ref_us):
+        record.update(chosen=None, best=c.name, best_us=r.kernel_us,
+                      rule=f"reference wins: best {r.kernel_us:.2f} us not below (1-{margin}) x {ref_us:.2f} us")
+        return Choice(None, None, r.kernel_us, ref_us, record)
+    record.update(chosen=c.name, rule="fastest verified candidate beats the reference")
+    return Choice(c, r.cubin, r.kernel_us, ref_us, record)
+
+
+def choose(problem, candidates: list[Candidate], *, executor: str | None = None, time: bool = True,
+           timeout_s: float = 60.0, margin: float = DEFAULT_MARGIN, pool: SandboxPool | None = None,
+           value_sets: int = 3, seed: int = 0) -> Choice:
+    """Verify (and time) ``candidates`` for ``problem`` in sandboxes and pick one (or None).
+
+    ``pool``: reuse an existing ``SandboxPool`` (the runtime keeps one); otherwise a
+    one-worker pool is started and closed here.
+    """
+    executor = executor or default_executor()
+    if executor not in ("gpu", "cpu"):
+        raise ValueError(f"executor={executor!r}; use 'gpu', 'cpu' or None (auto)")
+    if not candidates:
+        return Choice(None, record={"candidates": [], "chosen": None, "rule": "no candidates proposed"})
+    own = pool is None
+    pool = pool or SandboxPool(1, timeout_s=timeout_s)
+    try:
+        ev = evaluate(problem, list(candidates), pool=pool, executor=executor, time=time,
+                      value_sets=value_sets, seed=seed, timeout_s=timeout_s)
+    finally:
+        if own:
+            pool.close()
+    choice = decide(list(candidates), ev, margin=margin)
+    choice.record["executor"] = executor
+    return choice
