@@ -1,0 +1,105 @@
+"""``PolicyProvider``: the trained policy as a source of kernel candidates for the runtime.
+
+The runtime (``sparserl_compile/providers.py``) asks a provider for ``k`` candidates for a
+``Problem`` (op, dtype, n, shape, nnz, CSR ``indptr``/``indices``, fingerprint, arch). This
+provider encodes the structure, samples ``k`` completions (grammar-constrained unless told
+otherwise), parses each one's header with ``contract.parse_header`` and returns the parseable
+ones as ``contract.Candidate`` (family ``None``: policy output is not a family point). Samples
+that are cut off or whose header does not parse are dropped and counted in ``stats``.
+
+It does not compile, verify or time anything: the runtime does, and falls back to cuSPARSE
+if no candidate wins. The default checkpoint is package data under
+``policy/checkpoints/default/``; without it, constructing the provider fails with a message
+saying how to get one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from policy.decode import DecodeConfig, generate
+from policy.encoder import prepare_structure
+from sparserl_compile import contract
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
+
+
+@dataclass
+class ProviderStats:
+    """Counts over this provider's lifetime."""
+
+    requests: int = 0
+    sampled: int = 0
+    unfinished: int = 0  # cut off by max_new_tokens
+    unparseable: int = 0  # header rejected by contract.parse_header
+    returned: int = 0
+
+
+def _host(a) -> np.ndarray:
+    try:
+        import torch
+
+        if isinstance(a, torch.Tensor):
+            return a.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    return np.asarray(a)
+
+
+class PolicyProvider:
+    """Kernel candidates sampled from a policy checkpoint."""
+
+    name = "policy"
+
+    def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
+                 decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
+                 model=None, tokenizer=None):
+        if model is None:
+            from policy.model import load_policy
+
+            path = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINT
+            if not (path / "model.safetensors").is_file():
+                raise FileNotFoundError(
+                    f"no policy checkpoint at {path}: the default checkpoint is installed with "
+                    "the package once trained (see docs/training.md); pass checkpoint=<folder> "
+                    "written by `sparserl train sft|rl`, or use the kernel-space provider"
+                )
+            if device is None:
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            model, tokenizer = load_policy(path, device)
+        elif tokenizer is None:
+            raise ValueError("PolicyProvider(model=...) also needs tokenizer=")
+        self.model, self.tokenizer, self.decode = model, tokenizer, decode
+        self.stats = ProviderStats()
+
+    def candidates(self, problem, k: int) -> list[contract.Candidate]:
+        """Up to ``k`` parseable candidates for ``problem`` (fewer when samples are dropped)."""
+        self.stats.requests += 1
+        s = prepare_structure(_host(problem.indptr), _host(problem.indices),
+                              (problem.n_rows, problem.n_cols),
+                              max_points=self.model.config.max_points)
+        dtype = contract.TORCH_DTYPES.get(str(problem.dtype).replace("torch.", ""), str(problem.dtype))
+        rolls = generate(self.model, self.tokenizer, s, problem.op, dtype,
+                         int(getattr(problem, "n", 1) or 1), k=k, config=self.decode)
+        out = []
+        for r in rolls:
+            self.stats.sampled += 1
+            if not r.finished:
+                self.stats.unfinished += 1
+                continue
+            try:
+                header = contract.parse_header(r.text)
+            except contract.ContractError:
+                self.stats.unparseable += 1
+                continue
+            if header.op != problem.op or header.dtype != dtype:
+                self.stats.unparseable += 1
+                continue
+            out.append(contract.Candidate(source=r.text, header=header))
+        self.stats.returned += len(out)
+        return out

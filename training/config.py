@@ -1,0 +1,40 @@
+"""Stage configs as dataclasses: every field has a ``help`` string and becomes a command-line
+flag (``--field-name``); booleans take ``--flag/--no-flag``. Plain argparse, no framework."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+def opt(default: Any, help: str):
+    """A dataclass field with a help string."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        h = f.metadata.get("help", "") + f" (default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=h)
+        else:
+            parser.add_argument(flag, dest=f.name, type=type(default) if default is not None else str,
+                                default=default, help=h)
+
+
+def from_args(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def save_config(cfg, directory: str | Path, name: str) -> Path:
+    p = Path(directory) / f"{name}_config.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
+    return p

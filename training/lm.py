@@ -1,0 +1,114 @@
+"""Causal-LM batches and loss shared by pretraining and SFT.
+
+An example is prompt tokens (not trained on), target tokens (trained on) and, for SFT, the
+matrix structure whose prefix the model sees first. Batches are right-padded; labels are -100
+on the prompt and padding, so the loss is the mean cross-entropy of the target tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from policy.encoder import PreparedStructure, StructureBatch
+
+
+@dataclass
+class LMExample:
+    prompt_ids: list[int]
+    target_ids: list[int]
+    structure: PreparedStructure | None = None
+
+
+@dataclass
+class LMBatch:
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, T)
+    labels: torch.Tensor  # (B, T), -100 where not trained
+    structure: StructureBatch | None
+
+
+def collate(examples: list[LMExample], pad_id: int, max_len: int) -> LMBatch:
+    seqs = [(e.prompt_ids + e.target_ids)[:max_len] for e in examples]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    att = torch.zeros((len(seqs), T), dtype=torch.long)
+    lab = torch.full((len(seqs), T), -100, dtype=torch.long)
+    for i, (e, s) in enumerate(zip(examples, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        att[i, : len(s)] = 1
+        lab[i, len(e.prompt_ids): len(s)] = torch.tensor(s[len(e.prompt_ids):], dtype=torch.long)
+    structs = [e.structure for e in examples]
+    if any(s is None for s in structs) and not all(s is None for s in structs):
+        raise ValueError("a batch mixes examples with and without a structure prefix")
+    sb = StructureBatch.collate(structs) if structs[0] is not None else None
+    return LMBatch(ids, att, lab, sb)
+
+
+def lm_loss(model, batch: LMBatch) -> torch.Tensor:
+    out = model(batch.input_ids, batch.structure, attention_mask=batch.attention_mask)
+    logits = out.logits[:, :-1]
+    labels = batch.labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+@dataclass
+class FitResult:
+    """What a pretraining or SFT run did."""
+
+    out_dir: str
+    start_step: int  # > 0 when the run resumed a checkpoint
+    step: int  # step reached
+    losses: list[float]  # training loss per step of this run
+    eval_loss: float | None = None  # mean loss on held-out examples, when given
+
+
+def fit(model, tokenizer, make_batch, *, out_dir, stage: str, steps: int, lr: float,
+        weight_decay: float = 0.01, warmup: int = 10, log_every: int = 10, save_every: int = 100,
+        resume: bool = True, eval_batches=None, log=print) -> FitResult:
+    """AdamW with linear warm-up and cosine decay over ``steps``; resumable (``checkpoint.py``)."""
+    import math
+
+    from training.checkpoint import TrainerState, has_state, load_state, save_state
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    state = TrainerState(stage)
+    if resume and has_state(out_dir):
+        state = load_state(out_dir, opt)
+        if state.stage != stage:
+            state = TrainerState(stage)  # a previous stage's output used as init: fresh optimizer
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    start = state.step
+
+    def lr_at(s):
+        if s < warmup:
+            return lr * (s + 1) / warmup
+        return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, steps - warmup))))
+
+    losses = []
+    model.train()
+    for s in range(start, steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s)
+        loss = lm_loss(model, make_batch(s))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        state.step = s + 1
+        if (s + 1) % log_every == 0 or s + 1 == steps:
+            state.log.append({"step": s + 1, "loss": losses[-1], "lr": lr_at(s)})
+            log(f"[{stage}] step {s + 1}/{steps} loss {losses[-1]:.4f}")
+        if (s + 1) % save_every == 0 or s + 1 == steps:
+            save_state(out_dir, model, tokenizer, opt, state)
+    eval_loss = None
+    if eval_batches:
+        model.eval()
+        with torch.no_grad():
+            eval_loss = float(sum(float(lm_loss(model, b)) for b in eval_batches) / len(eval_batches))
+        log(f"[{stage}] held-out loss {eval_loss:.4f}")
+    model.eval()
+    return FitResult(str(out_dir), start, state.step, losses, eval_loss)

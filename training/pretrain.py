@@ -1,0 +1,93 @@
+"""Stage 1: causal language modelling on the CUDA corpus (``corpus.py``).
+
+Trains the tokenizer on the corpus (unless the output folder already holds one), builds a
+fresh policy, and trains it on random windows of ``block_size`` tokens of the concatenated
+corpus. No structure prefix is used in this stage. Resumes from ``out_dir`` if it holds a
+pretraining state. Output: a policy checkpoint folder for ``sft.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.config import opt, save_config
+
+
+@dataclass
+class PretrainConfig:
+    out_dir: str = opt("runs/pretrain", "output checkpoint folder (resumed if it holds a state)")
+    size: str = opt("default", "model size: 'default' (~4M parameters) or 'tiny' (CI)")
+    vocab_size: int = opt(2048, "BPE vocabulary size")
+    max_corpus_bytes: int = opt(32_000_000, "cap on the corpus text collected at run time")
+    corpus_sources: str = opt("kernel_space,cuda_toolkit,nvidia_wheels,torch,cupy",
+                              "comma-separated corpus sources (training/corpus.py)")
+    steps: int = opt(2000, "optimizer steps (total, across resumed runs)")
+    batch_size: int = opt(16, "sequences per step")
+    block_size: int = opt(512, "tokens per sequence")
+    lr: float = opt(1e-3, "peak learning rate (AdamW, cosine decay)")
+    seed: int = opt(0, "seed for initialization and window sampling")
+    log_every: int = opt(20, "log the loss every this many steps")
+    save_every: int = opt(200, "checkpoint every this many steps")
+
+    @classmethod
+    def tiny(cls, out_dir: str) -> "PretrainConfig":
+        return cls(out_dir=out_dir, size="tiny", vocab_size=400, max_corpus_bytes=400_000,
+                   steps=30, batch_size=4, block_size=128, lr=3e-3, log_every=10, save_every=15)
+
+
+def hparams_for(size: str, vocab_size: int):
+    from policy.encoder import structure_features
+    from policy.model import PolicyHParams
+
+    n_feat = len(structure_features(np.array([0, 1]), np.array([0]), (1, 1)))
+    if size == "tiny":
+        return PolicyHParams.tiny(vocab_size, n_feat)
+    if size == "default":
+        return PolicyHParams(vocab_size=vocab_size, n_features=n_feat)
+    raise ValueError(f"size={size!r}: choose 'default' or 'tiny'")
+
+
+def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
+    """Run stage 1; ``texts`` overrides the corpus (tests). Returns ``lm.FitResult``."""
+    from policy.model import build_policy, load_policy
+    from policy.tokenizer import TokenizerSpec, train_tokenizer
+    from training.checkpoint import has_state
+    from training.corpus import build_corpus
+    from training.lm import LMExample, collate, fit
+
+    out = Path(cfg.out_dir)
+    save_config(cfg, out, "pretrain")
+    if texts is None:
+        corpus = build_corpus(cfg.max_corpus_bytes, sources=tuple(cfg.corpus_sources.split(",")))
+        log(corpus.stats.summary())
+        texts = corpus.texts()
+    if not texts:
+        raise ValueError("the pretraining corpus is empty: no CUDA sources were found "
+                         "(set CUDA_HOME or install the nvidia-* / cupy wheels)")
+    if has_state(out):
+        model, tok = load_policy(out)
+        log(f"[pretrain] resuming from {out}")
+    else:
+        tok = train_tokenizer(texts, TokenizerSpec(vocab_size=cfg.vocab_size))
+        model = build_policy(hparams_for(cfg.size, len(tok)), seed=cfg.seed)
+    log(f"[pretrain] {model.n_params() / 1e6:.2f}M parameters, vocab {len(tok)}")
+    ids = np.fromiter((t for txt in texts for t in tok.encode(txt) + [tok.eos_token_id]), dtype=np.int64)
+    if ids.size <= cfg.block_size + 1:
+        raise ValueError(f"corpus has {ids.size} tokens, fewer than one block of {cfg.block_size}")
+
+    def make_batch(step: int):
+        rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
+        starts = rng.integers(0, ids.size - cfg.block_size - 1, size=cfg.batch_size)
+        ex = [LMExample([int(ids[s])], ids[s + 1: s + cfg.block_size].tolist()) for s in starts]
+        return collate(ex, tok.pad_token_id, cfg.block_size)
+
+    torch.manual_seed(cfg.seed)
+    return fit(model, tok, make_batch, out_dir=out, stage="pretrain", steps=cfg.steps, lr=cfg.lr,
+               log_every=cfg.log_every, save_every=cfg.save_every, log=log)
+
+
+_ = asdict

@@ -1,0 +1,116 @@
+"""Stage 2: supervised fine-tuning on (matrix, best verified kernel) pairs.
+
+For every supervision record (``data.py``) of the *training* split, the target is the source
+of its fastest verified variant, rendered by ``sparserl_compile.kernels.render(family, op,
+dtype, params, structure)`` for that matrix; the prompt is the structure prefix and
+``<|structure|>op=.. dtype=.. n=..<|kernel|>``; the loss covers the kernel tokens and
+``<|eos|>``. Held-out records are never trained on: they give the reported held-out loss.
+Starts from a pretraining checkpoint (``init``) and resumes from ``out_dir``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.config import opt, save_config
+
+
+@dataclass
+class SFTConfig:
+    init: str = opt("runs/pretrain", "checkpoint to start from (stage 1 output)")
+    data: str = opt("training/data/supervision.jsonl", "supervision JSON-lines file (training/data.py)")
+    out_dir: str = opt("runs/sft", "output checkpoint folder (resumed if it holds an SFT state)")
+    steps: int = opt(1000, "optimizer steps")
+    batch_size: int = opt(8, "examples per step")
+    max_len: int = opt(1536, "prompt + kernel tokens kept per example")
+    lr: float = opt(5e-4, "peak learning rate")
+    seed: int = opt(0, "seed for example order")
+    log_every: int = opt(20, "log every this many steps")
+    save_every: int = opt(200, "checkpoint every this many steps")
+
+    @classmethod
+    def tiny(cls, init: str, data: str, out_dir: str) -> "SFTConfig":
+        return cls(init=init, data=data, out_dir=out_dir, steps=30, batch_size=4, max_len=768,
+                   lr=3e-3, log_every=10, save_every=15)
+
+
+def default_render(family: str, op: str, dtype: str, params: dict, structure) -> str:
+    """The kernel families' renderer (``sparserl_compile.kernels.render``)."""
+    from sparserl_compile import kernels
+
+    render = getattr(kernels, "render", None)
+    if render is None:
+        raise RuntimeError("sparserl_compile.kernels.render is not available yet: the kernel "
+                           "families must expose render(family, op, dtype, params, structure)")
+    out = render(family, op, dtype, params, structure)
+    return out if isinstance(out, str) else out.source
+
+
+def build_examples(records, tokenizer, max_points: int, render=default_render, log=print):
+    """``LMExample``s for records (matrices loaded once each); records without a verified
+    variant or whose variant fails to render are skipped and counted."""
+    from policy.decode import completion_ids
+    from policy.encoder import prepare_structure
+    from policy.tokenizer import prompt_text
+    from training.lm import LMExample
+
+    cache: dict = {}
+    out, skipped = [], 0
+    for r in records:
+        best = r.best()
+        if best is None:
+            skipped += 1
+            continue
+        if r.matrix not in cache:
+            m = r.matrix.load()
+            cache[r.matrix] = (m, prepare_structure(m.indptr, m.indices, m.shape, max_points=max_points))
+        m, s = cache[r.matrix]
+        try:
+            src = render(best.family, r.op, r.dtype, dict(best.params), m)
+        except Exception as e:  # a renderer bug must not stop training; it is reported
+            log(f"[sft] skip {r.matrix.label} {best.family}{dict(best.params)}: {e}")
+            skipped += 1
+            continue
+        out.append(LMExample(tokenizer.encode(prompt_text(r.op, r.dtype, r.n)), completion_ids(tokenizer, src), s))
+    return out, skipped
+
+
+def sft(cfg: SFTConfig, render=default_render, log=print):
+    """Run stage 2. Returns ``lm.FitResult`` (its ``eval_loss`` is on the held-out split)."""
+    from policy.model import load_policy
+    from training.checkpoint import has_state
+    from training.data import load_supervision, split
+    from training.lm import collate, fit
+
+    out = Path(cfg.out_dir)
+    save_config(cfg, out, "sft")
+    src = out if has_state(out) and _stage_of(out) == "sft" else Path(cfg.init)
+    model, tok = load_policy(src)
+    parts = split(load_supervision(cfg.data))
+    train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log)
+    held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log)
+    log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
+    if not train:
+        raise ValueError(f"{cfg.data}: no training examples (every record held out or without a verified variant)")
+
+    def make_batch(step: int):
+        rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
+        pick = rng.choice(len(train), size=min(cfg.batch_size, len(train)), replace=False)
+        return collate([train[i] for i in pick], tok.pad_token_id, cfg.max_len)
+
+    evals = [collate(held[i:i + cfg.batch_size], tok.pad_token_id, cfg.max_len)
+             for i in range(0, len(held), cfg.batch_size)]
+    torch.manual_seed(cfg.seed)
+    return fit(model, tok, make_batch, out_dir=out, stage="sft", steps=cfg.steps, lr=cfg.lr,
+               log_every=cfg.log_every, save_every=cfg.save_every, eval_batches=evals, log=log)
+
+
+def _stage_of(directory: Path) -> str | None:
+    import json
+
+    p = directory / "trainer_state.json"
+    return json.loads(p.read_text()).get("stage") if p.is_file() else None
