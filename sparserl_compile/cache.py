@@ -154,9 +154,16 @@ class CacheEntry:
                    dict(body["times"]), dict(body["verification"]), float(body["created"]))
 
 
+def _json_default(o):
+    """numpy scalars and arrays (common in timing and verification records) as plain JSON."""
+    if hasattr(o, "tolist") and type(o).__module__ == "numpy":
+        return o.tolist()
+    raise TypeError(f"cache entries hold JSON only; cannot store {type(o).__name__} {o!r}")
+
+
 def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("ascii")
+                      default=_json_default).encode("ascii")
 
 
 @dataclass(frozen=True)
@@ -287,7 +294,8 @@ class KernelCache:
         if not self.on_disk:
             return False
         path = self.path_of(digest)
-        data = json.dumps(entry.to_json_dict(), sort_keys=True, indent=1).encode("utf-8")
+        data = json.dumps(entry.to_json_dict(), sort_keys=True, indent=1,
+                          default=_json_default).encode("utf-8")
         tmp = None
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)

@@ -362,8 +362,9 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
     ``params`` are the format's header parameters (``DEFAULT_PARAMS`` fill the missing
     ones). Raises ``FormatNotSuitable`` when a padded format would exceed ``max_fill`` x nnz
     (+ ``SMALL_SLACK``) slots, ``ValueError`` for a malformed pattern or unknown parameter.
-    Measured on this project's 2-core CI machine, 12 M nonzeros (3D stencil): csr_part and
-    merge a few ms, ell/sell/dia about 0.1-0.2 s, bsr about 0.2 s.
+    Measured on a shared 2-core machine, 12 M nonzeros (3D stencil, 120^3): csr/csr_perm
+    about 70 ms (input checks), csr_part/merge 35 ms, ell 0.23 s, sell 0.29 s, dia 0.23 s,
+    a refused bsr 0.08 s; at 1 M nonzeros every format takes under 40 ms.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {tuple(FORMATS)}")

@@ -245,3 +245,17 @@ def test_cli_uses_env_dir_and_refuses_insecure(tmp_path, capsys, monkeypatch):
     os.chmod(d, 0o777)
     assert cli.main(["cache", "--dir", str(d), "ls"]) == 1
     assert "writable by group or others" in capsys.readouterr().out
+
+
+def test_numpy_and_nonfinite_record_values_round_trip(tmp_path):
+    import numpy as np
+
+    e = CacheEntry(_key(), b"cubin", times={"kernel_us": np.float64(2.5), "runs": np.int64(7)},
+                   verification={"errs": np.array([1e-7, 0.0]), "worst": float("inf")})
+    c = KernelCache(tmp_path)
+    assert c.put(e)
+    got = KernelCache(tmp_path).get(_key())
+    assert got.times == {"kernel_us": 2.5, "runs": 7}
+    assert got.verification == {"errs": [1e-7, 0.0], "worst": float("inf")}
+    with pytest.raises(TypeError, match="JSON only"):
+        c.put(CacheEntry(_key(op="spmm"), None, verification={"obj": object()}))
