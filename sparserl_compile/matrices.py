@@ -41,7 +41,7 @@ class MatrixInfo:
 
 
 def shared_manifest(directory: Path | None = None) -> list[MatrixInfo]:
-    """The real matrices (square or rectangular CSR; GNN feature matrices excluded)."""
+    """Every entry of MANIFEST.json (adjacency, feature and sparse-DNN matrices alike)."""
     d = directory or shared_matrices_dir()
     if d is None:
         return []
@@ -101,8 +101,8 @@ def _values(nnz: int, rng: np.random.Generator) -> np.ndarray:
 
 def stencil2d(n: int, seed: int = 0) -> sp.csr_matrix:
     """5-point Laplacian on an n x n grid (n^2 rows)."""
-    one = sp.diags([-1, 2, -1], [-1, 0, 1], shape=(n, n))
-    eye = sp.identity(n)
+    one = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n), dtype=np.float32)
+    eye = sp.identity(n, dtype=np.float32)
     m = canonical(sp.kron(one, eye) + sp.kron(eye, one))
     m.data = _values(m.nnz, np.random.default_rng(seed))
     return m
@@ -110,8 +110,8 @@ def stencil2d(n: int, seed: int = 0) -> sp.csr_matrix:
 
 def stencil3d(n: int, seed: int = 0) -> sp.csr_matrix:
     """7-point Laplacian on an n x n x n grid (n^3 rows)."""
-    one = sp.diags([-1, 2, -1], [-1, 0, 1], shape=(n, n))
-    eye = sp.identity(n)
+    one = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n), dtype=np.float32)
+    eye = sp.identity(n, dtype=np.float32)
     m = sp.kron(sp.kron(one, eye), eye) + sp.kron(sp.kron(eye, one), eye) + sp.kron(sp.kron(eye, eye), one)
     m = canonical(m)
     m.data = _values(m.nnz, np.random.default_rng(seed))
@@ -122,7 +122,8 @@ def banded(n: int, half_bandwidth: int, fill: float = 1.0, seed: int = 0) -> sp.
     """n x n band of the given half bandwidth; ``fill`` < 1 drops entries at random."""
     rng = np.random.default_rng(seed)
     offsets = np.arange(-half_bandwidth, half_bandwidth + 1)
-    m = sp.diags([np.ones(n - abs(o)) for o in offsets], offsets, shape=(n, n), format="csr")
+    m = sp.diags([np.ones(n - abs(o), np.float32) for o in offsets], offsets, shape=(n, n), format="csr",
+                 dtype=np.float32)
     if fill < 1.0:
         keep = rng.random(m.nnz) < fill
         coo = m.tocoo()
