@@ -150,6 +150,17 @@ def _floor(job: SandboxJob, pattern: Pattern) -> float | None:
     return bench.floor_us(nbytes)
 
 
+def _release_memory() -> None:
+    """Between matrices: drop garbage and torch's cached GPU blocks (if torch is loaded)."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _worker_main(conn) -> None:
     pattern: Pattern | None = None
     conn.send(("ready", os.getpid()))
@@ -162,6 +173,8 @@ def _worker_main(conn) -> None:
             return
         if msg[0] == "pattern":
             _, key, indptr, indices, shape = msg
+            pattern = None
+            _release_memory()
             pattern = Pattern(indptr, indices, tuple(shape))
             continue
         job = msg[1]

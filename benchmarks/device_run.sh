@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The one script the lead runs on the device (one H200), in one call:
+#   bash benchmarks/device_run.sh [sparserl bench args...]     e.g. --quick --time-budget 300
+# Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
+# and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
+# everything under "$OUT" flat (<= 8 files): logs tarred, results JSON, supervision data,
+# junit XML, the markdown report. Ends with a short summary (the tool returns the last 12k chars).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-$(pwd)/device_out}"
+mkdir -p "$OUT"
+LOGS="$(mktemp -d)"
+BENCH_DIR="$(mktemp -d)"
+
+echo "== install"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 \
+  || { echo "pip install failed:"; tail -30 "$LOGS/install.log"; }
+
+echo "== versions"
+python3 - <<'EOF' 2>&1 | tee "$LOGS/versions.log"
+import importlib.metadata as md, torch
+for d in ("torch", "cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc", "cupy-cuda13x", "numpy", "scipy", "sparserl"):
+    try: print(f"{d:20s} {md.version(d)}")
+    except md.PackageNotFoundError: print(f"{d:20s} -")
+print("cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+EOF
+
+echo "== gpu tests"
+python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/junit_gpu.xml" >"$LOGS/pytest_gpu.log" 2>&1
+GPU_RC=$?
+tail -25 "$LOGS/pytest_gpu.log"
+
+echo "== cpu tests of the gpu pieces"
+python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit_cpu.xml" \
+  tests/sparserl_compile/test_launcher.py tests/sparserl_compile/test_sandbox.py \
+  tests/sparserl_compile/test_verify.py tests/sparserl_compile/test_bench.py \
+  tests/sparserl_compile/test_select.py tests/sparserl_compile/test_search.py \
+  tests/sparserl_compile/test_suite.py >"$LOGS/pytest_cpu.log" 2>&1
+CPU_RC=$?
+tail -8 "$LOGS/pytest_cpu.log"
+
+echo "== sparserl bench $*"
+python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
+BENCH_RC=$?
+tail -60 "$LOGS/bench.log"
+
+RESULTS="$(ls -t "$BENCH_DIR"/bench_*.json 2>/dev/null | head -1)"
+if [ -n "$RESULTS" ]; then
+  cp "$RESULTS" "$OUT/"
+  cp "$BENCH_DIR"/supervision_*.jsonl.gz "$OUT/" 2>/dev/null
+  python3 benchmarks/report.py "$RESULTS" --out "$OUT/bench_report.md" --no-plots >>"$LOGS/report.log" 2>&1
+fi
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
+
+echo "== summary"
+echo "gpu tests rc=$GPU_RC  cpu tests rc=$CPU_RC  bench rc=$BENCH_RC"
+grep -E "passed|failed|error" "$LOGS/pytest_gpu.log" | tail -3
+if [ -n "$RESULTS" ]; then
+  python3 - "$RESULTS" <<'EOF'
+import json, sys, math
+d = json.load(open(sys.argv[1]))
+rows = [r for r in d["rows"] if "op" in r]
+print(f"{'matrix':24s} {'op':8s} {'nnz':>9s} {'torch':>8s} {'best':>8s} {'x':>6s} {'floor':>6s}  family")
+sp = []
+for r in rows:
+    op = "spmv" if r["op"] == "spmv" else f"spmm{r['n']}"
+    f = lambda v, s=".1f": "-" if v is None else format(v, s)
+    print(f"{r['matrix'][:24]:24s} {op:8s} {r.get('nnz', 0):>9d} {f(r.get('torch_int32_us')):>8s} "
+          f"{f(r.get('best_us')):>8s} {f(r.get('speedup'), '.2f'):>6s} {f((r.get('frac_floor') or 0)*100, '.0f'):>6s}  "
+          f"{r.get('best_family') or r.get('error', '')[:40]}")
+    if r.get("speedup"): sp.append(r["speedup"])
+if sp: print(f"geomean speedup {math.exp(sum(map(math.log, sp))/len(sp)):.2f} over {len(sp)} rows")
+EOF
+fi
+ls -la "$OUT"

@@ -1,0 +1,136 @@
+"""The search provider ("oracle"): every applicable point of the kernel space, cheaply pruned.
+
+``SearchProvider().candidates(problem, k)`` asks ``kernels.space(op, dtype, n=, structure=)``
+for all family points that apply to the problem, then drops the ones that cannot win or
+cannot run, by structure rules computed once per pattern (``structure.features``):
+
+* ``n_align``: SpMM kernels whose ``n_align`` does not divide ``n`` (they cannot run).
+* ``dia``: only with at most ``MAX_DIAGS`` occupied diagonals filled at least
+  ``MIN_DIAG_FILL`` (banded and stencil matrices); otherwise it reads mostly zeros.
+* ``ell``: only when the padded size ``row_max * n_rows`` is at most ``MAX_PAD`` x nnz.
+* ``bsr``: only when its R x C blocks are at least ``MIN_BLOCK_DENSITY`` full (from the
+  square-block densities of ``structure.features`` where R == C, else by conversion).
+* structure-baked families (family name contains ``"baked"``): only up to ``BAKED_MAX_NNZ``
+  nonzeros (the source grows with nnz).
+* padded formats (ell, sell, dia, bsr) whose conversion raises ``FormatNotSuitable``
+  (``formats.convert`` is run once per distinct (format, parameters) to find out).
+
+``k`` (if positive) keeps the first ``k`` points in the space's order. What pruning cost
+and what it removed is in ``SearchProvider.last_report`` (a ``SearchReport``); the search
+itself (compile, verify, time) is ``select.choose`` over these candidates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparserl_compile.contract import Candidate
+
+MAX_DIAGS = 128
+MIN_DIAG_FILL = 0.3
+MAX_PAD = 3.0
+MIN_BLOCK_DENSITY = 0.4
+BAKED_MAX_NNZ = 4096
+_PADDED = ("ell", "sell", "dia", "bsr")
+
+
+@dataclass(frozen=True)
+class SearchReport:
+    """What one ``candidates`` call did: space size, kept points, pruning reasons, cost."""
+
+    space: int
+    kept: int
+    pruned: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    conversions: int = 0
+
+    def to_dict(self) -> dict:
+        return {"space": self.space, "kept": self.kept, "pruned": dict(self.pruned),
+                "seconds": round(self.seconds, 4), "conversions": self.conversions}
+
+
+class _Pattern:
+    __slots__ = ("indptr", "indices", "shape")
+
+    def __init__(self, indptr, indices, shape):
+        self.indptr, self.indices, self.shape = indptr, indices, shape
+
+
+class SearchProvider:
+    """Proposes the pruned kernel space for a problem, in the space's own order."""
+
+    name = "search"
+
+    def __init__(self, *, check_formats: bool = True):
+        self.check_formats = check_formats
+        self.last_report: SearchReport | None = None
+
+    def candidates(self, problem, k: int = 0) -> list[Candidate]:
+        from sparserl_compile import kernels, structure
+
+        t0 = time.perf_counter()
+        pat = _Pattern(np.asarray(problem.indptr, np.int32), np.asarray(problem.indices, np.int32),
+                       (int(problem.n_rows), int(problem.n_cols)))
+        feats = structure.features(pat.indptr, pat.indices, pat.shape)
+        n = 1 if problem.op == "spmv" else int(problem.n)
+        space = kernels.space(problem.op, problem.dtype, n=n, structure=pat)
+        pruned: Counter[str] = Counter()
+        suitable: dict[tuple, str | None] = {}
+        kept: list[Candidate] = []
+        for c in space:
+            why = self._rule(c, feats, n)
+            if why is None and self.check_formats and c.header.format in _PADDED:
+                key = (c.header.format, c.header.format_params)
+                if key not in suitable:
+                    suitable[key] = _convert_problem(pat, c)
+                why = suitable[key]
+            if why is not None:
+                pruned[why] += 1
+                continue
+            kept.append(c)
+        if k and k > 0:
+            if len(kept) > k:
+                pruned["beyond k"] += len(kept) - k
+            kept = kept[:k]
+        self.last_report = SearchReport(len(space), len(kept), dict(pruned), time.perf_counter() - t0,
+                                        len(suitable))
+        return kept
+
+    @staticmethod
+    def _rule(c: Candidate, f, n: int) -> str | None:
+        """Why this point is pruned (None: keep it)."""
+        fmt = c.header.format
+        if n % c.header.launch.n_align:
+            return "n_align"
+        if c.family and "baked" in c.family and f.nnz > BAKED_MAX_NNZ:
+            return "baked: too many nonzeros"
+        if fmt == "dia" and (f.n_diags > MAX_DIAGS or f.diag_fill < MIN_DIAG_FILL):
+            return "dia: too many or too sparse diagonals"
+        if fmt == "ell" and f.row_max * f.n_rows > MAX_PAD * f.nnz + 4096:
+            return "ell: too much padding"
+        if fmt == "bsr":
+            from sparserl_compile import structure
+
+            p = c.header.params
+            if p.get("R") == p.get("C") and p.get("R") in getattr(structure, "BLOCK_SIZES", ()):
+                dens = f.block_density[list(structure.BLOCK_SIZES).index(p["R"])]
+                if dens < MIN_BLOCK_DENSITY:
+                    return "bsr: blocks too sparse"
+        return None
+
+
+def _convert_problem(pat, c: Candidate) -> str | None:
+    from sparserl_compile import formats
+
+    fmt, params = c.header.format, c.header.params
+    try:
+        fd = formats.convert(pat.indptr, pat.indices, pat.shape, fmt, params)
+    except formats.FormatNotSuitable:
+        return f"{fmt}: FormatNotSuitable"
+    if fmt == "bsr" and fd.fill < MIN_BLOCK_DENSITY:
+        return "bsr: blocks too sparse"
+    return None

@@ -1,0 +1,379 @@
+"""``sparserl bench``: the benchmark suite, and the supervision data set for the policy.
+
+For every matrix (the real set in ``../shared/matrices`` and/or a generated scale-up suite of
+2D/3D stencils, banded, block-diagonal, uniform random and R-MAT matrices from 10^4 to
+5 x 10^7 nonzeros, seeds recorded) and every op (SpMV; SpMM with N = 8, 32, 128) it runs the
+search provider's candidates through the sandbox (``select.evaluate``: compile, verify, time
+L2-flushed) beside torch.sparse with int32 and int64 indices, and records per row: reference
+times, every variant's outcome and time, the best kernel and its family, the byte floor,
+the fraction of the floor reached and the speedup over torch.sparse (int32).
+
+Written under ``--out`` (default ``benchmarks/results/``):
+
+* ``bench_<date>.json``: machine (GPU, clocks, driver), versions, arguments, rows. Rewritten
+  after every matrix, so a budget stop or a crash keeps what was measured.
+* ``supervision_<date>.jsonl.gz``: one JSON line per (matrix, op, n, variant) -- the matrix's
+  origin (generator, arguments and seed, or the shared name), fingerprint, the variant's
+  family/params/format, its outcome kind and times -- the policy's SFT data.
+
+One failing matrix or variant is recorded and skipped; ``--time-budget`` stops adding
+matrices once spent. ``--executor cpu`` (no GPU) verifies without timing: times are null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import gzip
+import json
+import math
+import os
+import subprocess
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+OPS_WIDTHS = {"spmv": (1,), "spmm": (8, 32, 128)}
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """One suite matrix: generated (generator + kwargs incl. seed) or shared (a file)."""
+
+    name: str
+    kind: str
+    source: str  # "generated" | "shared"
+    generator: str | None = None
+    kwargs: dict = field(default_factory=dict)
+    path: str | None = None
+    nnz_estimate: int = 0
+    quick: bool = False
+
+    def origin(self) -> dict:
+        if self.source == "shared":
+            return {"source": "shared", "name": self.name}
+        return {"source": "generated", "generator": self.generator, "args": self.kwargs,
+                "seed": self.kwargs.get("seed", 0)}
+
+    def load(self):
+        from sparserl_compile import matrices
+
+        if self.source == "shared":
+            return matrices.load_matrix(self.path)
+        return matrices.generate(self.generator, **self.kwargs)
+
+
+def _g(name, kind, gen, nnz, quick=False, **kw) -> MatrixSpec:
+    kw.setdefault("seed", 0)
+    return MatrixSpec(name, kind, "generated", gen, kw, None, nnz, quick)
+
+
+#: the generated scale-up suite (nnz estimates for ordering and --max-nnz)
+GENERATED: tuple[MatrixSpec, ...] = (
+    _g("stencil2d_100", "stencil", "stencil2d", 49_600, True, n=100),
+    _g("stencil3d_20", "stencil", "stencil3d", 53_600, n=20),
+    _g("banded_20k_b2", "banded", "banded", 99_994, n=20_000, half_bandwidth=2),
+    _g("blockdiag_500x16", "block", "block_diagonal", 128_000, True, n_blocks=500, block=16),
+    _g("uniform_10k_d8", "random", "uniform_random", 80_000, False, n_rows=10_000, n_cols=10_000, per_row=8),
+    _g("rmat_s14_e8", "powerlaw", "rmat", 120_000, True, scale=14, edge_factor=8),
+    _g("stencil2d_300", "stencil", "stencil2d", 448_800, n=300),
+    _g("stencil3d_50", "stencil", "stencil3d", 867_500, n=50),
+    _g("banded_1m_b8", "banded", "banded", 16_999_928, n=1_000_000, half_bandwidth=8),
+    _g("blockrandom_4x4", "block", "block_random", 4_000_000, n_brows=50_000, n_bcols=50_000, R=4, C=4,
+       blocks_per_row=5),
+    _g("uniform_1m_d16", "random", "uniform_random", 16_000_000, n_rows=1_000_000, n_cols=1_000_000, per_row=16),
+    _g("rmat_s18_e16", "powerlaw", "rmat", 4_000_000, scale=18, edge_factor=16),
+    _g("stencil2d_1000", "stencil", "stencil2d", 4_996_000, n=1000),
+    _g("stencil3d_100", "stencil", "stencil3d", 6_940_000, n=100),
+    _g("blockdiag_20kx32", "block", "block_diagonal", 20_480_000, n_blocks=20_000, block=32),
+    _g("rmat_s20_e16", "powerlaw", "rmat", 16_000_000, scale=20, edge_factor=16),
+    _g("stencil3d_200", "stencil", "stencil3d", 55_760_000, n=200),
+)
+
+
+def shared_specs() -> list[MatrixSpec]:
+    from sparserl_compile import matrices
+
+    out = []
+    for m in matrices.shared_manifest():
+        out.append(MatrixSpec(m.name, m.kind, "shared", None, {}, str(m.path), m.nnz,
+                              quick=m.name in ("add32", "bcsstk13")))
+    return out
+
+
+def suite_specs(which: str, *, quick: bool = False, max_nnz: int | None = None,
+                names: list[str] | None = None) -> list[MatrixSpec]:
+    """Matrices of ``which`` ("generated" | "shared" | "all"), smallest first."""
+    if which not in ("generated", "shared", "all"):
+        raise ValueError(f"--suite {which!r}: use generated, shared or all")
+    specs = []
+    if which in ("generated", "all"):
+        specs += list(GENERATED)
+    if which in ("shared", "all"):
+        specs += shared_specs()
+    if quick:
+        specs = [s for s in specs if s.quick]
+    if max_nnz:
+        specs = [s for s in specs if s.nnz_estimate <= max_nnz]
+    if names:
+        specs = [s for s in specs if s.name in names]
+    return sorted(specs, key=lambda s: s.nnz_estimate)
+
+
+# ------------------------------------------------------------------ environment
+
+def machine_info() -> dict:
+    info: dict = {"host": os.uname().nodename}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(gpu=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+                        sms=p.multi_processor_count, l2_bytes=getattr(p, "L2_cache_size", None),
+                        memory_bytes=p.total_memory)
+    except Exception as e:  # noqa: BLE001
+        info["gpu_error"] = str(e)[:200]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            sm, sm_max, mem, drv = [s.strip() for s in out.stdout.splitlines()[0].split(",")]
+            info.update(sm_clock=sm, sm_clock_max=sm_max, mem_clock=mem, driver=drv)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return info
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    v: dict = {}
+    for dist in ("torch", "cuda-core", "cuda-bindings", "numpy", "scipy", "sparserl"):
+        try:
+            v[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            v[dist] = None
+    try:
+        import torch
+
+        v["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    try:
+        from sparserl_compile import compiler
+
+        v["nvrtc"] = ".".join(map(str, compiler.nvrtc_version()))
+    except Exception:  # noqa: BLE001
+        v["nvrtc"] = None
+    try:
+        from sparserl_compile import kernels
+
+        v["kernel_space"] = getattr(kernels, "KERNEL_SPACE_VERSION", None)
+    except Exception:  # noqa: BLE001
+        v["kernel_space"] = None
+    return v
+
+
+# ------------------------------------------------------------------ one matrix
+
+def _problem(m, op: str, n: int, dtype: str, arch: str):
+    from sparserl_compile import providers, structure
+
+    ip = np.ascontiguousarray(m.indptr, np.int32)
+    ix = np.ascontiguousarray(m.indices, np.int32)
+    fp = structure.fingerprint(ip, ix, m.shape)
+    return providers.Problem(op, dtype, 1 if op == "spmv" else n, int(m.shape[0]), int(m.shape[1]),
+                             int(ix.size), ip, ix, fp, arch)
+
+
+def bench_matrix(spec: MatrixSpec, *, ops: list[tuple[str, int]], dtype: str, pool, executor: str,
+                 max_candidates: int = 0, timeout_s: float = 60.0, reps: int = 30,
+                 value_sets: int = 3) -> tuple[list[dict], list[dict]]:
+    """Rows (one per op/n) and supervision lines for one matrix; errors are recorded, not raised."""
+    from sparserl_compile import formats, select
+    from sparserl_compile.search import SearchProvider
+
+    rows, sup = [], []
+    base = {"matrix": spec.name, "kind": spec.kind, "origin": spec.origin()}
+    try:
+        m = spec.load()
+    except Exception as e:  # noqa: BLE001
+        return [dict(base, error=f"load failed: {type(e).__name__}: {e}")], []
+    arch = "cpu" if executor == "cpu" else _arch()
+    base.update(n_rows=int(m.shape[0]), n_cols=int(m.shape[1]), nnz=int(m.nnz))
+    provider = SearchProvider()
+    for op, n in ops:
+        t0 = time.perf_counter()
+        row = dict(base, op=op, n=n, dtype=dtype)
+        try:
+            prob = _problem(m, op, n, dtype, arch)
+            cands = provider.candidates(prob, max_candidates)
+            row["search"] = provider.last_report.to_dict() if provider.last_report else None
+            ev = select.evaluate(prob, cands, pool=pool, executor=executor, time=executor == "gpu",
+                                 value_sets=value_sets, timeout_s=timeout_s, reps=reps)
+            ref = ev.reference.reference if ev.reference is not None and ev.reference.ok else {}
+            row["torch_int32_us"] = (ref.get("int32") or {}).get("median_us")
+            row["torch_int64_us"] = (ref.get("int64") or {}).get("median_us")
+            if ev.reference is not None and not ev.reference.ok:
+                row["reference_error"] = ev.reference.error[:500]
+            vb = 4 if dtype == "f32" else 2
+            floor_b = formats.floor_bytes(op, prob.n_rows, prob.n_cols, prob.nnz, prob.n, vb)
+            row["floor_bytes"] = floor_b
+            row["floor_us"] = next((r.floor_us for r in (ev.reference, *ev.results) if r is not None and r.floor_us),
+                                   None)
+            variants = [select.outcome_record(c, r) for c, r in zip(cands, ev.results)]
+            row["variants"] = variants
+            row["verified"] = sum(1 for v in variants if v["kind"] == "ok")
+            row["kinds"] = dict(sorted(_count(v["kind"] for v in variants).items()))
+            timed = [v for v in variants if v["kind"] == "ok" and v["kernel_us"] is not None]
+            if timed:
+                best = min(timed, key=lambda v: v["kernel_us"])
+                row.update(best_us=best["kernel_us"], best_name=best["name"], best_family=best["family"])
+                if row["floor_us"]:
+                    row["frac_floor"] = row["floor_us"] / best["kernel_us"]
+                ref_us = row["torch_int32_us"] or row["torch_int64_us"]
+                if ref_us:
+                    row["speedup"] = ref_us / best["kernel_us"]
+                    row["torch_frac_floor"] = (row["floor_us"] / ref_us) if row["floor_us"] else None
+            elif variants and row["verified"]:
+                first = next(v for v in variants if v["kind"] == "ok")
+                row.update(best_us=None, best_name=first["name"], best_family=first["family"])
+            for v in variants:
+                sup.append({"matrix": spec.origin(), "name": spec.name, "fingerprint": prob.fingerprint,
+                            "op": op, "n": prob.n, "dtype": dtype, "arch": arch, "variant": v["name"],
+                            "family": v["family"], "params": v["params"], "format": v["format"],
+                            "kind": v["kind"], "kernel_us": v["kernel_us"], "graph_us": v["graph_us"],
+                            "torch_int32_us": row["torch_int32_us"], "floor_us": row["floor_us"]})
+        except Exception as e:  # noqa: BLE001 - one failure never kills the run
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()[-2000:]
+        row["wall_s"] = round(time.perf_counter() - t0, 3)
+        rows.append(row)
+    del m
+    gc.collect()
+    return rows, sup
+
+
+def _count(it) -> dict:
+    out: dict = {}
+    for k in it:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def _arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+# ------------------------------------------------------------------ the run
+
+def run(args: argparse.Namespace) -> dict:
+    from sparserl_compile import select
+    from sparserl_compile.sandbox import SandboxPool
+
+    executor = args.executor or select.default_executor()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
+    results_path = out_dir / f"bench_{stamp}.json"
+    sup_path = out_dir / f"supervision_{stamp}.jsonl.gz"
+    ops: list[tuple[str, int]] = []
+    widths = [int(w) for w in args.widths.split(",")] if args.widths else list(OPS_WIDTHS["spmm"])
+    if args.quick and args.widths == "8,32,128":
+        widths = [32]  # --quick: one SpMM width
+    for op in args.ops.split(","):
+        op = op.strip()
+        if op not in OPS_WIDTHS:
+            raise SystemExit(f"--ops: unknown op {op!r}; use spmv and/or spmm")
+        ops += [(op, 1)] if op == "spmv" else [(op, w) for w in widths]
+    specs = suite_specs(args.suite, quick=args.quick, max_nnz=args.max_nnz,
+                        names=args.matrices.split(",") if args.matrices else None)
+    doc = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
+           "versions": versions(), "executor": executor,
+           "args": {k: v for k, v in vars(args).items() if k != "func"},
+           "supervision": sup_path.name, "rows": [], "skipped_for_budget": []}
+    t_start = time.perf_counter()
+    with SandboxPool(1, timeout_s=args.timeout) as pool:
+        sup_f = gzip.open(sup_path, "at", encoding="utf-8")
+        try:
+            for spec in specs:
+                if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+                    doc["skipped_for_budget"].append(spec.name)
+                    continue
+                print(f"[bench] {spec.name} ({spec.kind}, ~{spec.nnz_estimate} nnz)", flush=True)
+                rows, sup = bench_matrix(spec, ops=ops, dtype=args.dtype, pool=pool, executor=executor,
+                                         max_candidates=args.max_candidates, timeout_s=args.timeout,
+                                         reps=args.reps, value_sets=args.value_sets)
+                doc["rows"].extend(rows)
+                for line in sup:
+                    sup_f.write(json.dumps(line, default=_json_default) + "\n")
+                sup_f.flush()
+                for r in rows:
+                    print("  " + _summary_line(r), flush=True)
+                doc["wall_s"] = round(time.perf_counter() - t_start, 2)
+                _write_json(results_path, doc)
+        finally:
+            sup_f.close()
+    doc["wall_s"] = round(time.perf_counter() - t_start, 2)
+    _write_json(results_path, doc)
+    print(f"[bench] wrote {results_path} and {sup_path}")
+    doc["_paths"] = {"results": str(results_path), "supervision": str(sup_path)}
+    return doc
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    return str(o)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
+    os.replace(tmp, path)
+
+
+def _fmt(v, spec=".1f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _summary_line(r: dict) -> str:
+    if "error" in r and "variants" not in r:
+        return f"{r['matrix']} {r.get('op', '')}: ERROR {r['error'][:100]}"
+    return (f"{r['matrix']:<22} {r['op']}{'' if r['op'] == 'spmv' else r['n']:<4} nnz={r['nnz']:<9} "
+            f"torch={_fmt(r.get('torch_int32_us'))}us best={_fmt(r.get('best_us'))}us "
+            f"[{r.get('best_family')}] x{_fmt(r.get('speedup'), '.2f')} floor={_fmt(r.get('frac_floor'), '.0%')} "
+            f"verified={r.get('verified', 0)}/{len(r.get('variants', []))}")
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark the kernel space against torch.sparse; "
+                                            "writes results JSON and the policy's supervision data")
+    p.add_argument("--suite", default="all", choices=("generated", "shared", "all"))
+    p.add_argument("--quick", action="store_true", help="a small subset (a few minutes on an H200)")
+    p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
+    p.add_argument("--widths", default="8,32,128", help="SpMM dense widths N")
+    p.add_argument("--dtype", default="f32", choices=("f32", "f16", "bf16"))
+    p.add_argument("--time-budget", type=float, default=0.0, dest="time_budget",
+                   help="seconds; stop adding matrices once spent (0 = no limit)")
+    p.add_argument("--out", default=str(Path("benchmarks") / "results"))
+    p.add_argument("--executor", default=None, choices=("gpu", "cpu"),
+                   help="default: gpu if available; cpu verifies without timing")
+    p.add_argument("--max-nnz", type=int, default=0, dest="max_nnz", help="skip matrices above this nnz")
+    p.add_argument("--matrices", default="", help="comma list of matrix names to run (default all)")
+    p.add_argument("--max-candidates", type=int, default=0, dest="max_candidates",
+                   help="first K points of the pruned space per problem (0 = all)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate in the sandbox")
+    p.add_argument("--reps", type=int, default=30, help="timed repetitions per kernel")
+    p.add_argument("--value-sets", type=int, default=3, dest="value_sets")
+    p.set_defaults(func=lambda a: (run(a), 0)[1])
