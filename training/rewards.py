@@ -1,0 +1,169 @@
+"""Rewards for RL: plain functions of a sample's outcome, and the evaluators that produce
+outcomes.
+
+The hierarchy (each level strictly above the one before, whatever the speed term)::
+
+    no valid header            -1.0
+    header, does not compile   -0.5
+    compiles, wrong             0.0
+    correct                     1.0 + speed_weight * speed term (>= 0)
+
+The speed term rewards beating cuSPARSE and getting close to the best point of the
+hand-written kernel space: ``max(0, log2(reference_us / us))`` (0 when slower than the
+reference) plus ``min(1, best_space_us / us)`` (1 at or past the best family point). Each
+reward function returns a float, or None where it does not apply (``speed_reward`` of an
+incorrect kernel), and is a pure function of ``KernelOutcome``.
+
+Evaluators turn k sources for one problem into outcomes:
+
+- ``SandboxEvaluator(executor="gpu")``: NVRTC compile, sandboxed verification against
+  cuSPARSE and fp64, and timing on the GPU (``sparserl_compile.select.evaluate`` over a
+  ``SandboxPool`` of worker processes);
+- ``SandboxEvaluator(executor="cpu")``: the same compile and verification, with the CPU
+  executor (``simt``) in the worker processes; times come from a fitted ``CostModel``
+  (``cost_model.py``) when the sample is a kernel-space point, else the speed term is 0.
+- ``HeaderEvaluator``: parse-only, for tests and smoke runs without NVRTC.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelOutcome:
+    """What happened to one sample."""
+
+    parsed: bool  # header parsed and matches the prompt's op/dtype
+    compiled: bool
+    correct: bool
+    us: float | None = None  # measured or predicted kernel time
+    reference_us: float | None = None  # torch.sparse / cuSPARSE time for this problem
+    best_space_us: float | None = None  # fastest verified kernel-space point
+    detail: str = ""  # first failure, for logs
+
+
+def compile_reward(o: KernelOutcome) -> float:
+    """-1 unparseable, -0.5 does not compile, 0 compiles."""
+    if not o.parsed:
+        return -1.0
+    return 0.0 if o.compiled else -0.5
+
+
+def correctness_reward(o: KernelOutcome) -> float | None:
+    """1 correct, 0 wrong; None when it did not compile."""
+    if not o.compiled:
+        return None
+    return 1.0 if o.correct else 0.0
+
+
+def speed_reward(o: KernelOutcome) -> float | None:
+    """The speed term (>= 0) of a correct kernel; None when not correct or not timed."""
+    if not o.correct or o.us is None or o.us <= 0:
+        return None
+    term = 0.0
+    if o.reference_us:
+        term += max(0.0, math.log2(o.reference_us / o.us))
+    if o.best_space_us:
+        term += min(1.0, o.best_space_us / o.us)
+    return term
+
+
+def hierarchical_reward(o: KernelOutcome, speed_weight: float = 1.0) -> float:
+    """The full reward (see the module docstring)."""
+    r = compile_reward(o)
+    c = correctness_reward(o)
+    if c is None or c == 0.0:
+        return r
+    s = speed_reward(o)
+    return 1.0 + speed_weight * (s or 0.0)
+
+
+def correctness_only_reward(o: KernelOutcome) -> float:
+    """The ablation without a speed term."""
+    r = compile_reward(o)
+    c = correctness_reward(o)
+    return r if not c else 1.0
+
+
+REWARDS = {"hierarchical": hierarchical_reward, "correctness": correctness_only_reward}
+
+
+@dataclass
+class RLProblem:
+    """A matrix and a product to write kernels for, with what RL scores against."""
+
+    matrix: object  # scipy CSR
+    op: str
+    dtype: str
+    n: int
+    label: str = ""
+    reference_us: float | None = None
+    best_space_us: float | None = None
+
+    def runtime_problem(self, arch: str = "cpu"):
+        from sparserl_compile.providers import Problem
+        from sparserl_compile.structure import fingerprint
+
+        m = self.matrix
+        return Problem(self.op, self.dtype, self.n, m.shape[0], m.shape[1], m.nnz, m.indptr, m.indices,
+                       fingerprint(m.indptr, m.indices, m.shape), arch)
+
+
+def _parse(problem: RLProblem, source: str):
+    from sparserl_compile import contract
+
+    try:
+        h = contract.parse_header(source)
+    except contract.ContractError as e:
+        return None, str(e)
+    if h.op != problem.op or h.dtype != problem.dtype:
+        return None, f"header says {h.op}/{h.dtype}, prompt asked {problem.op}/{problem.dtype}"
+    return contract.Candidate(source=source, header=h), ""
+
+
+class HeaderEvaluator:
+    """Parse-only outcomes: a parsed header counts as compiled and correct (smoke tests)."""
+
+    def __call__(self, problem: RLProblem, sources: list[str]) -> list[KernelOutcome]:
+        out = []
+        for s in sources:
+            c, err = _parse(problem, s)
+            out.append(KernelOutcome(c is not None, c is not None, c is not None, detail=err))
+        return out
+
+
+class SandboxEvaluator:
+    """Compile + verify (+ time on the GPU) in sandboxed worker processes."""
+
+    def __init__(self, executor: str = "cpu", workers: int = 2, timeout_s: float = 60.0, cost_model=None):
+        from sparserl_compile.sandbox import SandboxPool
+
+        self.executor, self.cost_model = executor, cost_model
+        self.pool = SandboxPool(workers, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __call__(self, problem: RLProblem, sources: list[str]) -> list[KernelOutcome]:
+        from sparserl_compile.select import evaluate
+
+        parsed = [_parse(problem, s) for s in sources]
+        cands = [c for c, _ in parsed if c is not None]
+        ev = evaluate(problem.runtime_problem("sm_90" if self.executor == "gpu" else "cpu"), cands,
+                      pool=self.pool, executor=self.executor, time=self.executor == "gpu")
+        ref = ev.reference_us() if self.executor == "gpu" else problem.reference_us
+        results = iter(ev.results)
+        out = []
+        for c, err in parsed:
+            if c is None:
+                out.append(KernelOutcome(False, False, False, detail=err))
+                continue
+            r = next(results)
+            us = r.kernel_us
+            if us is None and r.ok and self.cost_model is not None:
+                us = self.cost_model.predict_source(problem.matrix, c)
+            out.append(KernelOutcome(True, r.compile_ok, r.ok, us, ref or problem.reference_us,
+                                     problem.best_space_us, detail=r.kind if not r.ok else ""))
+        return out

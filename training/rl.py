@@ -1,0 +1,151 @@
+"""Stage 3: reinforcement learning from compile / correctness / speed rewards.
+
+Each step samples ``problems_per_step`` training-split problems, draws ``k`` grammar-
+constrained samples per problem from the current policy (``policy.decode.generate``, which
+returns the masks), scores them with an evaluator (``rewards.py``: sandboxed GPU or CPU
+verification, or header-only for smoke runs), turns outcomes into rewards (hierarchical, or
+correctness-only for the ablation) and applies one PPO/GRPO update (``ppo.py``) with a KL
+penalty to the frozen starting (SFT) model. Resumes from ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.config import opt, save_config
+
+
+@dataclass
+class RLConfig:
+    init: str = opt("runs/sft", "checkpoint to start from and to stay close to (stage 2 output)")
+    data: str = opt("training/data/supervision.jsonl", "supervision file naming the training problems")
+    out_dir: str = opt("runs/rl", "output checkpoint folder (resumed if it holds an RL state)")
+    steps: int = opt(200, "policy updates")
+    problems_per_step: int = opt(2, "matrices per update")
+    k: int = opt(8, "samples per matrix")
+    temperature: float = opt(1.0, "sampling temperature (the loss uses the same)")
+    max_new_tokens: int = opt(1024, "tokens per sample")
+    constrained: bool = opt(True, "grammar-constrained sampling (off: the unconstrained ablation)")
+    algo: str = opt("ppo", "'ppo' or 'grpo'")
+    kl_coef: float = opt(0.05, "KL penalty to the starting model")
+    lr: float = opt(1e-5, "learning rate")
+    reward: str = opt("hierarchical", "'hierarchical' or 'correctness' (ablation)")
+    evaluator: str = opt("cpu", "'gpu' (compile+verify+time), 'cpu' (compile+simt verify+cost model), 'header'")
+    workers: int = opt(2, "sandbox worker processes")
+    seed: int = opt(0, "seed")
+    log_every: int = opt(1, "log every this many steps")
+    save_every: int = opt(10, "checkpoint every this many steps")
+
+
+@dataclass
+class RLResult:
+    out_dir: str
+    start_step: int
+    step: int
+    mean_rewards: list[float] = field(default_factory=list)  # per update of this run
+    stats: list[dict] = field(default_factory=list)
+
+
+def problems_from_records(records) -> list:
+    from training.rewards import RLProblem
+
+    out, cache = [], {}
+    for r in records:
+        if r.matrix not in cache:
+            cache[r.matrix] = r.matrix.load()
+        best = r.best()
+        out.append(RLProblem(cache[r.matrix], r.op, r.dtype, r.n, r.matrix.label, r.reference_us,
+                             best.us if best else None))
+    return out
+
+
+def make_evaluator(name: str, workers: int = 2):
+    from training import rewards
+
+    if name == "header":
+        return rewards.HeaderEvaluator()
+    if name in ("cpu", "gpu"):
+        cm = None
+        if name == "cpu":
+            from training.cost_model import CostModel
+
+            cm = CostModel.load_default()
+        return rewards.SandboxEvaluator(name, workers=workers, cost_model=cm)
+    raise ValueError(f"evaluator={name!r}: use 'gpu', 'cpu' or 'header'")
+
+
+def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) -> RLResult:
+    """Run stage 3. ``problems``/``evaluator``/``reward_fn`` override the config (tests)."""
+    from policy.decode import DecodeConfig, generate
+    from policy.encoder import prepare_structure
+    from policy.model import load_policy
+    from training.checkpoint import TrainerState, has_state, load_state, save_state
+    from training.data import load_supervision, split
+    from training.ppo import PPOConfig, make_batch, ppo_update
+    from training.rewards import REWARDS
+
+    out = Path(cfg.out_dir)
+    save_config(cfg, out, "rl")
+    ref_model, tok = load_policy(cfg.init)
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    resume = has_state(out) and _stage(out) == "rl"
+    model = load_policy(out)[0] if resume else copy.deepcopy(ref_model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    state = load_state(out, optim) if resume else TrainerState("rl")
+    if problems is None:
+        problems = problems_from_records(split(load_supervision(cfg.data)).train)
+    if not problems:
+        raise ValueError("RL needs at least one training problem")
+    evaluator = evaluator or make_evaluator(cfg.evaluator, cfg.workers)
+    reward_fn = reward_fn or REWARDS[cfg.reward]
+    pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
+    structs = {}
+    res = RLResult(str(out), state.step, state.step)
+    for step in range(state.step, cfg.steps):
+        rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
+        pick = rng.choice(len(problems), size=min(cfg.problems_per_step, len(problems)), replace=False)
+        rolls, sts, groups, rewards = [], [], [], []
+        for g, pi in enumerate(pick):
+            pb = problems[pi]
+            if pi not in structs:
+                m = pb.matrix
+                structs[pi] = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+            dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                              constrained=cfg.constrained, seed=cfg.seed * 7919 + step * 31 + g)
+            rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc)
+            outcomes = evaluator(pb, [r.text for r in rs])
+            rolls += rs
+            sts += [structs[pi]] * len(rs)
+            groups += [g] * len(rs)
+            rewards += [float(reward_fn(o)) for o in outcomes]
+        batch = make_batch(rolls, sts, groups, tok.pad_token_id)
+        st = ppo_update(model, ref_model, optim, batch, rewards, pcfg)
+        state.step = step + 1
+        res.mean_rewards.append(st.mean_reward)
+        rec = {"step": step + 1, **st.__dict__}
+        res.stats.append(rec)
+        if (step + 1) % cfg.log_every == 0:
+            state.log.append(rec)
+            log(f"[rl] step {step + 1}/{cfg.steps} reward {st.mean_reward:.3f} kl {st.kl:.4f} "
+                f"loss {st.loss:.4f} entropy {st.entropy:.3f}")
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_state(out, model, tok, optim, state)
+    res.step = state.step
+    if hasattr(evaluator, "close"):
+        evaluator.close()
+    return res
+
+
+def _stage(d: Path):
+    import json
+
+    p = d / "trainer_state.json"
+    return json.loads(p.read_text()).get("stage") if p.is_file() else None
