@@ -1,0 +1,145 @@
+"""``sparserl eval``: how good the policy's kernels are on the held-out split.
+
+For every held-out record (``data.py``) and every policy variant under comparison, it draws a
+greedy sample and ``k`` sampled ones, scores them with a reward evaluator (``rewards.py``) and
+reports per matrix kind:
+
+- compile rate and correctness rate (over all samples),
+- speedup over torch.sparse (reference_us / us of the best correct sample; greedy and best-of-k),
+- fraction of the kernel-space best (best_space_us / us, 1.0 = as fast as the best family point),
+- how often a correct sample is *not* one of the record's rendered kernel-space points (the
+  policy wrote something new; whitespace-insensitive comparison).
+
+Ablations are separate checkpoints (no RL = the SFT checkpoint; no sinusoidal embedding and
+correctness-only reward = checkpoints trained with those settings) plus unconstrained
+decoding, a decoding switch (``--ablate-unconstrained``). Speeds need timings: on the CPU
+evaluator they come from the cost model and exist only for kernel-space points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from training.config import opt
+
+
+@dataclass
+class EvalConfig:
+    checkpoints: str = opt("policy=runs/rl", "comma-separated name=folder pairs to compare (e.g. rl=runs/rl,no_rl=runs/sft)")
+    data: str = opt("training/data/supervision.jsonl", "supervision file; only its held-out split is used")
+    evaluator: str = opt("cpu", "'gpu', 'cpu' or 'header'")
+    k: int = opt(8, "samples for best-of-k")
+    temperature: float = opt(0.8, "sampling temperature for best-of-k")
+    max_new_tokens: int = opt(1536, "tokens per sample")
+    ablate_unconstrained: bool = opt(True, "also evaluate each checkpoint without grammar constraints")
+    max_records: int = opt(0, "evaluate only the first this many held-out records (0 = all)")
+    out: str = opt("", "write the report as JSON here")
+
+
+@dataclass
+class KindStats:
+    samples: int = 0
+    compiled: int = 0
+    correct: int = 0
+    novel: int = 0  # correct samples that are not a rendered kernel-space point
+    speedup_greedy: list[float] = field(default_factory=list)
+    speedup_best_of_k: list[float] = field(default_factory=list)
+    space_frac_best_of_k: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        g = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None  # noqa: E731
+        return {"samples": self.samples,
+                "compile_rate": self.compiled / self.samples if self.samples else None,
+                "correct_rate": self.correct / self.samples if self.samples else None,
+                "novel_rate": self.novel / self.correct if self.correct else None,
+                "speedup_greedy_geomean": g(self.speedup_greedy),
+                "speedup_best_of_k_geomean": g(self.speedup_best_of_k),
+                "space_best_fraction_geomean": g(self.space_frac_best_of_k)}
+
+
+def _norm(src: str) -> str:
+    return re.sub(r"\s+", "", src)
+
+
+def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
+                    constrained: bool, space_sources=None) -> dict[str, KindStats]:
+    """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
+    ``space_sources``: per problem, the set of normalized kernel-space sources (or None)."""
+    from policy.decode import DecodeConfig, generate
+    from policy.encoder import prepare_structure
+
+    stats: dict[str, KindStats] = {}
+    for i, (kind, pb) in enumerate(problems):
+        st = stats.setdefault(kind, KindStats())
+        m = pb.matrix
+        s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+        greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1,
+                          config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained))
+        sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k,
+                           config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
+                                               constrained=constrained, seed=i))
+        outs = evaluator(pb, [r.text for r in greedy + sampled])
+        texts = [r.text for r in greedy + sampled]
+        for o, t in zip(outs, texts):
+            st.samples += 1
+            st.compiled += o.compiled
+            st.correct += o.correct
+            if o.correct and space_sources is not None and _norm(t) not in space_sources[i]:
+                st.novel += 1
+        if outs[0].correct and outs[0].us and pb.reference_us:
+            st.speedup_greedy.append(pb.reference_us / outs[0].us)
+        timed = [o.us for o in outs[1:] if o.correct and o.us]
+        if timed and pb.reference_us:
+            st.speedup_best_of_k.append(pb.reference_us / min(timed))
+        if timed and pb.best_space_us:
+            st.space_frac_best_of_k.append(pb.best_space_us / min(timed))
+    return stats
+
+
+def run_eval(cfg: EvalConfig, log=print) -> dict:
+    from policy.model import load_policy
+    from training.data import load_supervision, split
+    from training.rl import make_evaluator, problems_from_records
+    from training.sft import default_render
+
+    records = split(load_supervision(cfg.data)).held_out
+    if cfg.max_records:
+        records = records[: cfg.max_records]
+    if not records:
+        raise ValueError(f"{cfg.data}: no held-out records to evaluate on")
+    problems = list(zip([r.matrix.kind for r in records], problems_from_records(records)))
+    space = []
+    for r, (_, pb) in zip(records, problems):
+        srcs = set()
+        for v in r.variants:
+            try:
+                srcs.add(_norm(default_render(v.family, r.op, r.dtype, dict(v.params), pb.matrix)))
+            except Exception:
+                pass
+        space.append(srcs)
+    evaluator = make_evaluator(cfg.evaluator)
+    report = {"held_out_records": len(records), "k": cfg.k, "variants": {}}
+    try:
+        for pair in cfg.checkpoints.split(","):
+            name, _, path = pair.partition("=")
+            model, tok = load_policy(path or name)
+            modes = [(name, True)] + ([(name + "/unconstrained", False)] if cfg.ablate_unconstrained else [])
+            for label, constrained in modes:
+                st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,
+                                     max_new_tokens=cfg.max_new_tokens, constrained=constrained,
+                                     space_sources=space)
+                report["variants"][label] = {kind: s.summary() for kind, s in st.items()}
+                log(f"[eval] {label}: " + json.dumps(report["variants"][label]))
+    finally:
+        if hasattr(evaluator, "close"):
+            evaluator.close()
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+_ = asdict
