@@ -1,0 +1,48 @@
+"""bench: result statistics and the impossible-speed rule (CPU); timing sanity on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparserl_compile import bench, formats
+
+
+def test_bench_result_statistics():
+    r = bench.BenchResult.from_samples([5.0, 1.0, 3.0, 2.0, 4.0], "events", True)
+    assert r.median_us == 3.0 and r.p10_us < r.median_us < r.p90_us
+    assert r.to_dict()["reps"] == 5
+    with pytest.raises(ValueError, match="no timing samples"):
+        bench.BenchResult.from_samples([], "events", True)
+
+
+def test_impossible_speed_rule():
+    floor = 10.0
+    assert bench.is_impossible(10.0 / (bench.IMPOSSIBLE_SLACK + 0.1), floor)
+    assert not bench.is_impossible(9.0, floor)  # within the slack of a real copy
+    assert not bench.is_impossible(50.0, floor)
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_and_flushed_timing_are_plausible():
+    import torch
+
+    bw = bench.copy_bandwidth()
+    assert 2e11 < bw < 2e13, bw  # 0.2 - 20 TB/s
+    a = torch.empty(64 * 2**20 // 4, device="cuda")
+    r = bench.time_fn(lambda: a.fill_(1.0), reps=10)
+    expect = bench.floor_us(a.numel() * 4, bw) / 2  # a fill writes only
+    assert r.median_us > 0.5 * expect and r.l2_flushed
+    g = bench.time_graph(lambda: a[:1024].fill_(2.0), launches=50, reps=3)
+    assert 0 < g.median_us < r.median_us
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; 64 MiB fill {r.median_us:.1f} us; 4 KiB fill in a graph {g.median_us:.2f} us")
+
+
+@pytest.mark.gpu
+def test_reference_timing_int32_and_int64():
+    from sparserl_compile import matrices
+
+    m = matrices.stencil2d(300)
+    ref = bench.time_reference(m.indptr, m.indices, m.shape, op="spmv", reps=10)
+    assert set(ref) == {"int32", "int64"} and all(r.median_us > 0 for r in ref.values())
+    floor = bench.floor_us(formats.floor_bytes("spmv", *m.shape, m.nnz))
+    assert not bench.is_impossible(ref["int32"].median_us, floor)

@@ -1,0 +1,86 @@
+"""sandbox: typed failures, killed hangs, dead workers replaced, the parent untouched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from faults import FAULTS, GOOD, candidate
+from sparserl_compile import matrices
+from sparserl_compile.sandbox import SandboxJob, SandboxPool
+from test_verify import needs_simt
+
+M = matrices.stencil2d(10)
+
+
+def _job(src, executor="cpu", **kw):
+    return SandboxJob(candidate(src), "spmv", executor=executor, **kw)
+
+
+def _parent_still_computes():
+    x = np.ones(M.shape[1], np.float32)
+    np.testing.assert_allclose(M @ x, np.asarray(M.sum(axis=1)).ravel(), rtol=1e-5)
+
+
+def test_compile_error_is_typed_and_the_worker_is_reused():
+    with SandboxPool(1, timeout_s=60) as pool:
+        r1 = pool.run(_job(FAULTS["compile_error"].source), M)
+        r2 = pool.run(_job(FAULTS["compile_error"].source), M)
+    assert r1.kind == "compile_error" and "undeclared_scale" in r1.error
+    assert not r1.compile_ok and r1.verify is not None and r1.verify.failed == "compile"
+    assert r1.worker_pid == r2.worker_pid != os.getpid()
+    _parent_still_computes()
+
+
+@needs_simt
+def test_hang_is_killed_and_the_next_job_runs():
+    with SandboxPool(1, timeout_s=60) as pool:
+        t0 = time.perf_counter()
+        r = pool.run(_job(FAULTS["infinite_loop"].source), M, timeout_s=5)
+        assert r.kind == "timeout" and time.perf_counter() - t0 < 30
+        good = pool.run(_job(GOOD), M)
+    assert good.kind == "ok" and good.verify.ok
+    assert good.worker_pid != r.worker_pid
+    _parent_still_computes()
+
+
+@needs_simt
+@pytest.mark.parametrize("name", [k for k in FAULTS if k not in ("infinite_loop",)])
+def test_each_fault_gets_its_kind(name):
+    f = FAULTS[name]
+    with SandboxPool(1, timeout_s=60) as pool:
+        r = pool.run(_job(f.source, static=f.static), M)
+        good = pool.run(_job(GOOD), M)  # the fallback still answers after the failure
+    assert r.kind in f.kinds, (name, r.kind, r.error)
+    assert good.ok
+    _parent_still_computes()
+
+
+@needs_simt
+def test_a_worker_killed_mid_job_is_a_crash():
+    with SandboxPool(1, timeout_s=60) as pool:
+        warm = pool.run(_job(FAULTS["compile_error"].source), M)
+        threading.Timer(2.0, os.kill, (warm.worker_pid, signal.SIGKILL)).start()
+        r = pool.run(_job(FAULTS["infinite_loop"].source), M, timeout_s=30)
+        after = pool.run(_job(GOOD), M)
+    assert r.kind == "crash" and "exit code" in r.error
+    assert after.ok
+
+
+@pytest.mark.gpu
+def test_illegal_address_in_the_worker_does_not_poison_the_parent():
+    import torch
+
+    bad = GOOD.replace("y[row] = acc;", "y[row] = acc; if (row == 0) { y[1 << 30] = acc; }")
+    a = torch.ones(1000, device="cuda")
+    with SandboxPool(1, timeout_s=120) as pool:
+        r = pool.run(_job(bad, executor="gpu"), M)
+        good = pool.run(_job(GOOD, executor="gpu", time=True), M)
+    assert r.kind in ("cuda_error", "wrong"), r.error
+    assert good.ok and good.kernel_us and good.kernel_us > 0
+    assert float((a * 2).sum()) == 2000.0  # the parent's context is healthy

@@ -1,0 +1,50 @@
+"""search: the pruned space per matrix kind is sane and its rules are applied."""
+
+from __future__ import annotations
+
+from sparserl_compile import matrices, structure
+from sparserl_compile.providers import Problem
+from sparserl_compile.search import SearchProvider
+
+
+def _problem(m, op="spmv", n=1):
+    return Problem(op, "f32", n, m.shape[0], m.shape[1], m.nnz, m.indptr, m.indices,
+                   structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+
+
+def _formats(cands):
+    return {c.header.format for c in cands}
+
+
+def test_stencil_keeps_dia_and_powerlaw_drops_it():
+    sp = SearchProvider()
+    st = sp.candidates(_problem(matrices.stencil2d(40)))
+    rep = sp.last_report
+    assert "dia" in _formats(st) and 10 <= len(st) <= rep.space
+    rm = sp.candidates(_problem(matrices.rmat(12, 8, seed=1)))
+    assert "dia" not in _formats(rm) and "ell" not in _formats(rm)
+    assert sp.last_report.pruned and sum(sp.last_report.pruned.values()) + len(rm) == sp.last_report.space
+
+
+def test_block_matrix_keeps_bsr_and_random_drops_it():
+    sp = SearchProvider()
+    assert "bsr" in _formats(sp.candidates(_problem(matrices.block_diagonal(64, 8))))
+    assert "bsr" not in _formats(sp.candidates(_problem(matrices.uniform_random(3000, 3000, 5))))
+
+
+def test_spmm_alignment_and_k_limit():
+    sp = SearchProvider()
+    m = matrices.stencil2d(20)
+    odd = sp.candidates(_problem(m, "spmm", 6))
+    assert all(6 % c.header.launch.n_align == 0 for c in odd)
+    assert len(sp.candidates(_problem(m, "spmm", 32), k=5)) == 5
+
+
+def test_real_matrices_get_a_sane_number_of_points(shared_matrices):
+    sp = SearchProvider()
+    for name in ("add32", "bcsstk13", "wiki-Vote"):
+        m = matrices.load_npz(shared_matrices / f"{name}.npz")
+        cands = sp.candidates(_problem(m))
+        assert 5 <= len(cands) <= 200, (name, sp.last_report)
+        assert {"csr", "csr_part", "merge"} <= _formats(cands)
+        assert sp.last_report.seconds < 10

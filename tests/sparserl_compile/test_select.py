@@ -1,0 +1,74 @@
+"""select: the decision rule (as a pure function over sandbox results) and choose end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from faults import FAULTS, GOOD, candidate
+from sparserl_compile import matrices, structure
+from sparserl_compile.providers import Problem
+from sparserl_compile.sandbox import SandboxResult
+from sparserl_compile.select import Evaluation, choose, decide
+from test_verify import needs_simt
+
+
+def _problem(m, op="spmv", n=1):
+    return Problem(op, "f32", n, m.shape[0], m.shape[1], m.nnz, m.indptr, m.indices,
+                   structure.fingerprint(m.indptr, m.indices, m.shape), "cpu")
+
+
+def _timed(us):
+    b = {"median_us": us, "p10_us": us, "p90_us": us, "method": "events", "l2_flushed": True, "reps": 3}
+    return SandboxResult("ok", bench=b)
+
+
+def _ref(us):
+    return SandboxResult("ok", reference={"int32": {"median_us": us}, "int64": {"median_us": us * 1.1}})
+
+
+CANDS = [candidate(GOOD), candidate(GOOD.replace("float acc", "float  acc"))]
+
+
+def test_fastest_verified_candidate_wins_when_it_beats_the_reference():
+    ev = Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0)
+    c = decide(CANDS, ev)
+    assert c.candidate is CANDS[1] and c.kernel_us == 7.0 and c.reference_us == 10.0
+    assert c.speedup == pytest.approx(10 / 7)
+
+
+def test_reference_wins_within_the_margin_and_failures_never_win():
+    ev = Evaluation((_timed(9.8), SandboxResult("wrong", "error_bound: ...")), _ref(10.0), 1.0)
+    c = decide(CANDS, ev)
+    assert c.candidate is None and "reference wins" in c.record["rule"]
+    ev = Evaluation((SandboxResult("timeout"), SandboxResult("impossible")), _ref(10.0), 1.0)
+    assert decide(CANDS, ev).candidate is None
+
+
+def test_untimed_rule_is_first_verified_in_provider_order():
+    ev = Evaluation((SandboxResult("compile_error"), SandboxResult("ok"), SandboxResult("ok")), None, 1.0)
+    three = [candidate(FAULTS["compile_error"].source), *CANDS]
+    c = decide(three, ev)
+    assert c.candidate is CANDS[0] and c.kernel_us is None
+    assert [r["kind"] for r in c.record["candidates"]] == ["compile_error", "ok", "ok"]
+
+
+def test_no_candidates_means_reference():
+    assert choose(_problem(matrices.stencil2d(4)), [], executor="cpu").candidate is None
+
+
+@needs_simt
+def test_choose_on_cpu_picks_the_verified_candidate(shared_matrices):
+    m = matrices.load_npz(shared_matrices / "add32.npz")
+    cands = [candidate(FAULTS["compile_error"].source), candidate(FAULTS["wrong_answer"].source), candidate(GOOD)]
+    c = choose(_problem(m), cands, executor="cpu", timeout_s=60)
+    assert c.candidate is cands[2] and c.cubin
+    assert [r["kind"] for r in c.record["candidates"]] == ["compile_error", "wrong", "ok"]
+
+
+@pytest.mark.gpu
+def test_choose_on_gpu_times_against_cusparse():
+    m = matrices.stencil2d(300)
+    c = choose(_problem(m), [candidate(GOOD)], executor="gpu", timeout_s=120)
+    rec = c.record["candidates"][0]
+    assert rec["kind"] == "ok" and rec["kernel_us"] > 0 and c.reference_us > 0
+    print(f"\nstencil2d_300 scalar CSR {rec['kernel_us']:.1f} us vs torch.sparse {c.reference_us:.1f} us")

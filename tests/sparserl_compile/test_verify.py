@@ -1,0 +1,127 @@
+"""verify: static checks, the error bound, dtype helpers, and every fault kernel on both executors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from faults import FAULTS, GOOD, SPMM_GOOD, candidate
+from sparserl_compile import contract, matrices, verify
+from sparserl_compile.contract import ContractError
+
+
+def _has_simt() -> bool:
+    from sparserl_compile import simt
+
+    return hasattr(simt, "compile_kernel")
+
+
+needs_simt = pytest.mark.skipif(not _has_simt(), reason="sparserl_compile.simt (CPU executor) not built yet")
+
+
+def _edge_cases():
+    rng = np.random.default_rng(1)
+    empty_rows = sp.csr_matrix(([1.0, 2.0], ([0, 5], [3, 1])), shape=(9, 7))
+    one_row = sp.csr_matrix(rng.standard_normal((1, 50)))
+    long_row = sp.lil_matrix((40, 3000))
+    long_row[3, :] = 1.0
+    long_row[7, 5] = 1.0
+    return {"empty_rows": matrices.canonical(empty_rows), "nnz0": matrices.canonical(sp.csr_matrix((5, 4))),
+            "one_row": matrices.canonical(one_row), "long_row": matrices.canonical(long_row),
+            "rect": matrices.uniform_random(30, 200, 6, seed=3)}
+
+
+def test_signature_check_accepts_the_contract_and_rejects_a_changed_type():
+    verify.check_signature(GOOD, "spmv", "csr", "f32")
+    with pytest.raises(ContractError, match="parameter types"):
+        verify.check_signature(GOOD.replace("const float* __restrict__ x", "const double* __restrict__ x"),
+                               "spmv", "csr", "f32")
+    with pytest.raises(ContractError, match="parameter types"):
+        verify.check_signature(GOOD, "spmm", "csr", "f32")
+
+
+def test_header_mismatch_with_the_problem_is_a_contract_failure():
+    r = verify.verify(candidate(GOOD), matrices.stencil2d(4), op="spmm", executor="cpu")
+    assert not r.ok and r.failed == "header" and "op=spmv" in r.reason
+
+
+def test_compile_error_is_reported_with_the_nvrtc_log():
+    f = FAULTS["compile_error"]
+    r = verify.verify(candidate(f.source), matrices.stencil2d(5), executor="cpu")
+    assert not r.ok and r.failed in f.checks
+    assert "undeclared_scale" in r.reason
+    assert "header" in r.checks_passed
+
+
+def test_align_rejects_widths_the_kernel_cannot_take():
+    src = SPMM_GOOD.replace("n_align=1", "n_align=4")
+    r = verify.verify(candidate(src), matrices.stencil2d(4), executor="cpu", n=6)
+    assert not r.ok and r.failed == "align"
+
+
+def test_error_bound_grows_with_row_length_and_output_precision():
+    lengths = np.array([0, 1, 10, 1000])
+    absref = np.array([0.0, 1.0, 10.0, 1000.0])
+    ref = absref.copy()
+    b32 = verify.error_bound(lengths, absref, ref, "f32")
+    assert b32[0] < 1e-20 and np.all(np.diff(b32) > 0)
+    assert b32[3] / absref[3] < 1e-3  # 1000 terms: still far below a 0.1 % error
+    b16 = verify.error_bound(lengths, absref, ref, "f16")
+    assert np.all(b16[1:] > b32[1:] + 0.4 * 2.0**-11 * ref[1:])
+
+
+def test_bf16_storage_round_trips_like_torch():
+    torch = pytest.importorskip("torch")
+    a = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    store, exact = verify.to_dtype(a, "bf16")
+    want = torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(exact.astype(np.float32), want)
+    assert store.dtype == np.uint16
+
+
+@needs_simt
+@pytest.mark.parametrize("name", [k for k in FAULTS if k != "infinite_loop"])
+def test_every_fault_kernel_is_rejected_for_its_reason_on_cpu(name):
+    f = FAULTS[name]
+    r = verify.verify(candidate(f.source), matrices.stencil2d(12), executor="cpu", static=f.static)
+    assert not r.ok, name
+    assert r.failed in f.checks, (name, r.reason)
+
+
+@needs_simt
+def test_good_kernel_passes_on_generated_edge_cases():
+    for name, m in _edge_cases().items():
+        r = verify.verify(candidate(GOOD), m, executor="cpu")
+        assert r.ok, (name, r.reason)
+        assert {"error_bound", "deterministic", "inputs", "bounds", "written"} <= set(r.checks_passed)
+
+
+@needs_simt
+def test_good_kernels_pass_on_real_matrices(shared_matrices):
+    for name in ("add32", "rajat01"):
+        m = matrices.load_npz(shared_matrices / f"{name}.npz")
+        r = verify.verify(candidate(GOOD), m, executor="cpu", value_sets=2)
+        assert r.ok, (name, r.reason)
+        assert max(r.max_rel_err) < 1e-5
+        r = verify.verify(candidate(SPMM_GOOD), m, executor="cpu", n=3, value_sets=1)
+        assert r.ok, (name, r.reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [k for k in FAULTS if k != "infinite_loop"])
+def test_every_fault_kernel_is_rejected_on_gpu(name):
+    f = FAULTS[name]
+    r = verify.verify(candidate(f.source), matrices.stencil2d(12), executor="gpu", static=f.static)
+    assert not r.ok and r.failed in f.checks, (name, r.reason)
+
+
+@pytest.mark.gpu
+def test_good_kernels_pass_on_gpu_with_cusparse_agreement(shared_matrices):
+    for m in [matrices.load_npz(shared_matrices / "add32.npz"), *_edge_cases().values()]:
+        r = verify.verify(candidate(GOOD), m, executor="gpu")
+        assert r.ok, r.reason
+        r = verify.verify(candidate(SPMM_GOOD), m, executor="gpu", n=8)
+        assert r.ok, r.reason
+        if m.nnz:
+            assert "cusparse" in r.checks_passed or r.notes
