@@ -32,15 +32,19 @@ def header_rules(op: str | None = None, dtype: str | None = None) -> str:
     dts = [dtype] if dtype else list(DTYPES)
     alts, rules = [], []
     num = "[0-9]{1,7}"
+    pos = "[1-9][0-9]{0,6}"
+    smem = "(0|[1-9][0-9]{0,4}|1[0-9]{5}|2[0-2][0-9]{4})"  # < 230000 bytes: under the 227 KiB limit
     for fmt, f in FORMATS.items():
-        keys = "".join(f" {k}={num}" for k in f.params)
+        keys = "".join(f" {k}={pos}" for k in f.params)
         work = "(" + "|".join(f.work) + ")"
         for o in ops:
             for d in dts:
                 name = f"{o}_{fmt}_{d}".upper()
                 line1 = _rx(f"// sparserl op={o} format={fmt} dtype={d} index=i32") + keys + "\\n"
-                line2 = (_rx("// launch ") + "block=(32|64|96|128|192|256|384|512|768|1024) " + f"work={work} per_block={num} "
-                         f"tile_n={num} smem={num} zero_output=[01] n_align=[1248]" + "\\n")
+                tail = (f"tile_n={num} smem={smem} zero_output=[01] n_align=[1248]" if o == "spmm"
+                        else f"tile_n=0 smem={smem} zero_output=[01] n_align=1")  # contract: spmv has no tile_n/n_align
+                line2 = (_rx("// launch ") + "block=(32|64|96|128|192|256|384|512|768|1024) "
+                         + f"work={work} per_block={pos} " + tail + "\\n")
                 rules.append(f"HEAD_{name}: /{line1}{line2}/\n")
                 rules.append(f"SIG_{name}: /{_rx(signature_c(o, fmt, d))}/\n")
                 rules.append(f"k_{name.lower()}: HEAD_{name} helpers SIG_{name} block\n")

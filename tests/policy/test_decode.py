@@ -1,0 +1,63 @@
+import torch
+
+from policy.decode import DecodeConfig, generate, grammar_accepts, unpack_masks
+from policy.encoder import prepare_structure
+from policy.grammar import kernel_grammar
+from sparserl_compile import contract
+from sparserl_compile.matrices import banded
+
+
+def _s():
+    m = banded(64, 2)
+    return prepare_structure(m.indptr, m.indices, m.shape)
+
+
+def test_grammar_accepts_a_contract_kernel_and_rejects_others(tiny_tok, kernel_source):
+    V = len(tiny_tok)
+    assert grammar_accepts(tiny_tok, V, kernel_source)
+    assert not grammar_accepts(tiny_tok, V, kernel_source.replace("format=csr", "format=foo"))
+    assert not grammar_accepts(tiny_tok, V, kernel_source.replace("int n_cols, ", ""))  # wrong signature
+    assert not grammar_accepts(tiny_tok, V, kernel_source.rstrip()[:-1])  # unbalanced brace
+    # pinned to the prompt's op: an spmv kernel is not a sentence of the spmm grammar
+    assert not grammar_accepts(tiny_tok, V, kernel_source, kernel_grammar("spmm", "f32"))
+
+
+def test_unpack_masks_matches_bits():
+    packed = torch.tensor([[0b1011, 0], [0, 1 << 3]], dtype=torch.int32)
+    m = unpack_masks(packed, 40)
+    assert m[0].nonzero().flatten().tolist() == [0, 1, 3]
+    assert m[1].nonzero().flatten().tolist() == [35]
+
+
+def test_constrained_samples_parse_and_carry_masks(tiny_model, tiny_tok):
+    rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=3,
+                  config=DecodeConfig(max_new_tokens=150, seed=1))
+    assert len(rs) == 3
+    for r in rs:
+        h = contract.parse_header(r.text)  # an untrained model still writes a valid header
+        assert (h.op, h.dtype) == ("spmv", "f32")
+        assert r.masks.shape == (len(r.tokens), (len(tiny_tok) + 31) // 32)
+        allowed = unpack_masks(r.masks, len(tiny_tok))
+        assert all(allowed[t, tok] for t, tok in enumerate(r.tokens))  # every token was allowed
+        assert len(r.logprobs) == len(r.tokens) and max(r.logprobs) <= 0
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(tiny_model, tiny_tok):
+    cfg = DecodeConfig(max_new_tokens=30, seed=7)
+    a = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=2, config=cfg)
+    b = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=2, config=cfg)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    g = DecodeConfig(greedy=True, max_new_tokens=30)
+    assert generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)[0].tokens == \
+        generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)[0].tokens
+
+
+def test_unconstrained_ablation_has_no_masks(tiny_model, tiny_tok):
+    r = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=1,
+                 config=DecodeConfig(max_new_tokens=20, constrained=False, seed=0))[0]
+    assert r.masks is None and len(r.tokens) <= 20
+
+
+def test_both_grammars_accept_the_kernel(tiny_tok, kernel_source):
+    for fb in (True, False):
+        assert grammar_accepts(tiny_tok, len(tiny_tok), kernel_source, kernel_grammar("spmv", "f32", use_fallback=fb))
