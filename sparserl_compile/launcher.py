@@ -145,6 +145,9 @@ class LoadedKernel:
         self.device = torch.cuda.current_device() if device is None else int(device)
         torch.cuda.init()
         self._streams: dict[int, Any] = {}
+        # torch's raw current-stream query skips building a torch.cuda.Stream object (~2 us)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
         want = backend or ("cuda.core" if _have_cuda_core() else "driver")
         if want == "cuda.core":
             self._load_cuda_core(bytes(cubin))
@@ -211,8 +214,7 @@ class LoadedKernel:
     # ---- launching -----------------------------------------------------------------------
     def _stream(self):
         """cuda.core Stream (or raw handle) for torch's current stream, cached by handle."""
-        torch = _torch()
-        h = torch.cuda.current_stream(self.device).cuda_stream
+        h = self._raw_stream(self.device)
         s = self._streams.get(h)
         if s is None:
             if self.backend == "cuda.core":
