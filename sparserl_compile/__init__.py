@@ -1,0 +1,23 @@
+"""sparserl: structure-specialized SpMV/SpMM for PyTorch, with a cuSPARSE fallback.
+
+Importing the package registers the ``torch.ops.sparserl`` custom ops and nothing heavy: the
+policy (transformers), the kernel search, NVRTC and the GPU launcher are imported only when a
+product on a CUDA device first needs them.
+
+    A = sparserl_compile.sparsify(scipy_or_torch_sparse)      # a SparseRLTensor
+    y = A @ x                                                 # eager, or under torch.compile
+    model = torch.compile(sparserl_compile.sparsify_(model), backend="sparserl")
+    with sparserl_compile.accelerate():                       # native torch.sparse products
+        y = A_csr @ x
+"""
+
+from sparserl_compile import ops  # noqa: F401  (registers torch.ops.sparserl.*)
+from sparserl_compile.dispatch import accelerate, disable, enable
+from sparserl_compile.providers import set_provider
+from sparserl_compile.runtime import configure, stats
+from sparserl_compile.tensor import SparseRLTensor, sparsify, sparsify_
+
+__all__ = [
+    "SparseRLTensor", "sparsify", "sparsify_", "enable", "disable", "accelerate",
+    "configure", "set_provider", "stats",
+]

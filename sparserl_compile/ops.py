@@ -1,0 +1,125 @@
+"""The custom ops every sparserl product goes through: ``torch.ops.sparserl.*``.
+
+Four ops, each ``(crow_indices, col_indices, values, dense, n_rows: int, n_cols: int,
+fingerprint: str) -> Tensor`` where the first three are A's int32 CSR arrays (A is
+``n_rows x n_cols``):
+
+* ``sparserl::spmv``   y = A x       x: (n_cols,)      -> (n_rows,)
+* ``sparserl::spmm``   Y = A X       X: (n_cols, n)    -> (n_rows, n)
+* ``sparserl::spmv_t`` y = A^T x     x: (n_rows,)      -> (n_cols,)
+* ``sparserl::spmm_t`` Y = A^T X     X: (n_rows, n)    -> (n_cols, n)
+
+They are opaque to Dynamo and Inductor (``torch.library.custom_op``): a compiled graph calls
+them like any extern kernel, and the fingerprint travels as a constant string argument, so the
+fake (meta) kernels below use shapes only and never read index data. The real kernels call
+``runtime`` (plan table -> generated kernel or torch.sparse reference).
+
+Autograd: the gradient w.r.t. the dense operand is the product with the transposed matrix
+(spmm <-> spmm_t, spmv <-> spmv_t), so higher derivatives work too. The sparse *values* get
+no gradient: asking for one (values with ``requires_grad=True`` while grad mode is on) raises
+a ``RuntimeError`` at the product that says so. Index arrays are never differentiable.
+
+Operands are checked (dtype, device, shape) in both the real and the fake kernel with
+messages that name the operand and the fix. The dense operand must be contiguous here;
+``tensor.py`` and ``dispatch.py`` make it so before calling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparserl_compile import runtime
+
+_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check(name: str, crow, col, val, dense, n_rows: int, n_cols: int, transposed: bool, vector: bool):
+    k = n_rows if transposed else n_cols
+    torch._check(crow.dtype == torch.int32 and col.dtype == torch.int32,
+                 lambda: f"sparserl::{name}: crow_indices/col_indices must be int32, got "
+                         f"{crow.dtype}/{col.dtype}; build the operand with sparserl_compile.sparsify")
+    torch._check(val.dtype in _VALUE_DTYPES,
+                 lambda: f"sparserl::{name}: values dtype {val.dtype} is not supported; use float32, "
+                         "float16, bfloat16 or float64")
+    torch._check(dense.dtype == val.dtype,
+                 lambda: f"sparserl::{name}: the dense operand is {dense.dtype} but the sparse values "
+                         f"are {val.dtype}; convert one of them (e.g. x.to({val.dtype}))")
+    torch._check(dense.device == val.device and crow.device == val.device and col.device == val.device,
+                 lambda: f"sparserl::{name}: operands on different devices (values on {val.device}, "
+                         f"dense on {dense.device}); move them with .to(device)")
+    torch._check(crow.dim() == 1 and col.dim() == 1 and val.dim() == 1,
+                 lambda: f"sparserl::{name}: CSR arrays must be 1-D")
+    torch._check(crow.shape[0] == n_rows + 1,
+                 lambda: f"sparserl::{name}: crow_indices has {crow.shape[0]} entries, expected "
+                         f"n_rows + 1 = {n_rows + 1}")
+    torch._check(col.shape[0] == val.shape[0],
+                 lambda: f"sparserl::{name}: {col.shape[0]} column indices but {val.shape[0]} values")
+    want = 1 if vector else 2
+    torch._check(dense.dim() == want,
+                 lambda: f"sparserl::{name}: the dense operand must be {want}-D, got shape "
+                         f"{tuple(dense.shape)}")
+    torch._check(dense.shape[0] == k,
+                 lambda: f"sparserl::{name}: dense operand has {dense.shape[0]} rows but the "
+                         f"{'transposed ' if transposed else ''}sparse matrix has {k} columns")
+
+
+def _out_shape(dense, n_rows, n_cols, transposed, vector):
+    m = n_cols if transposed else n_rows
+    return (m,) if vector else (m, dense.shape[1])
+
+
+def _define(name: str, fn, transposed: bool, vector: bool):
+    @torch.library.custom_op(f"sparserl::{name}", mutates_args=())
+    def op(crow_indices: torch.Tensor, col_indices: torch.Tensor, values: torch.Tensor,
+           dense: torch.Tensor, n_rows: int, n_cols: int, fingerprint: str) -> torch.Tensor:
+        _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
+        return fn(crow_indices, col_indices, values, dense.contiguous(), n_rows, n_cols, fingerprint)
+
+    @op.register_fake
+    def _(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
+        _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
+        return dense.new_empty(_out_shape(dense, n_rows, n_cols, transposed, vector))
+
+    op.__doc__ = fn.__doc__
+    return op
+
+
+spmv = _define("spmv", runtime.spmv, transposed=False, vector=True)
+spmm = _define("spmm", runtime.spmm, transposed=False, vector=False)
+spmv_t = _define("spmv_t", runtime.spmv_t, transposed=True, vector=True)
+spmm_t = _define("spmm_t", runtime.spmm_t, transposed=True, vector=False)
+
+#: each op -> the op that computes its gradient w.r.t. the dense operand
+_ADJOINT = {"spmv": spmv_t, "spmm": spmm_t, "spmv_t": spmv, "spmm_t": spmm}
+
+
+def _register_autograd(name: str, op) -> None:
+    adjoint = _ADJOINT[name]
+
+    def setup_context(ctx, inputs, output):
+        crow, col, val, dense, n_rows, n_cols, fp = inputs
+        if val.requires_grad:
+            raise RuntimeError(
+                f"sparserl::{name}: the sparse values require grad, but sparserl does not "
+                "differentiate w.r.t. sparse values (only w.r.t. the dense operand). Detach them "
+                "(SparseRLTensor.detach(), or build the tensor from values.detach()), or keep "
+                "the weight dense while training it"
+            )
+        ctx.save_for_backward(crow, col, val)
+        ctx.dims = (n_rows, n_cols, fp)
+
+    def backward(ctx, grad):
+        crow, col, val = ctx.saved_tensors
+        n_rows, n_cols, fp = ctx.dims
+        gd = None
+        if ctx.needs_input_grad[3]:
+            gd = adjoint(crow, col, val, grad.contiguous(), n_rows, n_cols, fp)
+        return None, None, None, gd, None, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+for _name, _op in (("spmv", spmv), ("spmm", spmm), ("spmv_t", spmv_t), ("spmm_t", spmm_t)):
+    _register_autograd(_name, _op)
+
+__all__ = ["spmv", "spmm", "spmv_t", "spmm_t"]

@@ -1,0 +1,576 @@
+"""``SparseRLTensor``: a sparse matrix torch.compile can trace, and ``sparsify``/``sparsify_``.
+
+A ``SparseRLTensor`` is a traceable wrapper subclass (torchao style): to torch it is a
+strided 2-D tensor of the matrix's shape, dtype and device; inside it holds three ordinary
+dense tensors, the canonical CSR arrays (``tensor_data_names``: ``crow``, ``col``, ``val``;
+int32 indices, always), and as flatten metadata (``tensor_attribute_names``) the storage
+shape, the structure fingerprint and a ``transposed`` flag. Because the fingerprint is
+metadata, torch.compile guards on it: a new structure recompiles, new values with the same
+structure (``with_values``, an in-place update of ``val``) do not.
+
+What it supports:
+
+* products, routed to the ``torch.ops.sparserl`` custom ops (``ops.py``) at the
+  ``__torch_function__`` level, so autograd flows to the dense operand: ``A @ x``,
+  ``x @ A``, ``torch.mm``/``mv``/``matmul``/``addmm`` (either operand sparse),
+  ``F.linear(x, A, b)`` with ``A`` as the weight (``x @ A^T + b``), batched dense operands
+  in ``matmul`` (the batch is folded into the dense width);
+* ``to_dense()``, ``.to(device/dtype)``/``.cuda()``/``.cpu()``, ``detach``, ``clone``,
+  ``nnz``, ``crow_indices()``/``col_indices()``/``values()`` (the stored CSR), ``shape``,
+  ``dtype``, ``device``;
+* ``t()``/``.T``/``transpose(0, 1)``: free -- it flips the ``transposed`` flag and shares the
+  arrays; products with a transposed tensor run the ``*_t`` ops, whose runtime computes the
+  transposed pattern once per structure (memoized) and gives it its own kernel.
+
+Everything else raises ``NotImplementedError`` naming the op (convert with ``to_dense()``).
+Products at the aten level (reached only through decompositions) work but carry no autograd.
+Sparse values never get a gradient (see ``ops.py``).
+
+``SparseRLTensor.from_csr`` and ``sparsify`` validate once, on the host, with errors that say
+what is wrong and how to fix it: lengths, ``crow_indices[0] == 0``, ``crow_indices[-1] ==
+nnz``, non-decreasing ``crow_indices``, columns in range, index values that do not fit int32,
+value dtypes (float32, float16, bfloat16, float64; float64 always uses the reference path).
+Unsorted or duplicate column indices are canonicalized: duplicates are summed and each row
+sorted (scipy's canonical CSR), so the fingerprint names the pattern, not its storage order.
+NaN and inf values are allowed and propagate as in the reference (IEEE).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparserl_compile.structure import fingerprint as _fingerprint
+
+aten = torch.ops.aten
+
+_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INT32_MAX = 2**31 - 1
+
+_ATEN_TABLE: dict = {}
+_TORCH_FN_TABLE: dict = {}
+
+
+def implements(*funcs):
+    """Register the decorated handler for aten ops (OpOverload) or torch functions."""
+
+    def deco(fn):
+        for f in funcs:
+            if isinstance(f, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                _ATEN_TABLE[f] = fn
+            else:
+                _TORCH_FN_TABLE[f] = fn
+        return fn
+
+    return deco
+
+
+class SparseRLTensor(torch.Tensor):
+    """A CSR sparse matrix (int32 indices) that torch.compile traces; products go to sparserl."""
+
+    tensor_data_names = ["crow", "col", "val"]
+    tensor_attribute_names = ["n_rows", "n_cols", "fingerprint", "transposed"]
+
+    @staticmethod
+    def __new__(cls, crow, col, val, n_rows: int, n_cols: int, fingerprint: str, transposed: bool = False):
+        shape = (n_cols, n_rows) if transposed else (n_rows, n_cols)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=val.dtype, device=val.device, requires_grad=False
+        )
+
+    def __init__(self, crow, col, val, n_rows: int, n_cols: int, fingerprint: str, transposed: bool = False):
+        self.crow = crow
+        self.col = col
+        self.val = val
+        self.n_rows = n_rows
+        self.n_cols = n_cols
+        self.fingerprint = fingerprint
+        self.transposed = transposed
+
+    # ------------------------------------------------------------------ subclass protocol
+
+    def __tensor_flatten__(self):
+        return list(self.tensor_data_names), tuple(getattr(self, a) for a in self.tensor_attribute_names)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
+        return cls(*(inner_tensors[n] for n in cls.tensor_data_names), *ctx)
+
+    def _with(self, **changes) -> "SparseRLTensor":
+        """A tensor like this one with some inner tensors or attributes replaced."""
+        kw = {n: getattr(self, n) for n in self.tensor_data_names + self.tensor_attribute_names}
+        kw.update(changes)
+        return SparseRLTensor(**kw)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        handler = _TORCH_FN_TABLE.get(func)
+        if handler is not None:
+            return handler(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = _ATEN_TABLE.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"SparseRLTensor does not implement {func}: convert with .to_dense() first, "
+                "or use the products sparserl supports (@, mm, mv, matmul, addmm, linear)"
+            )
+        return handler(func, types, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return (
+            f"SparseRLTensor(shape={tuple(self.shape)}, nnz={self.nnz}, dtype={self.dtype}, "
+            f"device={self.device}, fingerprint={self.fingerprint[:12]}..., "
+            f"transposed={self.transposed})"
+        )
+
+    # ------------------------------------------------------------------ user API
+
+    @classmethod
+    def from_csr(cls, crow_indices, col_indices, values, shape, *, device=None) -> "SparseRLTensor":
+        """Validate, canonicalize and wrap CSR arrays (torch tensors or numpy arrays)."""
+        return _from_csr(crow_indices, col_indices, values, shape, device=device)
+
+    @property
+    def nnz(self) -> int:
+        """Number of stored nonzeros."""
+        return self.col.shape[0]
+
+    def crow_indices(self) -> torch.Tensor:
+        """The stored CSR row pointer (int32, of the untransposed matrix)."""
+        return self.crow
+
+    def col_indices(self) -> torch.Tensor:
+        """The stored CSR column indices (int32, sorted within rows)."""
+        return self.col
+
+    def values(self) -> torch.Tensor:
+        """The stored CSR values (in place updates keep the fingerprint: same structure)."""
+        return self.val
+
+    def with_values(self, values: torch.Tensor) -> "SparseRLTensor":
+        """The same structure (and fingerprint) with new values, e.g. a training step's weights."""
+        if values.shape != self.val.shape:
+            raise ValueError(
+                f"with_values: got {tuple(values.shape)} values for a pattern with nnz={self.nnz}"
+            )
+        if values.dtype not in _VALUE_DTYPES:
+            raise TypeError(f"with_values: dtype {values.dtype} unsupported; use one of {_VALUE_DTYPES}")
+        return self._with(val=values.to(self.val.device))
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _host_i64(a) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        if a.dtype.is_floating_point or a.dtype == torch.bool:
+            raise TypeError(f"CSR index arrays must be integers, got {a.dtype}")
+        return a.detach().cpu().numpy().astype(np.int64, copy=False).ravel()
+    a = np.asarray(a)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"CSR index arrays must be integers, got {a.dtype}")
+    return a.astype(np.int64, copy=False).ravel()
+
+
+def check_csr_arrays(crow: np.ndarray, col: np.ndarray, nnz_values: int, shape) -> None:
+    """Raise ``ValueError`` naming the first broken CSR invariant (host int64 arrays)."""
+    n_rows, n_cols = shape
+    if n_rows > _INT32_MAX or n_cols > _INT32_MAX or col.size > _INT32_MAX:
+        raise ValueError(
+            f"shape {n_rows}x{n_cols} with nnz={col.size} does not fit int32 indices; sparserl "
+            "kernels index with int32: split the matrix into blocks below 2^31"
+        )
+    if crow.size != n_rows + 1:
+        raise ValueError(
+            f"crow_indices has {crow.size} entries but the shape {n_rows}x{n_cols} needs "
+            f"n_rows + 1 = {n_rows + 1}: pass the matching shape"
+        )
+    if col.size != nnz_values:
+        raise ValueError(
+            f"{col.size} column indices but {nnz_values} values: the CSR tensor is malformed"
+        )
+    if crow[0] != 0:
+        raise ValueError(f"crow_indices[0] ({crow[0]}) != 0: the CSR tensor is malformed")
+    if crow[-1] != col.size:
+        raise ValueError(
+            f"crow_indices[-1] ({crow[-1]}) != nnz ({col.size}): the CSR tensor is malformed; "
+            "build it with check_invariants=True"
+        )
+    if n_rows:
+        bad = np.flatnonzero(np.diff(crow) < 0)
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(
+                f"crow_indices is not non-decreasing: crow_indices[{k + 1}] ({crow[k + 1]}) < "
+                f"crow_indices[{k}] ({crow[k]}); the CSR tensor is malformed"
+            )
+    if col.size:
+        lo, hi = int(col.min()), int(col.max())
+        if lo < 0 or hi >= n_cols:
+            raise ValueError(
+                f"column indices span [{lo}, {hi}] but n_cols is {n_cols}: an index is out of "
+                "range; fix the indices or pass the right shape"
+            )
+
+
+def _is_canonical(crow: np.ndarray, col: np.ndarray) -> bool:
+    """Columns strictly increasing within every row (sorted, no duplicates)."""
+    if col.size < 2:
+        return True
+    inner = np.ones(col.size - 1, dtype=bool)
+    starts = crow[1:-1]
+    starts = starts[(starts > 0) & (starts < col.size)]
+    inner[starts - 1] = False
+    return bool(np.all(np.diff(col)[inner] > 0))
+
+
+def _canonicalize(crow, col, val: torch.Tensor, shape):
+    """Sort each row's columns and sum duplicates (values summed on their device)."""
+    n_rows, n_cols = shape
+    rows = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(crow))
+    keys = rows * max(n_cols, 1) + col
+    order = np.argsort(keys, kind="stable")
+    uniq, inverse = np.unique(keys[order], return_inverse=True)
+    new_rows, new_col = uniq // max(n_cols, 1), uniq % max(n_cols, 1)
+    new_crow = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(new_rows, minlength=n_rows), out=new_crow[1:])
+    dev = val.device
+    summed = val.new_zeros(uniq.size).index_add_(
+        0, torch.from_numpy(inverse.astype(np.int64)).to(dev),
+        val[torch.from_numpy(order).to(dev)],
+    )
+    return new_crow, new_col, summed
+
+
+def _from_csr(crow, col, values, shape, *, device=None) -> SparseRLTensor:
+    if not isinstance(values, torch.Tensor):
+        values = torch.as_tensor(np.asarray(values))
+    values = values.detach()
+    if values.dtype not in _VALUE_DTYPES:
+        raise TypeError(
+            f"values dtype {values.dtype} is not supported: sparserl takes float32, float16, "
+            "bfloat16 or float64 (float64 uses the reference path); convert with .float()"
+        )
+    if values.dim() != 1:
+        raise ValueError(
+            f"values must be 1-D (one per nonzero), got shape {tuple(values.shape)}: batched or "
+            "hybrid sparse tensors are not supported"
+        )
+    if len(tuple(shape)) != 2:
+        raise ValueError(f"shape must be (n_rows, n_cols), got {tuple(shape)}")
+    n_rows, n_cols = (int(s) for s in shape)
+    if n_rows < 0 or n_cols < 0:
+        raise ValueError(f"shape {tuple(shape)} has a negative dimension")
+    dev = torch.device(device) if device is not None else values.device
+    ip, ix = _host_i64(crow), _host_i64(col)
+    check_csr_arrays(ip, ix, values.shape[0], (n_rows, n_cols))
+    if not _is_canonical(ip, ix):
+        ip, ix, values = _canonicalize(ip, ix, values, (n_rows, n_cols))
+    ip32, ix32 = ip.astype(np.int32), ix.astype(np.int32)
+    fp = _fingerprint(ip32, ix32, (n_rows, n_cols))
+    return SparseRLTensor(
+        torch.from_numpy(ip32).to(dev), torch.from_numpy(ix32).to(dev),
+        values.to(dev).contiguous(), n_rows, n_cols, fp,
+    )
+
+
+def sparsify(a, *, device=None) -> SparseRLTensor:
+    """A ``SparseRLTensor`` from a dense 2-D tensor, a torch sparse CSR/CSC/COO tensor (any
+    index dtype), a ``scipy.sparse`` matrix or a ``cupyx.scipy.sparse`` matrix.
+
+    Dense tensors keep their exact nonzeros (no threshold). Values are detached (sparse values
+    are not trained). ``device`` moves the result (default: where ``a`` lives; CPU for scipy).
+    """
+    if isinstance(a, SparseRLTensor):
+        return a if device is None else a.to(device)
+    if isinstance(a, torch.Tensor):
+        if a.layout == torch.strided:
+            if a.dim() != 2:
+                raise ValueError(f"sparsify needs a 2-D matrix, got a {a.dim()}-D tensor of shape {tuple(a.shape)}")
+            if a.dtype not in _VALUE_DTYPES:
+                raise TypeError(f"dense dtype {a.dtype} is not supported; convert with .float()")
+            a = a.detach().to_sparse_csr()
+        elif a.layout == torch.sparse_coo:
+            if a.sparse_dim() != 2 or a.dense_dim() != 0:
+                raise ValueError(
+                    f"sparsify needs a 2-D COO matrix without dense dimensions, got sparse_dim="
+                    f"{a.sparse_dim()}, dense_dim={a.dense_dim()}"
+                )
+            a = a.detach().coalesce()
+            idx = a.indices().cpu().numpy()
+            crow = np.zeros(a.shape[0] + 1, dtype=np.int64)
+            np.cumsum(np.bincount(idx[0], minlength=a.shape[0]), out=crow[1:])
+            return _from_csr(crow, idx[1], a.values(), a.shape, device=device)
+        elif a.layout == torch.sparse_csc:
+            a = a.detach().to_sparse_csr()
+        if a.layout != torch.sparse_csr:
+            raise TypeError(f"sparsify does not take layout {a.layout}; convert to CSR or COO first")
+        if a.dim() != 2 or a.values().dim() != 1:
+            raise ValueError(
+                f"sparsify needs a 2-D CSR matrix without batch or dense dimensions, got shape "
+                f"{tuple(a.shape)} with values of shape {tuple(a.values().shape)}"
+            )
+        return _from_csr(a.crow_indices(), a.col_indices(), a.values().detach(), a.shape, device=device)
+    mod = type(a).__module__
+    if mod.startswith("scipy.sparse"):
+        m = a.tocsr(copy=True)
+        m.sum_duplicates()
+        if m.dtype == np.float16 or m.dtype == np.float32 or m.dtype == np.float64:
+            vals = torch.from_numpy(np.ascontiguousarray(m.data))
+        else:
+            raise TypeError(f"scipy matrix dtype {m.dtype} is not supported; use .astype(np.float32)")
+        return _from_csr(m.indptr, m.indices, vals, m.shape, device=device)
+    if mod.startswith("cupyx") or mod.startswith("cupy"):
+        m = a.tocsr(copy=True)
+        m.sum_duplicates()
+        vals = torch.from_dlpack(m.data)
+        return _from_csr(torch.from_dlpack(m.indptr), torch.from_dlpack(m.indices), vals, m.shape,
+                         device=device)
+    raise TypeError(
+        f"sparsify cannot take a {type(a).__module__}.{type(a).__name__}: pass a dense or sparse "
+        "torch tensor, a scipy.sparse matrix or a cupyx.scipy.sparse matrix"
+    )
+
+
+def sparsify_(module: torch.nn.Module, min_sparsity: float = 0.5) -> torch.nn.Module:
+    """Replace, in place, the weight of every ``nn.Linear`` with at least ``min_sparsity`` of
+    exact zeros by a ``SparseRLTensor`` parameter (``requires_grad=False``: sparse weights are
+    frozen; train biases and dense layers as usual). Returns ``module``.
+    """
+    if not (0.0 <= float(min_sparsity) <= 1.0):
+        raise ValueError(f"min_sparsity={min_sparsity} must be a fraction in [0, 1]")
+    for sub in module.modules():
+        if not isinstance(sub, torch.nn.Linear) or isinstance(sub.weight, SparseRLTensor):
+            continue
+        w = sub.weight.detach()
+        if w.numel() == 0 or w.dtype not in _VALUE_DTYPES:
+            continue
+        zeros = float((w == 0).sum()) / w.numel()
+        if zeros >= min_sparsity:
+            sub.weight = torch.nn.Parameter(sparsify(w), requires_grad=False)
+    return module
+
+
+# ------------------------------------------------------------------------ products
+
+
+def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """op(A) @ X with op(A) = A, or A^T when ``transpose`` (on top of A's own flag); X 1/2-D."""
+    if not isinstance(X, torch.Tensor) or isinstance(X, SparseRLTensor) or X.layout != torch.strided:
+        raise NotImplementedError(
+            "sparserl multiplies a SparseRLTensor by a dense strided tensor only; "
+            f"got {type(X).__name__} (layout {getattr(X, 'layout', None)}): call .to_dense() on one operand"
+        )
+    t = A.transposed != transpose
+    m, k = (A.n_cols, A.n_rows) if t else (A.n_rows, A.n_cols)
+    if X.dtype != A.dtype:
+        raise ValueError(
+            f"dtype mismatch: the sparse matrix is {A.dtype} but the dense operand is {X.dtype}; "
+            f"convert one of them (e.g. x.to({A.dtype}))"
+        )
+    if X.device != A.device:
+        raise ValueError(
+            f"device mismatch: the sparse matrix is on {A.device} but the dense operand on "
+            f"{X.device}; move one with .to(device)"
+        )
+    if X.shape[0] != k:
+        raise ValueError(
+            f"shape mismatch: sparse ({m} x {k}) @ dense {tuple(X.shape)}: the dense operand "
+            f"needs {k} rows"
+        )
+    X = X.contiguous()
+    args = (A.crow, A.col, A.val, X, A.n_rows, A.n_cols, A.fingerprint)
+    if X.dim() == 1:
+        return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)
+    return torch.ops.sparserl.spmm_t(*args) if t else torch.ops.sparserl.spmm(*args)
+
+
+def _left(A: SparseRLTensor, B: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """op(A) @ B for a dense B of any rank >= 1 (matmul semantics, batch folded into width)."""
+    if B.dim() <= 2:
+        return _product(A, B, transpose)
+    k, n = B.shape[-2], B.shape[-1]
+    batch = B.shape[:-2]
+    y = _product(A, B.movedim(-2, 0).reshape(k, math.prod(batch) * n), transpose)
+    return y.reshape(y.shape[0], *batch, n).movedim(0, -2)
+
+
+def _right(B: torch.Tensor, A: SparseRLTensor, transpose: bool = False) -> torch.Tensor:
+    """B @ op(A) for a dense B of any rank >= 1: (op(A)^T @ B^T)^T."""
+    if B.dim() == 1:
+        return _product(A, B, not transpose)
+    x = B.reshape(math.prod(B.shape[:-1]), B.shape[-1])
+    y = _product(A, x.t(), not transpose)
+    return y.t().reshape(*B.shape[:-1], y.shape[0])
+
+
+def _two(args, kwargs, names):
+    vals = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    return vals
+
+
+@implements(torch.mm, torch.Tensor.mm)
+def _mm(func, types, args, kwargs):
+    a, b = _two(args, kwargs, ("input", "mat2"))
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"mm needs two 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    return _dispatch_pair(func, a, b)
+
+
+@implements(torch.mv, torch.Tensor.mv)
+def _mv(func, types, args, kwargs):
+    a, v = _two(args, kwargs, ("input", "vec"))
+    if not isinstance(a, SparseRLTensor) or v.dim() != 1:
+        raise NotImplementedError(f"{func.__name__}: needs a SparseRLTensor matrix and a 1-D dense vector")
+    return _product(a, v, False)
+
+
+@implements(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+def _matmul(func, types, args, kwargs):
+    a, b = _two(args, kwargs, ("input", "other"))
+    return _dispatch_pair(func, a, b)
+
+
+@implements(torch.Tensor.__rmatmul__)
+def _rmatmul(func, types, args, kwargs):
+    a, b = args  # a.__rmatmul__(b) == b @ a
+    return _dispatch_pair(func, b, a)
+
+
+def _dispatch_pair(func, a, b):
+    sa, sb = isinstance(a, SparseRLTensor), isinstance(b, SparseRLTensor)
+    if sa and sb:
+        raise NotImplementedError(
+            f"{getattr(func, '__name__', func)}: sparse @ sparse is not supported; convert one "
+            "operand with .to_dense()"
+        )
+    if sa:
+        if b.dim() == 0:
+            raise ValueError("matmul of a matrix and a 0-D tensor is not defined")
+        return _left(a, b)
+    if a.dim() == 0:
+        raise ValueError("matmul of a 0-D tensor and a matrix is not defined")
+    return _right(a, b)
+
+
+@implements(torch.addmm, torch.Tensor.addmm)
+def _addmm(func, types, args, kwargs):
+    inp, m1, m2 = _two(args, kwargs, ("input", "mat1", "mat2"))
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if isinstance(inp, SparseRLTensor):
+        raise NotImplementedError("addmm with a SparseRLTensor as the added input: use .to_dense()")
+    if m1.dim() != 2 or m2.dim() != 2:
+        raise ValueError(f"addmm needs 2-D mat1 and mat2, got {tuple(m1.shape)} and {tuple(m2.shape)}")
+    p = _dispatch_pair(func, m1, m2)
+    if alpha != 1:
+        p = p * alpha
+    if beta == 0:
+        return p
+    return p + inp * beta if beta != 1 else p + inp
+
+
+@implements(F.linear)
+def _linear(func, types, args, kwargs):
+    x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if not isinstance(w, SparseRLTensor) or isinstance(x, SparseRLTensor):
+        raise NotImplementedError("F.linear: sparserl takes a SparseRLTensor weight and a dense input")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"linear: input has {x.shape[-1]} features but the sparse weight {tuple(w.shape)} "
+            f"expects {w.shape[1]}"
+        )
+    y = _right(x, w, transpose=True)
+    return y if bias is None else y + bias
+
+
+def _dense(A: SparseRLTensor) -> torch.Tensor:
+    rows = torch.repeat_interleave(
+        torch.arange(A.n_rows, device=A.device), (A.crow[1:] - A.crow[:-1]).long(),
+        output_size=A.nnz,
+    )
+    out = A.val.new_zeros((A.n_rows, A.n_cols))
+    out = out.index_put((rows, A.col.long()), A.val)
+    return out.t().contiguous() if A.transposed else out
+
+
+@implements(torch.Tensor.to_dense)
+def _to_dense(func, types, args, kwargs):
+    return _dense(args[0])
+
+
+# ------------------------------------------------------------------------ aten level
+
+
+@implements(aten.detach.default)
+def _detach(func, types, args, kwargs):
+    a = args[0]
+    return a._with(crow=a.crow.detach(), col=a.col.detach(), val=a.val.detach())
+
+
+@implements(aten.clone.default)
+def _clone(func, types, args, kwargs):
+    a = args[0]
+    return a._with(crow=a.crow.clone(), col=a.col.clone(), val=a.val.clone())
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, types, args, kwargs):
+    a = args[0]
+    dtype = kwargs.get("dtype") or a.dtype
+    device = kwargs.get("device") or a.device
+    if dtype not in _VALUE_DTYPES:
+        raise TypeError(f"SparseRLTensor values cannot be {dtype}; use one of {_VALUE_DTYPES}")
+    return a._with(crow=a.crow.to(device), col=a.col.to(device), val=a.val.to(device=device, dtype=dtype))
+
+
+@implements(aten.t.default)
+def _t(func, types, args, kwargs):
+    return args[0]._with(transposed=not args[0].transposed)
+
+
+@implements(aten.transpose.int)
+def _transpose(func, types, args, kwargs):
+    a, d0, d1 = args
+    if {d0 % 2, d1 % 2} == {0, 1}:
+        return a._with(transposed=not a.transposed)
+    if d0 % 2 == d1 % 2:
+        return a
+    raise NotImplementedError(f"transpose({d0}, {d1}) of a 2-D SparseRLTensor")
+
+
+@implements(aten.permute.default)
+def _permute(func, types, args, kwargs):
+    a, dims = args
+    dims = [d % 2 for d in dims]
+    if dims == [1, 0]:
+        return a._with(transposed=not a.transposed)
+    if dims == [0, 1]:
+        return a
+    raise NotImplementedError(f"permute({dims}) of a 2-D SparseRLTensor")
+
+
+@implements(aten.mm.default)
+def _aten_mm(func, types, args, kwargs):
+    return _dispatch_pair(func, args[0], args[1])
+
+
+@implements(aten.mv.default)
+def _aten_mv(func, types, args, kwargs):
+    return _product(args[0], args[1], False)
+
+
+@implements(aten.addmm.default)
+def _aten_addmm(func, types, args, kwargs):
+    return _addmm(func, types, args, kwargs)
+
+
+__all__ = ["SparseRLTensor", "sparsify", "sparsify_", "check_csr_arrays", "implements"]

@@ -1,0 +1,314 @@
+"""SparseRLTensor and sparsify: construction, validation, canonicalization, products vs scipy."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sparserl_compile as S
+from sparserl_compile.matrices import load_npz
+from sparserl_compile.structure import fingerprint
+from sparserl_compile.tensor import SparseRLTensor
+
+warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+def rand_csr(n_rows, n_cols, density=0.3, seed=0, long_row=None, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    m = sp.random(n_rows, n_cols, density=density, format="lil", random_state=rng, dtype=np.float64)
+    if long_row is not None and n_rows:
+        m[long_row, :] = rng.standard_normal(n_cols)
+    m = sp.csr_matrix(m)
+    m.sort_indices()
+    return m.astype(dtype)
+
+
+def check_close(got: torch.Tensor, want: np.ndarray, dtype):
+    tol = TOL[dtype]
+    scale = max(1.0, float(np.abs(want).max()) if want.size else 1.0)
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=tol, atol=tol * scale)
+
+
+# ---------------------------------------------------------------- construction
+
+
+def test_sparsify_inputs_agree_and_use_int32():
+    m = rand_csr(9, 7, seed=1)
+    dense = torch.from_numpy(m.toarray())
+    csr64 = dense.to_sparse_csr()
+    csr32 = torch.sparse_csr_tensor(csr64.crow_indices().int(), csr64.col_indices().int(), csr64.values(), m.shape)
+    coo = dense.to_sparse()
+    tensors = [S.sparsify(a) for a in (dense, csr64, csr32, coo, m, m.tocoo(), m.tocsc())]
+    fps = {t.fingerprint for t in tensors}
+    assert fps == {fingerprint(m.indptr, m.indices, m.shape)}
+    for t in tensors:
+        assert isinstance(t, SparseRLTensor)
+        assert t.crow.dtype == torch.int32 and t.col.dtype == torch.int32
+        assert t.shape == m.shape and t.dtype == torch.float64 and t.nnz == m.nnz
+        torch.testing.assert_close(t.to_dense(), dense)
+
+
+def test_sparsify_is_idempotent_and_keeps_values_frozen():
+    w = torch.randn(4, 5, requires_grad=True)
+    a = S.sparsify(w)
+    assert not a.val.requires_grad and not a.requires_grad
+    assert S.sparsify(a) is a
+
+
+def test_unsorted_and_duplicate_indices_are_canonicalized():
+    crow = torch.tensor([0, 3, 3, 5])
+    col = torch.tensor([2, 0, 2, 1, 1])  # row 0 unsorted with a duplicate; row 2 duplicate
+    val = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    a = SparseRLTensor.from_csr(crow, col, val, (3, 3))
+    want = sp.csr_matrix((val.numpy(), col.numpy(), crow.numpy()), shape=(3, 3))
+    want.sum_duplicates()
+    assert a.col.tolist() == want.indices.tolist() and a.crow.tolist() == want.indptr.tolist()
+    torch.testing.assert_close(a.to_dense(), torch.from_numpy(want.toarray()).float())
+    assert a.fingerprint == fingerprint(want.indptr, want.indices, (3, 3))
+
+
+@pytest.mark.parametrize(
+    "crow, col, shape, match",
+    [
+        ([0, 1, 3], [0, 1], (2, 3), r"crow_indices\[-1\] \(3\) != nnz \(2\).*check_invariants=True"),
+        ([0, 2, 1, 2], [0, 1], (3, 3), r"crow_indices\[2\] \(1\) < crow_indices\[1\] \(2\)"),
+        ([0, 1, 2], [0, 3], (2, 3), r"column indices span \[0, 3\] but n_cols is 3"),
+        ([0, 1, 2], [0, -1], (2, 3), r"column indices span \[-1, 0\]"),
+        ([0, 1], [0, 1], (2, 3), r"crow_indices has 2 entries.*n_rows \+ 1 = 3"),
+        ([1, 1, 2], [0, 1], (2, 3), r"crow_indices\[0\] \(1\) != 0"),
+        ([0, 1, 2], [0, 0], (2**31, 3), r"does not fit int32"),
+    ],
+)
+def test_malformed_csr_errors_say_what_is_wrong(crow, col, shape, match):
+    with pytest.raises(ValueError, match=match):
+        SparseRLTensor.from_csr(torch.tensor(crow), torch.tensor(col), torch.ones(len(col)), shape)
+
+
+def test_value_dtype_errors():
+    with pytest.raises(TypeError, match=r"int64 is not supported.*float\(\)"):
+        SparseRLTensor.from_csr(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([3]), (1, 1))
+    with pytest.raises(TypeError, match="float"):
+        S.sparsify(torch.eye(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cannot take a builtins.list"):
+        S.sparsify([[1.0]])
+
+
+def test_dense_operand_mismatches():
+    a = S.sparsify(rand_csr(4, 3, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"dtype mismatch.*float32.*float64"):
+        a @ torch.ones(3, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"shape mismatch.*needs 3 rows"):
+        a @ torch.ones(4, 2)
+    with pytest.raises(ValueError, match="device mismatch"):
+        a @ torch.ones(3, 2, device="meta")
+    with pytest.raises(NotImplementedError, match="sparse @ sparse"):
+        a @ a.t()
+
+
+def test_unimplemented_op_names_the_op():
+    a = S.sparsify(rand_csr(3, 3))
+    with pytest.raises(NotImplementedError, match="aten.sin"):
+        torch.sin(a)
+    with pytest.raises(NotImplementedError, match="aten.add"):
+        a + 1
+
+
+def test_tensor_protocol_and_basic_ops():
+    m = rand_csr(5, 4, seed=3, dtype=np.float32)
+    a = S.sparsify(m)
+    names, ctx = a.__tensor_flatten__()
+    b = SparseRLTensor.__tensor_unflatten__({n: getattr(a, n) for n in names}, ctx, a.shape, a.stride())
+    assert b.fingerprint == a.fingerprint and b.shape == a.shape
+    for c in (a.detach(), a.clone(), a.to("cpu"), a.cpu()):
+        assert isinstance(c, SparseRLTensor) and c.fingerprint == a.fingerprint
+        torch.testing.assert_close(c.to_dense(), a.to_dense())
+    d = a.to(torch.float64)
+    assert d.dtype == torch.float64 and d.val.dtype == torch.float64 and d.crow.dtype == torch.int32
+    c = a.clone()
+    assert c.val.data_ptr() != a.val.data_ptr()
+    assert "nnz=" in repr(a) and a.fingerprint[:12] in repr(a)
+    assert a.t().shape == (4, 5) and a.T.shape == (4, 5) and a.transpose(0, 1).shape == (4, 5)
+    assert a.t().t().transposed is False
+    torch.testing.assert_close(a.t().to_dense(), torch.from_numpy(m.toarray().T))
+    v = a.with_values(a.values() * 2)
+    assert v.fingerprint == a.fingerprint
+    torch.testing.assert_close(v.to_dense(), 2 * a.to_dense())
+
+
+# ---------------------------------------------------------------- products
+
+
+@st.composite
+def matrices(draw):
+    n_rows = draw(st.integers(0, 12))
+    n_cols = draw(st.integers(1, 12))
+    density = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+    long_row = draw(st.one_of(st.none(), st.integers(0, max(n_rows - 1, 0)))) if n_rows else None
+    return rand_csr(n_rows, n_cols, density, draw(st.integers(0, 2**16)), long_row)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=matrices(), n=st.integers(1, 5), dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_products_match_scipy_float64(m, n, dtype):
+    a = S.sparsify(m).to(dtype)
+    dense = m.toarray()
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((m.shape[1], n))
+    Xr = rng.standard_normal((n, m.shape[0]))
+    v = rng.standard_normal(m.shape[1])
+    t = lambda z: torch.from_numpy(z).to(dtype)  # noqa: E731
+    check_close(a @ t(X), dense @ X, dtype)
+    check_close(torch.mm(a, t(X)), dense @ X, dtype)
+    check_close(a @ t(v), dense @ v, dtype)
+    check_close(torch.mv(a, t(v)), dense @ v, dtype)
+    check_close(t(Xr) @ a, Xr @ dense, dtype)
+    check_close(a.t() @ t(Xr.T.copy()), dense.T @ Xr.T, dtype)
+    check_close(torch.matmul(t(X.T.copy()), a.t()), X.T @ dense.T, dtype)
+    bias = rng.standard_normal(m.shape[0])
+    check_close(F.linear(t(X.T.copy()), a, t(bias)), X.T @ dense.T + bias, dtype)
+    check_close(torch.addmm(t(bias[:, None]), a, t(X), beta=0.5, alpha=2.0), 0.5 * bias[:, None] + 2 * dense @ X, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_products(dtype):
+    m = rand_csr(20, 15, 0.3, seed=5)
+    a = S.sparsify(m).to(dtype)
+    X = torch.randn(15, 3).to(dtype)
+    y = a @ X
+    assert y.dtype == dtype and y.shape == (20, 3)
+    check_close(y, m.toarray() @ X.double().numpy(), dtype)
+
+
+def test_batched_matmul_and_noncontiguous_operands():
+    m = rand_csr(6, 5, seed=7)
+    a = S.sparsify(m)
+    B = torch.randn(3, 5, 4, dtype=torch.float64)
+    want = np.einsum("ik,bkn->bin", m.toarray(), B.numpy())
+    check_close(a @ B, want, torch.float64)
+    Xt = torch.randn(4, 5, dtype=torch.float64).t()  # transposed, non-contiguous
+    assert not Xt.is_contiguous()
+    check_close(a @ Xt, m.toarray() @ Xt.numpy(), torch.float64)
+    x3 = torch.randn(2, 3, 6, dtype=torch.float64)
+    check_close(x3 @ a, x3.numpy() @ m.toarray(), torch.float64)
+    x3w = torch.randn(2, 3, 5, dtype=torch.float64)
+    check_close(F.linear(x3w, a), x3w.numpy() @ m.toarray().T, torch.float64)
+
+
+def test_empty_and_degenerate_shapes_return_zeros():
+    for shape in [(0, 4), (4, 3), (1, 1)]:
+        a = SparseRLTensor.from_csr(torch.zeros(shape[0] + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                    torch.zeros(0), shape)
+        y = a @ torch.randn(shape[1], 2)
+        assert y.shape == (shape[0], 2) and not y.any()
+        assert (a @ torch.randn(shape[1])).shape == (shape[0],)
+        assert (torch.randn(2, shape[0]) @ a).shape == (2, shape[1])
+
+
+def test_nan_values_follow_ieee_like_the_reference():
+    m = rand_csr(6, 6, 0.5, seed=2)
+    m.data[0] = np.nan
+    a = S.sparsify(m)
+    X = np.random.default_rng(0).standard_normal((6, 3))
+    y = (a @ torch.from_numpy(X)).numpy()
+    want = m.toarray() @ X
+    assert np.array_equal(np.isnan(y), np.isnan(want))
+    np.testing.assert_allclose(y[~np.isnan(y)], want[~np.isnan(want)], rtol=1e-10)
+
+
+def test_sparse_values_requiring_grad_raise_a_clear_error():
+    a = S.sparsify(rand_csr(3, 3))
+    b = a.with_values(a.values().clone().requires_grad_(True))
+    with pytest.raises(RuntimeError, match="does not differentiate w.r.t. sparse values"):
+        b @ torch.randn(3, 2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", ["cora_adj", "rajat01", "ISPD98_ibm01"])
+def test_real_matrices_match_scipy(shared_matrices, name):
+    m = load_npz(shared_matrices / f"{name}.npz")
+    a = S.sparsify(m)
+    X = np.random.default_rng(1).standard_normal((m.shape[1], 4)).astype(np.float32)
+    want = m.astype(np.float64) @ X.astype(np.float64)
+    check_close(a @ torch.from_numpy(X), want, torch.float32)
+    x = X[:, 0].copy()
+    check_close(a @ torch.from_numpy(x), want[:, 0], torch.float32)
+    r = np.random.default_rng(2).standard_normal(m.shape[0]).astype(np.float32)
+    check_close(torch.from_numpy(r) @ a, r.astype(np.float64) @ m.astype(np.float64).toarray(), torch.float32)
+
+
+# ---------------------------------------------------------------- modules
+
+
+def test_sparsify_swaps_only_sparse_linears():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    with torch.no_grad():
+        model[0].weight.mul_((torch.rand_like(model[0].weight) > 0.7).float())
+    x = torch.randn(5, 8)
+    want = model(x)
+    assert S.sparsify_(model, min_sparsity=0.5) is model
+    assert isinstance(model[0].weight, SparseRLTensor) and isinstance(model[0].weight, torch.nn.Parameter)
+    assert not model[0].weight.requires_grad
+    assert not isinstance(model[2].weight, SparseRLTensor)
+    torch.testing.assert_close(model(x), want)
+    with pytest.raises(ValueError, match="min_sparsity"):
+        S.sparsify_(model, min_sparsity=1.5)
+
+
+def gcn_step_losses(adj: SparseRLTensor, feats, labels, steps=8, forward=None):
+    torch.manual_seed(0)
+    w1 = torch.nn.Parameter(torch.randn(feats.shape[1], 16) * 0.1)
+    w2 = torch.nn.Parameter(torch.randn(16, int(labels.max()) + 1) * 0.1)
+    opt = torch.optim.Adam([w1, w2], lr=0.05)
+
+    def fwd(adj, feats, w1, w2):
+        h = torch.relu(adj @ (feats @ w1))
+        return adj @ (h @ w2)
+
+    fwd = forward(fwd) if forward else fwd
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(fwd(adj, feats, w1, w2), labels)
+        loss.backward()
+        assert torch.isfinite(w1.grad).all() and torch.isfinite(w2.grad).all()
+        assert w1.grad.abs().sum() > 0
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def normalized_adjacency(n=60, seed=0):
+    m = rand_csr(n, n, 0.08, seed=seed) + sp.eye(n)
+    m.data[:] = 1.0
+    d = np.asarray(m.sum(1)).ravel() ** -0.5
+    return sp.diags(d) @ m @ sp.diags(d)
+
+
+def test_gcn_training_step_loss_falls():
+    adj = S.sparsify(sp.csr_matrix(normalized_adjacency()).astype(np.float32))
+    feats = torch.randn(60, 10)
+    labels = torch.randint(0, 3, (60,))
+    losses = gcn_step_losses(adj, feats, labels)
+    assert losses[-1] < losses[0] * 0.9
+
+
+@pytest.mark.gpu
+def test_products_on_cuda_match_scipy():
+    m = rand_csr(300, 200, 0.05, seed=4, long_row=7)
+    a = S.sparsify(m, device="cuda").float()
+    assert a.device.type == "cuda" and a.crow.device.type == "cuda"
+    X = np.random.default_rng(0).standard_normal((200, 8))
+    check_close((a @ torch.from_numpy(X).float().cuda()).cpu(), m @ X, torch.float32)
+    check_close((a @ torch.from_numpy(X[:, 0].copy()).float().cuda()).cpu(), m @ X[:, 0], torch.float32)
+    Xh = torch.from_numpy(X).half().cuda()
+    check_close((a.half() @ Xh).cpu(), m @ Xh.double().cpu().numpy(), torch.float16)
+    torch.testing.assert_close(a.cpu().to_dense(), torch.from_numpy(m.toarray()).float())
