@@ -223,15 +223,17 @@ def _run_nvrtc(src: str, arch: str, options: tuple[str, ...]) -> tuple[bytes | N
         opts = [f"--gpu-architecture={arch}", f"-I{cuda_include_dir()}", *options]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        # bytearray, never b" " * size: for size 1 that is CPython's shared one-byte b" "
+        # object, and NVRTC writing its NUL into it turns every b" " in the process into b"\0"
+        buf = bytearray(size)
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        log = buf.rstrip(b"\0").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\0").decode(errors="replace")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return None, log
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
