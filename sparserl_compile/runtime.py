@@ -371,6 +371,22 @@ def _kernel_plan(problem, device, cubin: bytes, header, source: str) -> KernelPl
     return KernelPlan(header, kernel, fd, arrays, source)
 
 
+_pool = None
+
+
+def _sandbox_pool():
+    """The runtime's one sandbox worker for verification (started on the first search)."""
+    global _pool
+    if _pool is None:
+        import atexit
+
+        from sparserl_compile.sandbox import SandboxPool
+
+        _pool = SandboxPool(1)
+        atexit.register(_pool.close)
+    return _pool
+
+
 def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
     problem = _problem(op, crow, col, val, x, n_rows, n_cols, fp)
     store = key = None
@@ -395,7 +411,7 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
         return ReferencePlan(f"provider {provider.name!r} proposed no candidates")
     from sparserl_compile import select
 
-    choice = select.choose(problem, cands)
+    choice = select.choose(problem, cands, pool=_sandbox_pool())
     record = dict(getattr(choice, "record", None) or {})
     if choice.candidate is None:
         plan: Plan = ReferencePlan("no candidate beat the reference")
@@ -410,7 +426,9 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
                 key=key, cubin=None if cand is None else choice.cubin,
                 source="" if cand is None else cand.source,
                 header="" if cand is None else cand.header.render(),
-                times=dict(record.get("times", {})), verification=record,
+                times={"kernel_us": getattr(choice, "kernel_us", None),
+                       "reference_us": getattr(choice, "reference_us", None)},
+                verification=record,
             ))
         except Exception as e:
             _log_once("could not write the kernel cache", fp, f"{type(e).__name__}: {e}")

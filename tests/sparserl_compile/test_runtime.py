@@ -1,0 +1,295 @@
+"""The runtime's path of one call: plan table, counters, providers, cache verdicts, fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import sparserl_compile as S
+from sparserl_compile import contract, providers, runtime
+from sparserl_compile.structure import fingerprint
+
+
+@pytest.fixture(autouse=True)
+def fresh_runtime():
+    runtime.configure(provider="reference", k=4, cache=True, kernels=True)
+    runtime.clear()
+    runtime.reset_stats()
+    yield
+    runtime.configure(provider="reference", k=4, cache=True, kernels=True)
+    runtime.clear()
+
+
+def matrix(n_rows=30, n_cols=20, seed=0):
+    m = sp.random(n_rows, n_cols, density=0.2, format="csr", random_state=seed, dtype=np.float32)
+    m.sort_indices()
+    return m
+
+
+class RecordingProvider:
+    name = "recording"
+
+    def __init__(self, cands=()):
+        self.problems = []
+        self.cands = list(cands)
+
+    def candidates(self, problem, k):
+        self.problems.append((problem, k))
+        return self.cands[:k]
+
+
+def a_candidate() -> contract.Candidate:
+    src = ("// sparserl op=spmm format=csr dtype=f32 index=i32\n"
+           "// launch block=128 work=rows per_block=1 tile_n=0 smem=0 zero_output=0 n_align=1\n"
+           + contract.signature_c("spmm", "csr", "f32") + " {}\n")
+    return contract.Candidate(src, contract.parse_header(src), family="test")
+
+
+def test_table_hits_and_misses_are_counted():
+    a = S.sparsify(matrix())
+    x = torch.randn(20, 8)
+    for _ in range(3):
+        a @ x
+    a @ torch.randn(20, 5)  # width 5 -> bucket 8: the same plan
+    a @ torch.randn(20, 9)  # bucket 16: a new plan
+    a @ torch.randn(20)  # spmv: a new plan
+    st = runtime.stats()
+    assert (st.calls, st.misses, st.hits) == (6, 3, 3)
+    assert st.reference_calls == 6 and st.kernel_calls == 0 and st.fallbacks == 0
+    keys = set(runtime.plans())
+    assert {(k[1], k[2]) for k in keys} == {("spmm", 8), ("spmm", 16), ("spmv", 1)}
+    assert all(k[0] == a.fingerprint and k[4] == "cpu" for k in keys)
+    assert all("GPU-only" in p.reason for p in runtime.plans().values())
+
+
+def test_cpu_never_asks_the_provider():
+    rec = RecordingProvider([a_candidate()])
+    runtime.configure(provider=rec)
+    S.sparsify(matrix()) @ torch.randn(20, 4)
+    assert rec.problems == [] and runtime.stats().searches == 0
+
+
+def test_configure_validates_and_clears_the_table():
+    S.sparsify(matrix()) @ torch.randn(20, 4)
+    assert runtime.plans()
+    cfg = runtime.configure(k=2)
+    assert cfg.k == 2 and runtime.get_config().k == 2 and not runtime.plans()
+    with pytest.raises(ValueError, match="number of candidates"):
+        runtime.configure(k=0)
+    with pytest.raises(TypeError, match=r"unknown settings \['bogus'\]"):
+        runtime.configure(bogus=1)
+    with pytest.raises(TypeError, match="True or False"):
+        runtime.configure(cache="yes")
+
+
+def test_provider_resolution():
+    assert providers.set_provider("reference").name == "reference"
+    assert providers.get_provider().candidates(None, 3) == []
+    with pytest.raises(ValueError, match="unknown provider 'nope'"):
+        providers.set_provider("nope")
+    with pytest.raises(TypeError, match="is not a provider"):
+        providers.set_provider(object())
+    for name in ("search", "policy"):
+        try:
+            p = providers.resolve(name)
+        except ImportError as e:  # not installed here: the message says what to do
+            assert name in str(e) and "set_provider('reference')" in str(e)
+        except OSError as e:  # installed, but e.g. no trained checkpoint: its own message
+            assert "checkpoint" in str(e)
+        else:
+            assert hasattr(p, "candidates")
+
+
+def test_problem_validation():
+    m = matrix()
+    kw = dict(op="spmm", dtype="f32", n=4, n_rows=30, n_cols=20, nnz=m.nnz,
+              indptr=m.indptr.astype(np.int32), indices=m.indices.astype(np.int32),
+              fingerprint="x", arch="sm_90")
+    assert providers.Problem(**kw).nnz == m.nnz
+    with pytest.raises(ValueError, match="float64 products always use the reference"):
+        providers.Problem(**{**kw, "dtype": "f64"})
+    with pytest.raises(ValueError, match="do not match its shape"):
+        providers.Problem(**{**kw, "n_rows": 31})
+    with pytest.raises(ValueError, match="int32"):
+        providers.Problem(**{**kw, "indptr": m.indptr.astype(np.int64)})
+
+
+def test_transposed_pattern_is_memoized_with_its_own_fingerprint():
+    m = matrix(7, 5, seed=3)
+    a = S.sparsify(m)
+    tp = runtime.transpose_pattern(a.crow, a.col, 7, 5, a.fingerprint)
+    mt = m.T.tocsr()
+    mt.sort_indices()
+    assert tp.fingerprint == fingerprint(mt.indptr, mt.indices, (5, 7))
+    assert tp.crow.tolist() == mt.indptr.tolist() and tp.col.tolist() == mt.indices.tolist()
+    np.testing.assert_array_equal(tp.values(a.val).numpy(), mt.data)
+    assert runtime.transpose_pattern(a.crow, a.col, 7, 5, a.fingerprint) is tp
+    v = tp.values(a.val)
+    assert tp.values(a.val) is v  # same tensor, same version: no re-gather
+    a.val.mul_(2)
+    np.testing.assert_array_equal(tp.values(a.val).numpy(), 2 * mt.data)  # in place -> re-gathered
+
+
+# ------------------------------------------------------------- the kernel path, forced on CPU
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    monkeypatch.setattr(runtime, "kernels_possible", lambda device: True)
+    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_test")
+
+
+def test_failure_in_the_kernel_path_falls_back_and_logs_once(kernels_on_cpu, monkeypatch, caplog):
+    rec = RecordingProvider([a_candidate()])
+    runtime.configure(provider=rec, cache=False, k=3)
+    import sparserl_compile as pkg
+
+    class Boom:
+        @staticmethod
+        def choose(problem, candidates, **kw):
+            raise RuntimeError("nvrtc exploded")
+
+    monkeypatch.setattr(runtime, "_sandbox_pool", lambda: None)
+    monkeypatch.setattr(pkg, "select", Boom, raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "sparserl_compile.select", Boom)
+    m = matrix()
+    a = S.sparsify(m)
+    x = torch.randn(20, 4)
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.runtime"):
+        y1 = a @ x
+        y2 = a @ x
+    np.testing.assert_allclose(y1.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y1, y2)
+    p, k = rec.problems[0]
+    assert k == 3 and p.op == "spmm" and p.n == 4 and p.dtype == "f32" and p.arch == "sm_test"
+    assert p.fingerprint == a.fingerprint and np.array_equal(p.indices, m.indices)
+    st = runtime.stats()
+    assert st.fallbacks == 1 and st.searches == 1 and st.reference_calls == 2
+    assert len([r for r in caplog.records if "nvrtc exploded" in r.getMessage()]) == 1
+
+
+def test_empty_candidate_list_means_reference(kernels_on_cpu):
+    rec = RecordingProvider([])
+    runtime.configure(provider=rec, cache=False)
+    S.sparsify(matrix()) @ torch.randn(20, 2)
+    (plan,) = runtime.plans().values()
+    assert plan.kind == "reference" and "proposed no candidates" in plan.reason
+    assert runtime.stats().fallbacks == 0
+
+
+def test_float64_and_disabled_kernels_skip_the_search(kernels_on_cpu):
+    rec = RecordingProvider([a_candidate()])
+    runtime.configure(provider=rec, cache=False)
+    S.sparsify(matrix()).double() @ torch.randn(20, 2, dtype=torch.float64)
+    runtime.configure(kernels=False)
+    S.sparsify(matrix()) @ torch.randn(20, 2)
+    assert rec.problems == []
+    reasons = sorted(p.reason for p in runtime.plans().values())
+    assert any("kernels disabled" in r for r in reasons)
+
+
+def test_cached_reference_verdict_is_used_without_a_search(kernels_on_cpu, monkeypatch):
+    from sparserl_compile import cache
+
+    def key_for(problem, device):
+        return cache.CacheKey(problem.fingerprint, problem.op, problem.dtype, cache.width_bucket(problem.n),
+                              problem.arch, "test-gpu", "0", "0")
+
+    monkeypatch.setattr(runtime, "_cache_key", key_for)
+    a = S.sparsify(matrix())
+    p = runtime._problem("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
+    cache.KernelCache.default().put(cache.CacheEntry(key=key_for(p, None), cubin=None))
+    rec = RecordingProvider([a_candidate()])
+    runtime.configure(provider=rec)
+    a @ torch.randn(20, 4)
+    (plan,) = runtime.plans().values()
+    assert "cached verdict" in plan.reason
+    assert rec.problems == [] and runtime.stats().cache_hits == 1
+
+
+class FakeKernel:
+    """Stands in for launcher.LoadedKernel: computes CSR SpMM on the CPU, or fails."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.launches = 0
+
+    def launch(self, args, grid, block, smem):
+        self.launches += 1
+        if self.fail:
+            raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
+        n_rows, n_cols, n, row_ptr, col_idx, vals, x, y = args
+        y.copy_(runtime.reference_product(row_ptr, col_idx, vals, x, int(n_rows), int(n_cols)))
+
+
+def install_kernel_plan(a, width, kernel):
+    from sparserl_compile import formats
+
+    cand = a_candidate()
+    m_ip, m_ix = a.crow.numpy(), a.col.numpy()
+    fd = formats.convert(m_ip, m_ix, (a.n_rows, a.n_cols), "csr")
+    plan = runtime.KernelPlan(cand.header, kernel, fd, formats.to_device(fd, "cpu"), cand.source)
+    key = (a.fingerprint, "spmm", runtime.width_bucket(width), a.dtype, runtime.device_arch(a.device))
+    runtime._table[key] = plan
+    return key
+
+
+def test_kernel_plan_runs_the_kernel(kernels_on_cpu):
+    m = matrix()
+    a = S.sparsify(m)
+    k = FakeKernel()
+    install_kernel_plan(a, 4, k)
+    x = torch.randn(20, 4)
+    y = a @ x
+    assert k.launches == 1 and runtime.stats().kernel_calls == 1
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_launch_failure_falls_back_and_replaces_the_plan(kernels_on_cpu, caplog):
+    m = matrix()
+    a = S.sparsify(m)
+    k = FakeKernel(fail=True)
+    key = install_kernel_plan(a, 4, k)
+    x = torch.randn(20, 4)
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.runtime"):
+        y = a @ x
+        a @ x
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert k.launches == 1  # the failed plan is gone after the first failure
+    assert runtime.plans()[key].kind == "reference" and "launch failed" in runtime.plans()[key].reason
+    assert runtime.stats().fallbacks == 1
+    assert sum("CUDA_ERROR_LAUNCH_FAILED" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_reference_and_plan_key():
+    m = matrix(200, 150, seed=2)
+    a = S.sparsify(m, device="cuda")
+    x = torch.randn(150, 16, device="cuda")
+    y = a @ x
+    np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
+    (key,) = runtime.plans()
+    assert key[4].startswith("sm_")
+    assert runtime.stats().fallbacks == 0 or runtime.stats().reference_calls == 1
+
+
+@pytest.mark.gpu
+def test_cuda_search_end_to_end_is_correct_and_cached():
+    """provider=search on the GPU: candidates -> select -> kernel (or reference) -> disk cache."""
+    runtime.configure(provider="search", k=2)
+    m = matrix(2000, 2000, seed=5)
+    a = S.sparsify(m, device="cuda")
+    x = torch.randn(2000, 8, device="cuda")
+    y = a @ x
+    np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
+    st = runtime.stats()
+    assert st.searches == 1 and st.fallbacks == 0, runtime.plans()
+    runtime.clear()
+    runtime.reset_stats()
+    y2 = a @ x
+    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
+    assert runtime.stats().cache_hits == 1 and runtime.stats().searches == 0
