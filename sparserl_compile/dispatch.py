@@ -66,8 +66,9 @@ memo_stats = MemoStats()
 
 
 def clear_memo() -> None:
-    """Forget every memoized native structure (and release its index tensors)."""
+    """Forget every memoized native structure (release its index tensors), zero ``memo_stats``."""
     _memo.clear()
+    memo_stats.hits = memo_stats.misses = 0
 
 
 def _native_csr(a: torch.Tensor):

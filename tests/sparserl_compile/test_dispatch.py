@@ -1,0 +1,170 @@
+"""enable()/accelerate(): native torch.sparse CSR/COO products routed to sparserl, or passed through."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import sparserl_compile as S
+from sparserl_compile import dispatch, runtime
+
+warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    dispatch.clear_memo()
+    runtime.reset_stats()
+    yield
+    S.disable()
+
+
+def native(n_rows=12, n_cols=9, layout="csr", index=torch.int64, dtype=torch.float32, seed=0, density=0.3):
+    m = sp.random(n_rows, n_cols, density=density, format="csr", random_state=seed, dtype=np.float64)
+    m.sort_indices()
+    vals = torch.from_numpy(m.data).to(dtype)
+    if layout == "csr":
+        return torch.sparse_csr_tensor(torch.from_numpy(m.indptr).to(index), torch.from_numpy(m.indices).to(index),
+                                       vals, m.shape, check_invariants=True)
+    coo = m.tocoo()
+    idx = torch.from_numpy(np.vstack([coo.row, coo.col])).long()
+    return torch.sparse_coo_tensor(idx, vals, m.shape).coalesce()
+
+
+def calls():
+    return runtime.stats().calls
+
+
+@pytest.mark.parametrize("layout, index", [("csr", torch.int64), ("csr", torch.int32), ("coo", torch.int64)])
+def test_routed_products_match_torch(layout, index):
+    A = native(layout=layout, index=index)
+    X = torch.randn(9, 4)
+    v = torch.randn(9)
+    inp = torch.randn(4)
+    cases = [
+        lambda: A @ X, lambda: A @ v, lambda: torch.mm(A, X), lambda: torch.mv(A, v),
+        lambda: torch.matmul(A, X), lambda: torch.sparse.mm(A, X), lambda: A.matmul(v),
+        lambda: torch.addmm(inp, A, X, beta=0.5, alpha=2.0), lambda: torch.addmm(torch.randn(12, 4), A, X),
+        lambda: torch.addmm(torch.full((12, 4), float("nan")), A, X, beta=0),
+    ]
+    for case in cases:
+        torch.manual_seed(0)
+        want = case()
+        before = calls()
+        with S.accelerate():
+            torch.manual_seed(0)
+            got = case()
+        assert calls() == before + 1, "not routed"
+        assert got.shape == want.shape and got.dtype == want.dtype and got.layout == torch.strided
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_enable_disable():
+    A, X = native(), torch.randn(9, 2)
+    assert not dispatch.is_enabled()
+    S.enable()
+    S.enable()  # idempotent
+    assert dispatch.is_enabled()
+    A @ X
+    assert calls() == 1
+    with S.accelerate():  # nests
+        A @ X
+    assert calls() == 2
+    S.disable()
+    S.disable()  # no-op
+    A @ X
+    assert calls() == 2 and not dispatch.is_enabled()
+
+
+def test_fingerprint_is_memoized_per_structure(monkeypatch):
+    counter = {"n": 0}
+    real = dispatch.structure.fingerprint
+
+    def counting(*a, **k):
+        counter["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(dispatch.structure, "fingerprint", counting)
+    A, X = native(), torch.randn(9, 3)
+    with S.accelerate():
+        for _ in range(5):
+            A @ X
+        assert counter["n"] == 1 and dispatch.memo_stats.hits == 4
+        # torch gives a sparse tensor's members one shared version counter, so an in-place
+        # update of the values re-reads the indices once (and only once)
+        A.values().mul_(2)
+        A @ X
+        y = A @ X
+        assert counter["n"] == 2
+        A.col_indices().add_(0)  # an in-place write to the indices bumps the version too
+        A @ X
+        assert counter["n"] == 3
+        B = native(seed=1)  # another structure
+        B @ X
+        assert counter["n"] == 4
+    torch.testing.assert_close(y, (A.to_dense() @ X))
+
+
+def test_autograd_flows_to_the_dense_operand():
+    A = native(dtype=torch.float64)
+    X = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
+    (A @ X).pow(2).sum().backward()
+    want = X.grad.clone()
+    X.grad = None
+    with S.accelerate():
+        y = A @ X
+        y.pow(2).sum().backward()
+    assert calls() >= 2  # forward and the transposed product in backward
+    torch.testing.assert_close(X.grad, want)
+
+
+def test_unsupported_combinations_pass_through_unchanged():
+    A = native()
+    X = torch.randn(9, 4)
+    uncoalesced = torch.sparse_coo_tensor(torch.tensor([[0, 0], [1, 1]]), torch.tensor([1.0, 2.0]), (12, 9))
+    A_grad = native()
+    A_grad.requires_grad_(True)
+    with S.accelerate():
+        torch.testing.assert_close((A @ A.t().to_sparse_csr()).to_dense(), A.to_dense() @ A.to_dense().t())
+        torch.testing.assert_close(uncoalesced @ X, uncoalesced.to_dense() @ X)
+        D = torch.randn(2, 12)
+        torch.testing.assert_close(D @ A, D @ A.to_dense())  # dense @ sparse: torch's own product
+        (A_grad @ X).sum().backward()  # torch differentiates the sparse values; sparserl does not
+        assert A_grad.grad is not None
+        out = torch.empty(12, 4)
+        torch.mm(A, X, out=out)
+        with pytest.raises(RuntimeError):
+            A @ torch.randn(9, 4, dtype=torch.float64)  # torch's own dtype error
+        with pytest.raises(RuntimeError):
+            A @ torch.randn(8, 4)  # torch's own shape error
+    assert calls() == 0
+    torch.testing.assert_close(out, A.to_dense() @ X)
+
+
+def test_empty_matrix_returns_zeros():
+    A = torch.sparse_csr_tensor(torch.zeros(6, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                torch.zeros(0), (5, 3))
+    with S.accelerate():
+        y = A @ torch.randn(3, 2)
+    assert calls() == 1 and y.shape == (5, 2) and not y.any()
+
+
+def test_malformed_native_tensor_is_reported():
+    A = torch.sparse_csr_tensor(torch.tensor([0, 1, 2]), torch.tensor([0, 7]), torch.ones(2), (2, 3),
+                                check_invariants=False)
+    with S.accelerate(), pytest.raises(ValueError, match=r"column indices span \[0, 7\] but n_cols is 3"):
+        A @ torch.randn(3, 2)
+
+
+@pytest.mark.gpu
+def test_routed_on_cuda():
+    A = native(300, 200, index=torch.int32, density=0.05).cuda()
+    X = torch.randn(200, 8, device="cuda")
+    with S.accelerate():
+        y = A @ X
+    assert calls() == 1
+    torch.testing.assert_close(y, A.to_dense() @ X, rtol=1e-4, atol=1e-4)
