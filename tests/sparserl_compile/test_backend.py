@@ -1,0 +1,185 @@
+"""torch.compile(backend="sparserl"): entry-point lookup, graphs with sparserl ops, guards, Inductor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+import sparserl_compile as S
+from sparserl_compile import backend
+
+warnings.filterwarnings("ignore")
+
+
+@pytest.fixture(autouse=True)
+def reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mat(n=40, m=30, seed=0, density=0.15):
+    a = sp.random(n, m, density=density, format="csr", random_state=seed, dtype=np.float32)
+    a.sort_indices()
+    return a
+
+
+def gcn_step_losses(adj, feats, labels, steps, forward=None):
+    torch.manual_seed(0)
+    w1 = torch.nn.Parameter(torch.randn(feats.shape[1], 16) * 0.1)
+    w2 = torch.nn.Parameter(torch.randn(16, 3) * 0.1)
+    opt = torch.optim.Adam([w1, w2], lr=0.05)
+
+    def fwd(adj, feats, w1, w2):
+        return adj @ (torch.relu(adj @ (feats @ w1)) @ w2)
+
+    fwd = forward(fwd) if forward else fwd
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(fwd(adj, feats, w1, w2), labels)
+        loss.backward()
+        assert torch.isfinite(w1.grad).all() and w1.grad.abs().sum() > 0
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+class Capture:
+    """An AOT backend that records the forward/backward graphs and counts compilations."""
+
+    def __init__(self):
+        self.fw, self.bw, self.frames = [], [], 0
+
+    def backend(self):
+        def fw(gm, ex):
+            self.fw.append(gm)
+            return gm
+
+        def bw(gm, ex):
+            self.bw.append(gm)
+            return gm
+
+        inner = aot_autograd(fw_compiler=fw, bw_compiler=bw)
+
+        def count(gm, ex):
+            self.frames += 1
+            return inner(gm, ex)
+
+        return count
+
+
+def test_backend_resolves_by_name_without_importing_sparserl():
+    code = textwrap.dedent("""
+        import sys, torch
+        assert not any(m.startswith("sparserl_compile") for m in sys.modules)
+        assert "sparserl" in torch._dynamo.list_backends()
+        f = torch.compile(lambda x: x * 2, backend="sparserl")
+        from torch._dynamo import lookup_backend
+        fn = lookup_backend("sparserl")
+        print(fn.__module__, fn.__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sparserl_compile.backend", "sparserl_backend"]
+
+
+class Model(torch.nn.Module):
+    """A SparseRLTensor as a parameter (sparsified linear) and as a buffer (adjacency)."""
+
+    def __init__(self, adj: S.SparseRLTensor):
+        super().__init__()
+        self.register_buffer("adj", adj)
+        self.lin = torch.nn.Linear(30, 40)
+        with torch.no_grad():
+            self.lin.weight.mul_((torch.rand_like(self.lin.weight) > 0.8).float())
+        S.sparsify_(self.lin)
+        self.head = torch.nn.Linear(40, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))  # sparse weight: x @ W^T
+        return self.head(self.adj @ h)
+
+
+def test_fullgraph_graphs_contain_the_sparserl_ops_and_match_eager():
+    torch.manual_seed(0)
+    model = Model(S.sparsify(mat(50, 50, density=0.1)))
+    x = torch.randn(50, 30)
+    cap = Capture()
+    compiled = torch.compile(model, backend=cap.backend(), fullgraph=True)
+    y = compiled(x)
+    torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+    code = cap.fw[0].code
+    assert code.count("torch.ops.sparserl.") == 2, code
+    y.sum().backward()
+    assert "torch.ops.sparserl.spmm_t" in cap.bw[0].code
+    assert torch.isfinite(model.head.weight.grad).all()
+
+
+def test_new_values_do_not_recompile_and_a_new_structure_does():
+    cap = Capture()
+    f = torch.compile(lambda A, x: torch.tanh(A @ x), backend=cap.backend(), fullgraph=True)
+    a = S.sparsify(mat())
+    x = torch.randn(30, 4)
+    f(a, x)
+    b = a.with_values(torch.randn_like(a.values()))
+    torch.testing.assert_close(f(b, x), torch.tanh(b.to_dense() @ x))
+    a.values().mul_(3)
+    torch.testing.assert_close(f(a, x), torch.tanh(a.to_dense() @ x))
+    assert cap.frames == 1
+    c = S.sparsify(mat(seed=1))
+    torch.testing.assert_close(f(c, x), torch.tanh(c.to_dense() @ x))
+    assert cap.frames == 2
+
+
+def test_mode_and_options_become_inductor_config_patches(monkeypatch):
+    seen = {}
+
+    def fake_compile_fx(gm, ex, config_patches=None):
+        seen["patches"] = config_patches
+        return gm
+
+    import torch._inductor.compile_fx as cfx
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    backend.sparserl_backend(gm, [torch.ones(2)], mode="max-autotune", options={"epilogue_fusion": False})
+    assert seen["patches"]["max_autotune"] is True and seen["patches"]["epilogue_fusion"] is False
+    backend.sparserl_backend(gm, [torch.ones(2)])
+    assert seen["patches"] is None
+    with pytest.raises(TypeError, match="unknown arguments"):
+        backend.sparserl_backend(gm, [torch.ones(2)], bogus=1)
+    with pytest.raises(TypeError, match="options must be a dict"):
+        backend.sparserl_backend(gm, [torch.ones(2)], options=["x"])
+
+
+def test_inductor_gcn_training_step():
+    """The real backend (Inductor around the sparserl ops): loss falls, matches eager."""
+    m = mat(40, 40, density=0.1) + sp.eye(40, dtype=np.float32)
+    m.data[:] = 1.0
+    d = sp.diags(np.asarray(m.sum(1)).ravel() ** -0.5)
+    adj = S.sparsify(sp.csr_matrix(d @ m @ d).astype(np.float32))
+    feats = torch.randn(40, 8)
+    labels = torch.randint(0, 3, (40,))
+    eager = gcn_step_losses(adj, feats, labels, steps=4)
+    compiled = gcn_step_losses(adj, feats, labels, steps=4,
+                               forward=lambda f: torch.compile(f, backend="sparserl", fullgraph=True))
+    np.testing.assert_allclose(compiled, eager, rtol=1e-4)
+    assert compiled[-1] < compiled[0]
+
+
+@pytest.mark.gpu
+def test_compiled_on_cuda_matches_eager():
+    torch.manual_seed(0)
+    model = Model(S.sparsify(mat(50, 50, density=0.1))).cuda()
+    x = torch.randn(50, 30, device="cuda")
+    compiled = torch.compile(model, backend="sparserl", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
