@@ -45,9 +45,9 @@ try:
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     out["nvrtc_compile_fp16_noinclude_path"] = str(err)
     err, logsize = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * logsize
+    log = bytearray(logsize)
     nvrtc.nvrtcGetProgramLog(prog, log)
-    out["nvrtc_log"] = log.decode(errors="replace")[:500]
+    out["nvrtc_log"] = bytes(log).decode(errors="replace")[:500]
 except Exception as e:  # noqa: BLE001
     out["nvrtc_error"] = repr(e)[:500]
 
