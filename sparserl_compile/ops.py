@@ -63,6 +63,17 @@ def _check(name: str, crow, col, val, dense, n_rows: int, n_cols: int, transpose
                          f"{'transposed ' if transposed else ''}sparse matrix has {k} columns")
 
 
+def _fast_ok(crow, col, val, dense, n_rows: int, n_cols: int, transposed: bool, vector: bool) -> bool:
+    """All of ``_check`` in one expression (the eager hot path); ``_check`` names a failure."""
+    return (
+        crow.dtype == torch.int32 and col.dtype == torch.int32 and val.dtype in _VALUE_DTYPES
+        and dense.dtype == val.dtype and dense.device == val.device == crow.device == col.device
+        and crow.dim() == 1 and col.dim() == 1 and val.dim() == 1 and crow.shape[0] == n_rows + 1
+        and col.shape[0] == val.shape[0] and dense.dim() == (1 if vector else 2)
+        and dense.shape[0] == (n_rows if transposed else n_cols)
+    )
+
+
 def _out_shape(dense, n_rows, n_cols, transposed, vector):
     m = n_cols if transposed else n_rows
     return (m,) if vector else (m, dense.shape[1])
@@ -72,7 +83,8 @@ def _define(name: str, fn, transposed: bool, vector: bool):
     @torch.library.custom_op(f"sparserl::{name}", mutates_args=())
     def op(crow_indices: torch.Tensor, col_indices: torch.Tensor, values: torch.Tensor,
            dense: torch.Tensor, n_rows: int, n_cols: int, fingerprint: str) -> torch.Tensor:
-        _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
+        if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector):
+            _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
         return fn(crow_indices, col_indices, values, dense.contiguous(), n_rows, n_cols, fingerprint)
 
     @op.register_fake

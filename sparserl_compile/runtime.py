@@ -26,7 +26,10 @@ a kernel is ever cached.
 Products with the transposed matrix (``*_t``, used by autograd and by ``x @ A``) run on the
 transposed pattern, computed once per structure on the host (scipy) and memoized with its own
 fingerprint, so A^T gets its own plan and kernel. Reference products in float16/bfloat16 on
-the CPU (where torch has no half CSR kernel) accumulate in float32 and round once.
+the CPU (where torch has no half CSR kernel) accumulate in float32 and round once. The
+reference keeps the torch CSR tensors of the last ``CSR_MEMO_SIZE`` (crow, col, val) triples
+it was given (by object identity; the CSR tensor aliases them, so in-place value updates are
+seen), which saves rebuilding one per call and keeps those arrays alive until ``clear()``.
 
 What it does not do: validate CSR invariants (``tensor.py``/``dispatch.py`` do that once per
 tensor), compute fingerprints of user tensors (callers pass them), or compile/verify kernels.
@@ -135,6 +138,7 @@ def clear() -> None:
     with _lock:
         _table.clear()
         _transposes.clear()
+        _csr_memo.clear()
         _logged.clear()
 
 
@@ -171,11 +175,29 @@ def reference_product(crow, col, val, x, n_rows: int, n_cols: int) -> torch.Tens
             if val.dtype not in (torch.float16, torch.bfloat16):
                 raise
             _native_ok[key] = False  # no half kernel here: accumulate in float32 from now on
-    y = _csr(crow, col, val.float(), n_rows, n_cols) @ x.float()
+    y = _new_csr(crow, col, val.float(), n_rows, n_cols) @ x.float()
     return y.to(val.dtype)
 
 
+#: the last torch CSR tensors built, keyed by the identity of their member tensors: a torch
+#: CSR tensor aliases crow/col/val (no copy), so in-place value updates stay visible
+_csr_memo: "OrderedDict[tuple, tuple]" = OrderedDict()
+CSR_MEMO_SIZE = 16
+
+
 def _csr(crow, col, val, n_rows, n_cols):
+    key = (id(crow), id(col), id(val))
+    hit = _csr_memo.get(key)
+    if hit is not None and hit[0]() is crow and hit[1]() is col and hit[2]() is val:
+        return hit[3]
+    t = _new_csr(crow, col, val, n_rows, n_cols)
+    _csr_memo[key] = (weakref.ref(crow), weakref.ref(col), weakref.ref(val), t)
+    while len(_csr_memo) > CSR_MEMO_SIZE:
+        _csr_memo.popitem(last=False)
+    return t
+
+
+def _new_csr(crow, col, val, n_rows, n_cols):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
         return torch.sparse_csr_tensor(crow, col, val, (n_rows, n_cols), check_invariants=False)
