@@ -52,32 +52,53 @@ class Rollout:
     extra: dict = field(default_factory=dict)
 
 
-_LLTOK_CACHE: dict[int, object] = {}
+_LLTOK_CACHE: dict[tuple, object] = {}
+
+
+def _tok_key(tokenizer) -> str:
+    """A content hash of the tokenizer, memoized on the object (ids can be reused after GC)."""
+    key = getattr(tokenizer, "_sparserl_key", None)
+    if key is None:
+        import hashlib
+
+        key = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+        tokenizer._sparserl_key = key
+    return key
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's view of the tokenizer (built once per tokenizer object: ~1 s)."""
     import llguidance.hf
 
-    key = (id(tokenizer), vocab_size)
+    key = (_tok_key(tokenizer), vocab_size)
     if key not in _LLTOK_CACHE:
         _LLTOK_CACHE[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
     return _LLTOK_CACHE[key]
 
 
+_MATCHER_CACHE: dict[tuple, object] = {}
+
+
 def make_matcher(tokenizer, vocab_size: int, grammar_text: str | None = None,
                  op: str | None = None, dtype: str | None = None):
     """A fresh llguidance matcher for one sample; raises with llguidance's message if the
-    grammar does not compile."""
+    grammar does not compile. The grammar is compiled once per (tokenizer, grammar) and each
+    sample gets a ``deep_copy`` of that matcher in its initial state."""
     import llguidance
 
     from policy.grammar import kernel_grammar
 
-    g = llguidance.LLMatcher.grammar_from_lark(grammar_text or kernel_grammar(op, dtype))
-    m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), g, log_level=0)
-    if m.is_error():
-        raise ValueError(f"the kernel grammar does not compile under llguidance: {m.get_error()}")
-    return m
+    text = grammar_text or kernel_grammar(op, dtype)
+    key = (_tok_key(tokenizer), vocab_size, text)
+    if key not in _MATCHER_CACHE:
+        g = llguidance.LLMatcher.grammar_from_lark(text)
+        m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), g, log_level=0)
+        if m.is_error():
+            raise ValueError(f"the kernel grammar does not compile under llguidance: {m.get_error()}")
+        if len(_MATCHER_CACHE) > 32:
+            _MATCHER_CACHE.clear()
+        _MATCHER_CACHE[key] = m
+    return _MATCHER_CACHE[key].deep_copy()
 
 
 def unpack_masks(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:

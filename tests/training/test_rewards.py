@@ -1,0 +1,30 @@
+import pytest
+
+from training.rewards import (KernelOutcome, compile_reward, correctness_only_reward, correctness_reward,
+                              hierarchical_reward, speed_reward)
+
+BAD = KernelOutcome(False, False, False)
+NOCOMP = KernelOutcome(True, False, False)
+WRONG = KernelOutcome(True, True, False)
+SLOW = KernelOutcome(True, True, True, us=100.0, reference_us=30.0, best_space_us=10.0)
+FAST = KernelOutcome(True, True, True, us=10.0, reference_us=30.0, best_space_us=10.0)
+
+
+def test_hierarchy_is_strict():
+    r = [hierarchical_reward(o) for o in (BAD, NOCOMP, WRONG, SLOW, FAST)]
+    assert r == sorted(r) and len(set(r)) == 5
+    assert hierarchical_reward(SLOW) > hierarchical_reward(WRONG) + 0.99  # any correct beats wrong
+
+
+def test_speed_term():
+    assert speed_reward(WRONG) is None
+    assert speed_reward(SLOW) == pytest.approx(0.1)  # slower than cuSPARSE: only the space term
+    assert speed_reward(FAST) == pytest.approx(1.0 + 1.584962500721156)  # log2(3) + at the space best
+    assert speed_reward(KernelOutcome(True, True, True)) is None  # correct but untimed
+
+
+def test_parts_and_ablation():
+    assert [compile_reward(o) for o in (BAD, NOCOMP, WRONG)] == [-1.0, -0.5, 0.0]
+    assert [correctness_reward(o) for o in (NOCOMP, WRONG, FAST)] == [None, 0.0, 1.0]
+    assert correctness_only_reward(FAST) == correctness_only_reward(SLOW) == 1.0
+    assert correctness_only_reward(WRONG) == 0.0
