@@ -111,7 +111,7 @@ struct SimtWorker {
     SimtLaunch* L;
     uint3 bid, bdim, gdim;
     SimtThread* cur;
-    long long steps, next_check, step_limit;
+    long long steps, budget, step_cap, step_limit;
     double deadline;
     int fibers, in_fiber, faulted, nth;
     void* sched_sp;
@@ -172,8 +172,6 @@ static void simt_to_sched(SimtWorker* w) {          /* fiber -> scheduler */
 
 static void simt_to_fiber(SimtWorker* w, SimtThread* t) {   /* scheduler -> fiber */
     w->cur = t; w->steps = t->steps; w->in_fiber = 1; w->switches++;
-    w->next_check = w->steps + 65536;
-    if (w->step_limit > 0 && w->next_check > w->step_limit + 1) w->next_check = w->step_limit + 1;
 #if defined(__x86_64__)
     simt_swap(&w->sched_sp, t->sp);
 #else
@@ -252,14 +250,13 @@ __attribute__((noinline)) static void simt_tick_slow(SimtWorker* w) {
                  w->L->time_limit_s, w->steps);
         simt_escape(w);
     }
-    w->next_check = w->steps + 65536;
-    if (w->step_limit > 0 && w->next_check > w->step_limit + 1) w->next_check = w->step_limit + 1;
+    w->budget = 65536;
 }
 
 /* counted at every loop-condition evaluation (rewrite.py inserts it) */
 static inline __attribute__((always_inline)) bool simt_tick(void) {
     SimtWorker* w = simt_w;
-    if (__builtin_expect(++w->steps >= w->next_check, 0)) simt_tick_slow(w);
+    if (__builtin_expect(++w->steps > w->step_cap || --w->budget < 0, 0)) simt_tick_slow(w);
     return true;
 }
 
@@ -826,8 +823,6 @@ static void simt_run_block(SimtWorker* w) {
             t->tid.x = (unsigned)(i % bx); t->tid.y = (unsigned)((i / bx) % by); t->tid.z = (unsigned)(i / (bx * by));
             t->linear = i; t->state = T_READY;
             w->cur = t; w->steps = 0;
-            w->next_check = 65536;
-            if (w->step_limit > 0 && w->next_check > w->step_limit + 1) w->next_check = w->step_limit + 1;
             simt_entry(L);
             if (w->steps > w->max_steps) w->max_steps = w->steps;
         }
@@ -851,6 +846,11 @@ static void simt_run_block(SimtWorker* w) {
         }
         if (w->n_done == w->nth) return;
         if (!progress) { simt_deadlock(w); w->faulted = 1; return; }
+        if (w->deadline > 0 && simt_now() > w->deadline) {
+            SimtFaultRec* f = simt_claim(w, SIMT_F_TIMEOUT);
+            simt_msg(f, "the launch ran past its time limit of %.3g s (a block kept waiting at barriers)", L->time_limit_s);
+            w->faulted = 1; return;
+        }
         if (__atomic_load_n(&L->abort_flag, __ATOMIC_ACQUIRE)) { w->faulted = 1; return; }
     }
 }
@@ -865,6 +865,8 @@ static void* simt_worker_main(void* arg) {
     SimtWorker* w = &W;
     simt_w = w;
     w->L = L; w->nth = P->nth; w->fibers = L->fibers; w->step_limit = L->step_limit;
+    w->step_cap = L->step_limit > 0 ? L->step_limit : (long long)(~0ull >> 1);
+    w->budget = 65536;
     w->bdim = make_uint3(L->block[0], L->block[1], L->block[2]);
     w->gdim = make_uint3(L->grid[0], L->grid[1], L->grid[2]);
     w->deadline = L->time_limit_s > 0 ? simt_now() + L->time_limit_s : 0;

@@ -124,11 +124,12 @@ class Outcome:
 
 
 def run_candidate(cand: contract.Candidate, m: sp.csr_matrix, *, n: int = 8, seed: int = 0,
-                  guarded: bool = True, integer: bool = False, **launch_kw) -> Outcome:
+                  guarded: bool = True, integer: bool = False, max_fill: float = float("inf"),
+                  **launch_kw) -> Outcome:
     """Launch ``cand`` on ``m`` through the CPU executor; raises FormatNotSuitable if the
     format does not fit the matrix."""
     h = cand.header
-    fd = formats.convert(m.indptr, m.indices, m.shape, h.format, h.params)
+    fd = formats.convert(m.indptr, m.indices, m.shape, h.format, h.params, max_fill=max_fill)
     rng = np.random.default_rng(seed)
     if integer:
         vals = rng.integers(-3, 4, m.nnz).astype(np.float32)
