@@ -24,6 +24,9 @@ from policy.decode import DecodeConfig, generate
 from policy.encoder import prepare_structure
 from sparserl_compile import contract
 
+#: samples per miss when the runtime asks for its default (k=0): best-of-4
+DEFAULT_K = 4
+
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 
 
@@ -80,6 +83,7 @@ class PolicyProvider:
     def candidates(self, problem, k: int) -> list[contract.Candidate]:
         """Up to ``k`` parseable candidates for ``problem`` (fewer when samples are dropped)."""
         self.stats.requests += 1
+        k = k or DEFAULT_K
         s = prepare_structure(_host(problem.indptr), _host(problem.indices),
                               (problem.n_rows, problem.n_cols),
                               max_points=self.model.config.max_points)

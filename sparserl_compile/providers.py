@@ -9,10 +9,9 @@ the reference; the provider only proposes.
 Providers, by name for ``set_provider``:
 
 * ``"reference"`` (``ReferenceProvider``): proposes nothing, so every call uses the reference
-  (torch.sparse / cuSPARSE). The default, and what a machine without the search or the
-  policy installed gets.
+  (torch.sparse / cuSPARSE). What a machine without the search installed gets.
 * ``"search"``: ``sparserl_compile.search.SearchProvider``, the hand-written kernel families
-  searched by heuristics.
+  searched by heuristics. The default (``DEFAULT_PROVIDER``) until a trained policy ships.
 * ``"policy"``: ``policy.provider.PolicyProvider``, the trained language model.
 
 The last two are imported lazily on first use, so ``import sparserl_compile`` never imports
@@ -95,7 +94,10 @@ class ReferenceProvider:
 
 
 _lock = threading.Lock()
-_active: Provider = ReferenceProvider()
+#: the default provider, resolved on first use: the kernel-space search until a policy
+#: checkpoint ships (then "policy"); "reference" where the search cannot be imported
+DEFAULT_PROVIDER = "search"
+_active: Provider | None = None
 
 
 def resolve(obj_or_name: "Provider | str") -> Provider:
@@ -141,5 +143,13 @@ def set_provider(obj_or_name: "Provider | str") -> Provider:
 
 
 def get_provider() -> Provider:
-    """The active provider (``ReferenceProvider`` until one is set)."""
+    """The active provider (``DEFAULT_PROVIDER`` until one is set)."""
+    global _active
+    if _active is None:
+        with _lock:
+            if _active is None:
+                try:
+                    _active = resolve(DEFAULT_PROVIDER)
+                except ImportError:
+                    _active = ReferenceProvider()
     return _active

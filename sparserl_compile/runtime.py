@@ -63,14 +63,15 @@ TRANSPOSE_MEMO_SIZE = 32
 class RuntimeConfig:
     """How misses are served. Change with ``configure(**fields)``."""
 
-    provider: str = "reference"  # name of the active provider (set through configure/set_provider)
-    k: int = 4  # candidates asked from the provider per miss
+    provider: str = "search"  # name of the active provider (set through configure/set_provider)
+    k: int = 0  # candidates asked from the provider per miss (0: the provider's own default)
     cache: bool = True  # read and write the on-disk kernel cache
     kernels: bool = True  # False: every product uses the reference (torch.sparse / cuSPARSE)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise ValueError(f"RuntimeConfig.k={self.k!r}: the number of candidates must be an int >= 1")
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
+            raise ValueError(f"RuntimeConfig.k={self.k!r}: the number of candidates must be an int >= 0 "
+                             "(0 = the provider's default)")
         for name in ("cache", "kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RuntimeConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -231,7 +232,10 @@ class KernelPlan:
 
     kind = "kernel"
 
-    def __init__(self, header: contract.KernelHeader, kernel, fdata, arrays: dict, source: str = ""):
+    def __init__(self, header: contract.KernelHeader, kernel, fdata, arrays: dict, source: str = "",
+                 cache_key=None):
+        self.checked = False  # set after the first-use re-check in this process passed
+        self.cache_key = cache_key  # the disk-cache key it came from (dropped if the re-check fails)
         self.header = header
         self.kernel = kernel
         self.fdata = fdata
@@ -316,11 +320,19 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> to
     if plan.kind == "kernel":
         try:
             y = plan.run(op, crow, col, val, x, n_rows, n_cols)
-        except Exception as e:  # a launch failure: never the user's problem
+            if y is not None and not plan.checked:
+                why = first_use_check(y, crow, col, val, x, n_rows, n_cols)
+                if why is not None:
+                    raise FirstUseMismatch(why)
+                plan.checked = True
+        except Exception as e:  # a launch failure or a failed re-check: never the user's problem
             _counts["fallbacks"] += 1
-            _log_once("kernel launch failed, using the reference from now on", fp, repr(e))
+            what = "first-use check failed" if isinstance(e, FirstUseMismatch) else "launch failed"
+            _log_once(f"kernel {what}, using the reference from now on", fp, repr(e))
             with _lock:
-                _table[key] = ReferencePlan(f"launch failed: {e!r}")
+                _table[key] = ReferencePlan(f"{what}: {e!r}")
+            if isinstance(e, FirstUseMismatch):
+                _forget_cached(plan)
             y = None
         if y is not None:
             _counts["kernel_calls"] += 1
@@ -346,25 +358,44 @@ def _plan_for(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
         return ReferencePlan(f"kernel path failed: {type(e).__name__}: {e}")
 
 
+def make_problem(op: str, dtype: str, n: int, indptr, indices, shape, fp: str, arch: str) -> providers.Problem:
+    """The ``Problem`` for one product, from a host (numpy) or torch CSR pattern."""
+    def host(a):
+        if isinstance(a, torch.Tensor):
+            a = a.detach().cpu().numpy()
+        return np.ascontiguousarray(a, dtype=np.int32)
+
+    ip, ix = host(indptr), host(indices)
+    return providers.Problem(op=op, dtype=dtype, n=int(n), n_rows=int(shape[0]), n_cols=int(shape[1]),
+                             nnz=int(ix.size), indptr=ip, indices=ix, fingerprint=fp, arch=arch)
+
+
 def _problem(op, crow, col, val, x, n_rows, n_cols, fp) -> providers.Problem:
     dname = str(val.dtype).removeprefix("torch.")
-    return providers.Problem(
-        op=op, dtype=contract.TORCH_DTYPES[dname], n=1 if x.dim() == 1 else int(x.shape[1]),
-        n_rows=n_rows, n_cols=n_cols, nnz=int(col.numel()),
-        indptr=crow.detach().cpu().numpy().astype(np.int32, copy=False),
-        indices=col.detach().cpu().numpy().astype(np.int32, copy=False),
-        fingerprint=fp, arch=device_arch(x.device),
-    )
+    return make_problem(op, contract.TORCH_DTYPES[dname], 1 if x.dim() == 1 else int(x.shape[1]),
+                        crow, col, (n_rows, n_cols), fp, device_arch(x.device))
 
 
-def _cache_key(problem: providers.Problem, device: torch.device):
-    from sparserl_compile import cache
+@dataclass(frozen=True)
+class Target:
+    """The GPU a kernel is generated for: the machine-dependent fields of the cache key."""
 
+    arch: str  # "sm_90"
+    gpu_name: str  # "NVIDIA H200"
+    driver_version: str  # cuDriverGetVersion, e.g. "13000"
+    nvrtc_version: str  # "13.0"
+
+
+def local_target(device: torch.device | None = None) -> Target:
+    """The ``Target`` of this machine's current (or given) CUDA device."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device here: name the target GPU (sparserl pregen --target-gpu ...)")
+    device = device or torch.device("cuda", torch.cuda.current_device())
     driver = "unknown"
     try:
         from cuda.bindings import driver as drv
 
-        err, v = drv.cuDriverGetVersion()
+        _, v = drv.cuDriverGetVersion()
         driver = str(v)
     except Exception:
         pass
@@ -374,23 +405,65 @@ def _cache_key(problem: providers.Problem, device: torch.device):
         nv = ".".join(str(p) for p in nvrtc_version())
     except Exception:
         nv = "unknown"
+    return Target(device_arch(device), torch.cuda.get_device_name(device), driver, nv)
+
+
+def cache_key(problem: providers.Problem, target: Target):
+    """The disk-cache key of ``problem`` on ``target`` under the active provider."""
+    from sparserl_compile import cache
+    from sparserl_compile.kernels import KERNEL_SPACE_VERSION
+
+    prov = providers.get_provider()
     return cache.CacheKey(
         fingerprint=problem.fingerprint, op=problem.op, dtype=problem.dtype,
-        width=cache.width_bucket(problem.n), arch=problem.arch,
-        gpu_name=torch.cuda.get_device_name(device), driver_version=driver, nvrtc_version=nv,
+        width=cache.width_bucket(problem.n), arch=target.arch, gpu_name=target.gpu_name,
+        driver_version=target.driver_version, nvrtc_version=target.nvrtc_version,
+        kernel_space_version=KERNEL_SPACE_VERSION,
+        policy_hash=str(getattr(prov, "checkpoint_hash", None) or "none"),
     )
 
 
-def _kernel_plan(problem, device, cubin: bytes, header, source: str) -> KernelPlan:
-    from sparserl_compile import formats, launcher
+_targets: dict[tuple, Target] = {}
 
-    if isinstance(header, str):
-        header = contract.parse_header(header)
-    fd = formats.convert(problem.indptr, problem.indices, (problem.n_rows, problem.n_cols),
-                         header.format, header.params)
-    arrays = formats.to_device(fd, device)
-    kernel = launcher.load(cubin, header, device=device.index)
-    return KernelPlan(header, kernel, fd, arrays, source)
+
+def _local_target_memo(device: torch.device) -> Target:
+    k = (device.type, device.index)
+    if k not in _targets:
+        _targets[k] = local_target(device)
+    return _targets[k]
+
+
+def search_entry(problem: providers.Problem, key, *, candidates=None, executor: str | None = None):
+    """Ask the active provider (or take ``candidates``), select, and return the cache entry.
+
+    The entry holds the winning kernel (cubin, source, header, times) or, with ``cubin=None``,
+    the verdict that the reference wins. ``select.choose`` does all compiling, sandboxed
+    verification and timing; nothing is launched in this process.
+    """
+    from sparserl_compile import select
+    from sparserl_compile.cache import CacheEntry
+
+    if candidates is None:
+        provider = providers.get_provider()
+        candidates = provider.candidates(problem, _config.k)
+    else:
+        provider = None
+    _counts["searches"] += 1
+    record: dict = {"provider": getattr(provider, "name", "given"), "candidates": len(candidates)}
+    if not candidates:
+        record["why"] = f"provider {record['provider']!r} proposed no candidates"
+        return CacheEntry(key=key, cubin=None, times={}, verification=record)
+    choice = select.choose(problem, candidates, executor=executor, pool=_sandbox_pool())
+    record.update(dict(choice.record or {}))
+    cand = choice.candidate
+    times = {k: v for k, v in (("kernel_us", choice.kernel_us), ("reference_us", choice.reference_us))
+             if v is not None}
+    if cand is None:
+        record.setdefault("why", "no verified candidate beat the reference")
+        return CacheEntry(key=key, cubin=None, times=times, verification=record)
+    record["winner_family"] = cand.name
+    return CacheEntry(key=key, cubin=choice.cubin, source=cand.source, header=cand.header.render(),
+                      times=times, verification=record)
 
 
 _pool = None
@@ -409,52 +482,106 @@ def _sandbox_pool():
     return _pool
 
 
+def _kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) -> KernelPlan:
+    from sparserl_compile import formats, launcher
+
+    if isinstance(header, str):
+        header = contract.parse_header(header)
+    fd = formats.convert(problem.indptr, problem.indices, (problem.n_rows, problem.n_cols),
+                         header.format, header.params)
+    arrays = formats.to_device(fd, device)
+    kernel = launcher.load(cubin, header, device=device.index)
+    return KernelPlan(header, kernel, fd, arrays, source, cache_key=key)
+
+
 def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
     problem = _problem(op, crow, col, val, x, n_rows, n_cols, fp)
-    store = key = None
-    if _config.cache:
+    store = _store()
+    key = entry = None
+    if store is not None:
         try:
-            from sparserl_compile import cache
-
-            store, key = cache.KernelCache.default(), _cache_key(problem, x.device)
+            key = _cache_key(problem, x.device)
             entry = store.get(key)
         except Exception as e:
             _log_once("disk cache unusable, searching without it", fp, f"{type(e).__name__}: {e}")
-            store = entry = None
-        if entry is not None:
-            _counts["cache_hits"] += 1
-            if entry.reference_wins:
-                return ReferencePlan("cached verdict: no kernel beat the reference")
-            return _kernel_plan(problem, x.device, entry.cubin, entry.header or entry.source, entry.source)
-    provider = providers.get_provider()
-    _counts["searches"] += 1
-    cands = provider.candidates(problem, _config.k)
-    if not cands:
-        return ReferencePlan(f"provider {provider.name!r} proposed no candidates")
-    from sparserl_compile import select
-
-    choice = select.choose(problem, cands, pool=_sandbox_pool())
-    record = dict(getattr(choice, "record", None) or {})
-    if choice.candidate is None:
-        plan: Plan = ReferencePlan("no candidate beat the reference")
+            store = None
+    if entry is not None:
+        _counts["cache_hits"] += 1
+        if entry.reference_wins:
+            return ReferencePlan("cached verdict: " + entry.verification.get("why", "the reference wins"))
+        if "kernel_us" not in entry.times:
+            # pre-generated without a GPU: verified on the CPU, never timed on this GPU
+            cand = contract.Candidate(entry.source, contract.parse_header(entry.header or entry.source))
+            entry = search_entry(problem, key, candidates=[cand])
+            _put(store, entry, fp)
     else:
-        plan = _kernel_plan(problem, x.device, choice.cubin, choice.candidate.header, choice.candidate.source)
-    if store is not None:
-        try:
-            from sparserl_compile.cache import CacheEntry
+        entry = search_entry(problem, key)
+        _put(store, entry, fp)
+    if entry.reference_wins:
+        return ReferencePlan(entry.verification.get("why", "the reference wins"))
+    return _kernel_plan(problem, x.device, entry.cubin, entry.header or entry.source, entry.source, key)
 
-            cand = choice.candidate
-            store.put(CacheEntry(
-                key=key, cubin=None if cand is None else choice.cubin,
-                source="" if cand is None else cand.source,
-                header="" if cand is None else cand.header.render(),
-                times={"kernel_us": getattr(choice, "kernel_us", None),
-                       "reference_us": getattr(choice, "reference_us", None)},
-                verification=record,
-            ))
-        except Exception as e:
-            _log_once("could not write the kernel cache", fp, f"{type(e).__name__}: {e}")
-    return plan
+
+def _cache_key(problem, device):
+    return cache_key(problem, _local_target_memo(device))
+
+
+def _store():
+    if not _config.cache:
+        return None
+    try:
+        from sparserl_compile import cache
+
+        return cache.KernelCache.default()
+    except Exception as e:
+        _log_once("disk cache unusable, searching without it", "-", f"{type(e).__name__}: {e}")
+        return None
+
+
+def _put(store, entry, fp: str) -> None:
+    if store is None or entry.key is None:
+        return
+    try:
+        store.put(entry)
+    except Exception as e:
+        _log_once("could not write the kernel cache", fp, f"{type(e).__name__}: {e}")
+
+
+def _forget_cached(plan: "KernelPlan") -> None:
+    """Drop the disk entry of a kernel that failed its first-use re-check."""
+    store = _store()
+    if store is not None and plan.cache_key is not None:
+        try:
+            store.remove(plan.cache_key)
+        except Exception:
+            pass
+
+
+class FirstUseMismatch(RuntimeError):
+    """A cached/selected kernel disagreed with the reference on its first call in this process."""
+
+
+#: first-use tolerance relative to (|A| |x|) row-wise, per value dtype
+_FIRST_USE_TOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+def first_use_check(y, crow, col, val, x, n_rows, n_cols) -> str | None:
+    """Compare a kernel's first output in this process with the reference; None = agrees.
+
+    The bound is row-wise: |y - ref| <= tol * (|A| |x|) + tiny, with tol well above float
+    rounding and far below any real error. Non-finite outputs must match the reference's.
+    """
+    ref = reference_product(crow, col, val, x, n_rows, n_cols).float()
+    mag = reference_product(crow, col, val.abs(), x.abs(), n_rows, n_cols).float()
+    yf = y.float()
+    fin = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(yf), fin):
+        return "non-finite entries differ from the reference"
+    tol = _FIRST_USE_TOL.get(val.dtype, 2e-3)
+    bad = (yf - ref).abs()[fin] > (tol * mag[fin] + 1e-30)
+    if bool(bad.any()):
+        return f"{int(bad.sum())} entries outside the error bound"
+    return None
 
 
 # ------------------------------------------------------------------------- transposes

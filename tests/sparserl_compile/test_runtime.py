@@ -79,7 +79,7 @@ def test_configure_validates_and_clears_the_table():
     cfg = runtime.configure(k=2)
     assert cfg.k == 2 and runtime.get_config().k == 2 and not runtime.plans()
     with pytest.raises(ValueError, match="number of candidates"):
-        runtime.configure(k=0)
+        runtime.configure(k=-1)
     with pytest.raises(TypeError, match=r"unknown settings \['bogus'\]"):
         runtime.configure(bogus=1)
     with pytest.raises(TypeError, match="True or False"):
@@ -293,3 +293,37 @@ def test_cuda_search_end_to_end_is_correct_and_cached():
     y2 = a @ x
     torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
     assert runtime.stats().cache_hits == 1 and runtime.stats().searches == 0
+
+
+class WrongKernel(FakeKernel):
+    """Launches fine but writes a wrong answer (as a miscompiled or stale cached kernel would)."""
+
+    def launch(self, args, grid, block, smem):
+        super().launch(args, grid, block, smem)
+        args[-1].mul_(1.5)
+
+
+def test_first_use_check_catches_a_wrong_kernel_and_falls_back(kernels_on_cpu, caplog):
+    m = matrix()
+    a = S.sparsify(m)
+    k = WrongKernel()
+    key = install_kernel_plan(a, 4, k)
+    x = torch.randn(20, 4)
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.runtime"):
+        y = a @ x
+        a @ x
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert k.launches == 1
+    plan = runtime.plans()[key]
+    assert plan.kind == "reference" and "first-use check failed" in plan.reason
+    assert runtime.stats().fallbacks == 1
+
+
+def test_first_use_check_passes_a_right_kernel_once(kernels_on_cpu):
+    a = S.sparsify(matrix())
+    k = FakeKernel()
+    key = install_kernel_plan(a, 4, k)
+    x = torch.randn(20, 4)
+    a @ x
+    a @ x
+    assert k.launches == 2 and runtime.plans()[key].checked and runtime.stats().fallbacks == 0
