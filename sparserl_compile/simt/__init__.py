@@ -11,7 +11,8 @@ API::
     stats = k.launch(grid, (block, 1, 1), smem, args)     # args = fd.kernel_args(op, n, ...)
     # -> LaunchStats(mode, blocks, max_steps, context_switches, wall_s, ...)
 
-``compile_kernel(source, *, guarded=True) -> SimtKernel`` parses the contract header
+``compile_many(sources, *, guarded=True, jobs=None)`` builds a batch in parallel (results or
+exceptions, in order). ``compile_kernel(source, *, guarded=True) -> SimtKernel`` parses the contract header
 (``contract.parse_header``), refuses constructs outside the language with ``SimtRefused``
 naming the construct (inline assembly, wmma, clock reads, printf, templates, static or
 file-scope state, non-``_sync`` shuffles, warp votes, ...), rewrites the kernel (``rewrite``)
@@ -73,10 +74,10 @@ from sparserl_compile.simt.errors import (
     Timeout,
     WarpMaskError,
 )
-from sparserl_compile.simt.launch import LaunchStats, SimtKernel, compile_kernel
+from sparserl_compile.simt.launch import LaunchStats, SimtKernel, compile_kernel, compile_many
 
 __all__ = [
-    "compile_kernel", "SimtKernel", "LaunchStats",
+    "compile_kernel", "compile_many", "SimtKernel", "LaunchStats",
     "SimtError", "SimtUnavailable", "SimtRefused", "SimtCompileError", "SimtFault",
     "OutOfBounds", "MisalignedAccess", "BarrierDivergence", "WarpMaskError",
     "SharedMemoryRace", "SharedMemoryExceeded", "StepLimitExceeded", "Timeout",

@@ -253,3 +253,22 @@ def compile_kernel(source: str, *, guarded: bool = True) -> SimtKernel:
     with _LOCK:
         _TABLE[key] = k
     return k
+
+
+def compile_many(sources: list[str], *, guarded: bool = True, jobs: int | None = None) -> list:
+    """``compile_kernel`` for many sources, g++ running ``jobs`` at a time (default: CPU count).
+
+    Returns, per source, the ``SimtKernel`` or the exception its build raised (refusal,
+    contract or compile error), so one bad kernel of an RL batch does not stop the others.
+    """
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(src: str):
+        try:
+            return compile_kernel(src, guarded=guarded)
+        except (E.SimtError, contract.ContractError) as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        return list(pool.map(one, sources))
