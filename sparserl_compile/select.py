@@ -82,7 +82,11 @@ def _pattern(problem) -> Pattern:
 
 def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executor: str, time: bool = True,
              value_sets: int = 3, seed: int = 0, timeout_s: float | None = None, reps: int = 30) -> Evaluation:
-    """Sandbox every candidate (and, when timing on the GPU, the reference) for ``problem``."""
+    """Sandbox every candidate (and, when timing on the GPU, the reference) for ``problem``.
+
+    Untimed (CPU executor, or ``time=False``) it stops at the first verified candidate, which
+    is the one ``decide`` would take; ``Evaluation.results`` then covers only those run.
+    """
     t0 = _time.perf_counter()
     pattern = _pattern(problem)
     timed = time and executor == "gpu"
@@ -91,8 +95,12 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     ref = None
     if timed:
         ref = pool.run(SandboxJob(None, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
-    results = [pool.run(SandboxJob(c, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
-               for c in candidates]
+    results = []
+    for c in candidates:
+        r = pool.run(SandboxJob(c, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
+        results.append(r)
+        if not timed and r.ok:
+            break  # untimed, the rule takes the first verified candidate: the rest need no run
     return Evaluation(tuple(results), ref, _time.perf_counter() - t0)
 
 

@@ -1,0 +1,231 @@
+"""``sparserl pregen``: fill a deployable kernel cache ahead of time.
+
+Input: Matrix Market (``.mtx``, ``.mtx.gz``) and CSR ``.npz`` files, directories of them
+(searched recursively), and ONNX models, whose 2-D float initializers that are stored sparse
+or are at least ``--min-sparsity`` zeros become matrices (a ``MatMul`` weight ``B[in, out]``
+is used as ``B^T``, the ``[out, in]`` operand of ``F.linear``; a ``Gemm`` with ``transB=1``
+as stored).
+
+For every matrix and every requested product (SpMV; SpMM at each ``--widths`` value) it does
+what the runtime does on a miss -- the active provider proposes candidates, ``select.choose``
+compiles, verifies in the sandbox and (on a GPU) times them against cuSPARSE -- and writes the
+verdict (a verified kernel, or "the reference wins") into the cache at ``--out``. A key
+already in the cache is skipped, so an interrupted run resumes where it stopped. Another
+machine of the same GPU kind, driver and NVRTC loads the entries without searching again
+(point ``SPARSERL_CACHE_DIR`` at the folder).
+
+On a machine without a GPU, pass ``--target-gpu`` (and the driver/NVRTC versions of the
+serving machine): candidates are compiled for its arch and verified with the CPU executor;
+such entries carry no timings, and the runtime times them against cuSPARSE in its sandbox on
+first use before it trusts them (``runtime.search_entry``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from sparserl_compile import matrices
+
+MATRIX_SUFFIXES = (".npz", ".mtx", ".mtx.gz", ".mm")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One matrix to pre-generate kernels for."""
+
+    name: str  # file name, or "model.onnx:initializer"
+    matrix: sp.csr_matrix
+
+
+@dataclass(frozen=True)
+class Row:
+    """What pre-generation did for one (matrix, op, width)."""
+
+    name: str
+    op: str
+    n: int
+    nnz: int
+    outcome: str  # "kernel", "reference", "cached", "failed"
+    detail: str  # family of the kernel, or why the reference / the failure
+    kernel_us: float | None
+    reference_us: float | None
+    seconds: float
+
+
+def onnx_matrices(path: Path, min_sparsity: float = 0.5) -> list[Item]:
+    """Sparse or pruned 2-D float initializers of an ONNX model, as ``[out, in]`` CSR matrices."""
+    try:
+        import onnx
+        from onnx import numpy_helper
+    except ImportError:
+        raise SystemExit(f"{path}: reading ONNX models needs the onnx package: pip install 'sparserl[onnx]'")
+    model = onnx.load(str(path), load_external_data=True)
+    g = model.graph
+    transposed = set()  # initializers used as MatMul B (stored [in, out])
+    for node in g.node:
+        if node.op_type == "MatMul" and len(node.input) > 1:
+            transposed.add(node.input[1])
+        if node.op_type == "Gemm" and len(node.input) > 1:
+            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            if not trans_b:
+                transposed.add(node.input[1])
+    items = []
+    for sparse in g.sparse_initializer:
+        dense = numpy_helper.to_array(sparse.values)
+        idx = numpy_helper.to_array(sparse.indices)
+        dims = tuple(sparse.dims)
+        if len(dims) != 2:
+            continue
+        coords = np.unravel_index(idx.ravel(), dims) if idx.ndim == 1 else (idx[:, 0], idx[:, 1])
+        m = sp.csr_matrix((dense.astype(np.float32), coords), shape=dims)
+        name = sparse.values.name
+        items.append(Item(f"{path.name}:{name}", matrices.canonical(m.T if name in transposed else m)))
+    for init in g.initializer:
+        if len(init.dims) != 2 or init.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                         onnx.TensorProto.BFLOAT16):
+            continue
+        w = numpy_helper.to_array(init).astype(np.float32)
+        if w.size == 0 or float(np.mean(w == 0)) < min_sparsity:
+            continue
+        m = sp.csr_matrix(w.T if init.name in transposed else w)
+        items.append(Item(f"{path.name}:{init.name}", matrices.canonical(m)))
+    return items
+
+
+def discover(paths: list[str], min_sparsity: float = 0.5) -> list[Item]:
+    """Every matrix named by ``paths`` (files, directories searched recursively, ONNX models)."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*") if f.is_file()
+                                and (f.name.endswith(MATRIX_SUFFIXES) or f.suffix == ".onnx")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise SystemExit(f"{p}: no such file or directory")
+    items: list[Item] = []
+    for f in files:
+        if f.suffix == ".onnx":
+            items.extend(onnx_matrices(f, min_sparsity))
+            continue
+        try:
+            m = matrices.load_matrix(f)
+        except ValueError as e:  # e.g. a feature .npy or an unrelated .npz: say so, keep going
+            print(f"skipping {f}: {e}", file=sys.stderr)
+            continue
+        if m.nnz == 0 or min(m.shape) == 0:
+            print(f"skipping {f}: empty matrix (the reference handles it; nothing to generate)", file=sys.stderr)
+            continue
+        items.append(Item(f.name, m))
+    return items
+
+
+def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv", "spmm"),
+                widths=(32,), dtype: str = "f32", target=None, executor: str | None = None,
+                progress: bool = True) -> list[Row]:
+    """Fill the cache at ``cache_dir`` for every item and product; returns one ``Row`` each."""
+    from tqdm import tqdm
+
+    from sparserl_compile import cache, runtime, structure
+
+    store = cache.KernelCache(cache_dir)
+    if not store.on_disk:
+        raise SystemExit(f"cannot write the kernel cache at {cache_dir}: {store.disabled_reason}")
+    target = target or runtime.local_target()
+    jobs = [(it, op, n) for it in items for op in ops for n in ((1,) if op == "spmv" else widths)]
+    rows: list[Row] = []
+    bar = tqdm(jobs, disable=not progress, unit="product", file=sys.stderr)
+    fps: dict[str, str] = {}
+    for it, op, n in bar:
+        bar.set_postfix_str(f"{it.name} {op} n={n}")
+        t0 = time.perf_counter()
+        m = it.matrix
+        fp = fps.get(it.name) or structure.fingerprint(m.indptr, m.indices, m.shape)
+        fps[it.name] = fp
+        problem = runtime.make_problem(op, dtype, n, m.indptr, m.indices, m.shape, fp, target.arch)
+        key = runtime.cache_key(problem, target)
+        hit = store.get(key)
+        if hit is not None:
+            rows.append(Row(it.name, op, n, m.nnz, "cached", "already in the cache",
+                            hit.times.get("kernel_us"), hit.times.get("reference_us"), 0.0))
+            continue
+        try:
+            entry = runtime.search_entry(problem, key, executor=executor)
+            store.put(entry)
+        except Exception as e:  # one bad matrix never stops the run
+            rows.append(Row(it.name, op, n, m.nnz, "failed", f"{type(e).__name__}: {e}"[:120], None, None,
+                            time.perf_counter() - t0))
+            continue
+        detail = entry.verification.get("winner_family") or entry.verification.get("why", "")
+        rows.append(Row(it.name, op, n, m.nnz, "reference" if entry.reference_wins else "kernel", str(detail),
+                        entry.times.get("kernel_us"), entry.times.get("reference_us"),
+                        time.perf_counter() - t0))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    head = f"{'matrix':34s} {'op':5s} {'n':>4s} {'nnz':>9s} {'outcome':9s} {'kernel_us':>9s} {'ref_us':>8s} {'s':>6s}  detail"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.name[:34]:34s} {r.op:5s} {r.n:>4d} {r.nnz:>9d} {r.outcome:9s} {f(r.kernel_us):>9s} "
+                     f"{f(r.reference_us):>8s} {r.seconds:>6.1f}  {r.detail[:60]}")
+    counts = {k: sum(r.outcome == k for r in rows) for k in ("kernel", "reference", "cached", "failed")}
+    lines.append(" ".join(f"{k}={v}" for k, v in counts.items()))
+    return "\n".join(lines)
+
+
+def _cmd(args) -> int:
+    from sparserl_compile import providers, runtime
+
+    if args.provider:
+        providers.set_provider(args.provider)
+    target = None
+    if args.target_gpu:
+        target = runtime.Target(arch=args.target_arch, gpu_name=args.target_gpu,
+                                driver_version=args.target_driver, nvrtc_version=args.target_nvrtc)
+    items = discover(args.paths, args.min_sparsity)
+    if not items:
+        print("no matrices found", file=sys.stderr)
+        return 1
+    widths = tuple(int(w) for w in args.widths.split(",") if w)
+    rows = pregenerate(items, cache_dir=args.out, ops=tuple(args.ops.split(",")), widths=widths,
+                       dtype=args.dtype, target=target, executor=args.executor, progress=not args.no_progress)
+    print(format_table(rows))
+    return 1 if any(r.outcome == "failed" for r in rows) else 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("pregen", help="pre-generate a deployable kernel cache",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", help=".npz / .mtx files, directories of them, or .onnx models")
+    p.add_argument("--out", required=True, help="cache directory to fill (created 0700)")
+    p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
+    p.add_argument("--widths", default="32", help="SpMM dense widths, comma list")
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
+    p.add_argument("--provider", default=None, help="search | policy (default: the runtime's)")
+    p.add_argument("--executor", default=None, choices=["gpu", "cpu"], help="default: gpu if present")
+    p.add_argument("--min-sparsity", type=float, default=0.5, help="ONNX: fraction of zeros to count as sparse")
+    p.add_argument("--target-gpu", default=None, help="without a GPU: the serving GPU's name, e.g. 'NVIDIA H200'")
+    p.add_argument("--target-arch", default="sm_90")
+    p.add_argument("--target-driver", default="unknown", help="serving machine's CUDA driver version, e.g. 13000")
+    p.add_argument("--target-nvrtc", default="unknown", help="serving machine's NVRTC version, e.g. 13.0")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd)
+
+
+def main(argv=None) -> int:  # pragma: no cover - `python -m sparserl_compile.pregen`
+    parser = argparse.ArgumentParser(prog="sparserl")
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["pregen", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
