@@ -243,6 +243,7 @@ class KernelPlan:
         self.source = source
         self._direct = contract.FORMATS[header.format].value_array == "vals"
         self._vmemo: tuple | None = None
+        self._bound: tuple | None = None  # (n, value tensor, launcher.BoundKernel)
 
     def _values(self, val):
         if self._direct:
@@ -261,8 +262,17 @@ class KernelPlan:
             return None  # this width does not suit the kernel's vector loads
         shape = (n_rows,) if x.dim() == 1 else (n_rows, n)
         y = x.new_zeros(shape) if ls.zero_output else x.new_empty(shape)
-        args = self.fdata.kernel_args(op, n, self.arrays, self._values(val), x, y)
-        self.kernel.launch(args, ls.grid(self.fdata.scalars, n), ls.block, ls.smem)
+        v = self._values(val)
+        if not hasattr(self.kernel, "bind"):  # a kernel object without the prepared fast path
+            args = self.fdata.kernel_args(op, n, self.arrays, v, x, y)
+            self.kernel.launch(args, ls.grid(self.fdata.scalars, n), ls.block, ls.smem)
+            return y
+        b = self._bound
+        if b is None or b[0] != n or b[1] is not v:
+            # everything but x and y is fixed per (width, value array): bind once, launch cheaply
+            fixed = self.fdata.kernel_args(op, n, self.arrays, v, x, y)[:-2]
+            b = self._bound = (n, v, self.kernel.bind(fixed, grid=ls.grid(self.fdata.scalars, n)))
+        b[2](x, y)
         return y
 
     def __repr__(self) -> str:
