@@ -1,0 +1,93 @@
+"""sparserl pregen: discovery (.npz, .mtx, ONNX), a CPU build-machine run, resume, the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.io
+import scipy.sparse as sp
+
+from sparserl_compile import cache, matrices, pregen, runtime
+from sparserl_compile.cli import main
+
+TARGET = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
+
+
+def _save_npz(path, m):
+    np.savez(path, indptr=m.indptr, indices=m.indices, data=m.data, shape=np.array(m.shape))
+
+
+def test_discover_reads_npz_mtx_and_skips_what_is_not_a_matrix(tmp_path):
+    a = matrices.stencil2d(6)
+    _save_npz(tmp_path / "a.npz", a)
+    scipy.io.mmwrite(str(tmp_path / "sub_b.mtx"), matrices.banded(30, 1))
+    np.savez(tmp_path / "labels.npz", labels=np.arange(3))
+    (tmp_path / "notes.txt").write_text("not a matrix")
+    items = pregen.discover([str(tmp_path)])
+    names = sorted(i.name for i in items)
+    assert names == ["a.npz", "sub_b.mtx"]
+    got = {i.name: i.matrix for i in items}
+    assert (got["a.npz"] != a).nnz == 0
+
+
+def test_discover_names_a_missing_path(tmp_path):
+    with pytest.raises(SystemExit, match="no such file"):
+        pregen.discover([str(tmp_path / "absent")])
+
+
+def test_onnx_pruned_weights_become_out_by_in_matrices(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 5)).astype(np.float32)  # MatMul B: [in=8, out=5]
+    w[rng.random(w.shape) < 0.7] = 0.0
+    dense = rng.standard_normal((5, 3)).astype(np.float32)  # not sparse: ignored
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["h", "d"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(dense, "d")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g), str(path))
+    (item,) = pregen.discover([str(path)], min_sparsity=0.5)
+    assert item.name == "m.onnx:w" and item.matrix.shape == (5, 8)
+    np.testing.assert_array_equal(item.matrix.toarray(), w.T)
+
+
+@pytest.mark.slow
+def test_cpu_build_machine_run_writes_untimed_entries_and_resumes(tmp_path):
+    _save_npz(tmp_path / "s.npz", matrices.stencil2d(8))
+    out = tmp_path / "kernels"
+    items = pregen.discover([str(tmp_path / "s.npz")])
+    rows = pregen.pregenerate(items, cache_dir=out, ops=("spmv",), target=TARGET, executor="cpu", progress=False)
+    (row,) = rows
+    assert row.outcome == "kernel" and row.kernel_us is None  # verified on the CPU, not timed
+    store = cache.KernelCache(out)
+    (listing,) = store.ls()
+    m = items[0].matrix
+    from sparserl_compile import structure
+
+    problem = runtime.make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape,
+                                   structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+    entry = store.get(runtime.cache_key(problem, TARGET))
+    assert entry is not None and entry.cubin and "sparserl_kernel" in entry.source
+    assert entry.verification["executor"] == "cpu"
+    again = pregen.pregenerate(items, cache_dir=out, ops=("spmv",), target=TARGET, executor="cpu", progress=False)
+    assert [r.outcome for r in again] == ["cached"]
+
+
+def test_cli_without_gpu_or_target_explains(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _save_npz(tmp_path / "s.npz", matrices.stencil2d(4))
+    with pytest.raises(RuntimeError, match="--target-gpu"):
+        main(["pregen", str(tmp_path / "s.npz"), "--out", str(tmp_path / "k"), "--no-progress"])
+
+
+def test_empty_matrices_are_skipped_with_a_reason(tmp_path, capsys):
+    _save_npz(tmp_path / "e.npz", sp.csr_matrix((4, 4), dtype=np.float32))
+    assert pregen.discover([str(tmp_path)]) == []
+    assert "empty matrix" in capsys.readouterr().err
