@@ -129,9 +129,14 @@ def cuda_include_dir() -> str:
         if os.environ.get(var):
             cands.append(os.path.join(os.environ[var], "include"))
     cands.append("/usr/local/cuda/include")
-    for c in cands:
-        if c and os.path.isfile(os.path.join(c, "cuda_fp16.h")):
+    found = [c for c in cands if c and os.path.isfile(os.path.join(c, "cuda_fp16.h"))]
+    # A complete toolkit include dir also has crt/mma.h, which mma.h (the wmma family) includes;
+    # some wheels ship mma.h without it (seen on the H200 image's nvidia/cu13/include).
+    for c in found:
+        if os.path.isfile(os.path.join(c, "crt", "mma.h")):
             return c
+    if found:
+        return found[0]
     raise RuntimeError(
         "cannot find the CUDA headers (cuda_fp16.h) NVRTC needs; tried "
         f"{cands}. Install the CUDA toolkit or `pip install nvidia-cuda-runtime`, or set "
