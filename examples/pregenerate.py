@@ -1,0 +1,266 @@
+"""Deployment: pre-generate a kernel cache for a folder of matrices, then serve from it.
+
+Two phases, as a deployment runs them on two machines:
+
+1. **build** (``sparserl_compile.pregen.discover`` + ``pregenerate``, the Python API of
+   ``sparserl pregen``): for every matrix and product, search candidate kernels, compile them
+   with NVRTC, verify them and write the verdict into the cache folder ``--out``.
+
+   * On a GPU machine the target is that GPU; candidates are verified and timed against
+     cuSPARSE there, and the entries carry the times.
+   * Without a GPU, name the serving GPU (``--target-gpu``, ``--target-arch``,
+     ``--target-driver``, ``--target-nvrtc``: they must equal what
+     ``runtime.local_target()`` prints on the serving machine, or every lookup misses).
+     Candidates are compiled for its arch and verified with the CPU executor
+     (``executor="cpu"``); the entries are *untimed*, and the serving runtime times each one
+     against cuSPARSE once, on first use, before it trusts it.
+
+2. **serve**: point ``SPARSERL_CACHE_DIR`` at the folder, as a serving process would.
+
+   * On a GPU: run every product through sparserl and report ``stats()``: every plan comes
+     from the cache (``cache_hits``), no search runs for timed entries, and results are
+     checked against a float64 scipy product.
+   * On the CPU there is no kernel launch (generated kernels are GPU-only; CPU products use
+     torch's CSR kernels): it looks up, for every product, the exact cache key the GPU runtime
+     would compute (the fingerprint the ``SparseRLTensor`` carries, the op, the width bucket,
+     the target) and reports hits, then shows ``sparserl cache ls`` and ``sparserl cache
+     verify`` of the folder.
+
+    python examples/pregenerate.py MATRIX_DIR --out kernels/                 # on the GPU machine
+    python examples/pregenerate.py MATRIX_DIR --out kernels/ --ops spmv \\
+        --target-gpu "NVIDIA H200" --target-driver 13000 --target-nvrtc 13.0  # without a GPU
+    python examples/pregenerate.py --out kernels/ --ops spmv                  # two generated matrices
+
+The exit status is 1 if a product failed to build or a served product missed the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+import sparserl_compile as sr
+from sparserl_compile import cache, matrices, pregen, runtime
+
+#: the serving GPU assumed when none is named and this machine has none (the H200 image:
+#: CUDA 13 driver, NVRTC 13.0); a wrong driver/NVRTC version makes every lookup miss
+DEFAULT_TARGET = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What the build phase did."""
+
+    target: runtime.Target
+    executor: str  # "gpu" (verified and timed here) or "cpu" (verified, untimed)
+    rows: list[pregen.Row]
+    seconds: float
+
+    @property
+    def failed(self) -> int:
+        return sum(r.outcome == "failed" for r in self.rows)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One served product and where its plan came from."""
+
+    name: str
+    op: str
+    n: int
+    found: bool  # the cache holds an entry under the key the GPU runtime computes
+    verdict: str  # "kernel", "reference wins", "untimed kernel", or "missing"
+    max_rel_err: float  # the sparserl product vs a float64 scipy product
+
+
+@dataclass(frozen=True)
+class ServeReport:
+    """What the serve phase saw."""
+
+    cache_dir: str
+    device: str
+    entries: int  # valid entry files in the folder
+    lookups: list[Lookup]
+    stats: runtime.RuntimeStats | None  # GPU only: the runtime's counters over the served products
+
+    @property
+    def misses(self) -> int:
+        return sum(not x.found for x in self.lookups)
+
+
+def write_demo_matrices(folder: Path) -> list[Path]:
+    """Two small generated matrices (a 2-D stencil and a banded matrix with an empty row)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    band = matrices.banded(96, 2).tolil()
+    band[40, :] = 0.0  # an empty row
+    mats = {"stencil2d_8.npz": matrices.stencil2d(8), "banded_96_row40_empty.npz": sp.csr_matrix(band)}
+    paths = []
+    for name, m in mats.items():
+        m = matrices.canonical(m)
+        m.eliminate_zeros()
+        sp.save_npz(folder / name, m)
+        paths.append(folder / name)
+    return paths
+
+
+def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
+          target: runtime.Target | None = None, progress: bool = True) -> BuildReport:
+    """Fill the cache at ``out`` for every matrix under ``paths`` (``sparserl pregen``'s API)."""
+    on_gpu = torch.cuda.is_available()
+    if target is None:
+        target = runtime.local_target() if on_gpu else DEFAULT_TARGET
+    executor = "gpu" if on_gpu and target == runtime.local_target() else "cpu"
+    items = pregen.discover(paths)
+    if not items:
+        raise SystemExit(f"no matrices (.npz, .mtx, .onnx) under {paths}")
+    t0 = time.perf_counter()
+    rows = pregen.pregenerate(items, cache_dir=out, ops=tuple(ops), widths=tuple(widths), target=target,
+                              executor=executor, progress=progress)
+    return BuildReport(target, executor, rows, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def serving_from(cache_dir: str | os.PathLike):
+    """``SPARSERL_CACHE_DIR=cache_dir`` and a fresh plan table, restored afterwards."""
+    old = os.environ.get("SPARSERL_CACHE_DIR")
+    os.environ["SPARSERL_CACHE_DIR"] = str(cache_dir)
+    runtime.clear()
+    runtime.reset_stats()
+    try:
+        yield
+    finally:
+        runtime.clear()
+        if old is None:
+            os.environ.pop("SPARSERL_CACHE_DIR", None)
+        else:
+            os.environ["SPARSERL_CACHE_DIR"] = old
+
+
+def _rel_err(y: torch.Tensor, ref: np.ndarray) -> float:
+    y = y.detach().double().cpu().numpy()
+    return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30)) if ref.size else 0.0
+
+
+def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
+          target: runtime.Target | None = None) -> ServeReport:
+    """Serve every product from the cache at ``cache_dir`` (see the module docstring)."""
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    items = pregen.discover(paths)
+    lookups: list[Lookup] = []
+    stats = None
+    with serving_from(cache_dir):
+        store = cache.KernelCache.default()
+        if not on_gpu:
+            target = target or DEFAULT_TARGET
+        rng = np.random.default_rng(0)
+        for it in items:
+            A = sr.sparsify(it.matrix).to(device)
+            for op in ops:
+                for n in (1,) if op == "spmv" else widths:
+                    x_np = rng.standard_normal(it.matrix.shape[1] if n == 1 else (it.matrix.shape[1], n))
+                    x = torch.from_numpy(x_np.astype(np.float32)).to(device)
+                    before = runtime.stats()
+                    y = A @ x  # on the GPU: plan from the cache; on the CPU: torch's CSR kernel
+                    err = _rel_err(y, it.matrix.astype(np.float64) @ x_np.astype(np.float32).astype(np.float64))
+                    if on_gpu:
+                        after = runtime.stats()
+                        found = after.cache_hits > before.cache_hits
+                        verdict = ("missing" if not found else
+                                   "kernel" if after.kernel_calls > before.kernel_calls else "reference wins")
+                    else:
+                        key = runtime.cache_key(
+                            runtime.make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
+                                                 target.arch), target)
+                        entry = store.get(key)
+                        found = entry is not None
+                        verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
+                                   "kernel" if "kernel_us" in entry.times else "untimed kernel")
+                    lookups.append(Lookup(it.name, op, n, found, verdict, err))
+        if on_gpu:
+            torch.cuda.synchronize()
+            stats = runtime.stats()
+        entries = sum(x.entry is not None for x in store.ls())
+    return ServeReport(str(cache_dir), device, entries, lookups, stats)
+
+
+def format_lookups(report: ServeReport) -> str:
+    head = f"{'matrix':34s} {'op':5s} {'n':>4s} {'in cache':8s} {'verdict':15s} {'rel_err':>9s}"
+    lines = [head, "-" * len(head)]
+    for x in report.lookups:
+        lines.append(f"{x.name[:34]:34s} {x.op:5s} {x.n:>4d} {'yes' if x.found else 'NO':8s} "
+                     f"{x.verdict:15s} {x.max_rel_err:>9.1e}")
+    lines.append(f"{len(report.lookups) - report.misses}/{len(report.lookups)} products found in "
+                 f"{report.cache_dir} ({report.entries} entries)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("paths", nargs="*", help=".npz / .mtx files or folders (default: two generated matrices)")
+    p.add_argument("--out", required=True, help="the kernel cache folder to build and serve from")
+    p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
+    p.add_argument("--widths", default="32", help="SpMM dense widths, comma list")
+    p.add_argument("--target-gpu", default=None,
+                   help=f"the serving GPU's name (default: this GPU, or {DEFAULT_TARGET.gpu_name!r} without one)")
+    p.add_argument("--target-arch", default=DEFAULT_TARGET.arch)
+    p.add_argument("--target-driver", default=DEFAULT_TARGET.driver_version,
+                   help="the serving machine's cuDriverGetVersion, e.g. 13000")
+    p.add_argument("--target-nvrtc", default=DEFAULT_TARGET.nvrtc_version, help="the serving NVRTC, e.g. 13.0")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    ops = tuple(o for o in args.ops.split(",") if o)
+    bad = set(ops) - {"spmv", "spmm"}
+    if bad:
+        p.error(f"--ops: unknown {sorted(bad)}; use spmv and/or spmm")
+    widths = tuple(int(w) for w in args.widths.split(",") if w)
+    target = None
+    if args.target_gpu:
+        target = runtime.Target(args.target_arch, args.target_gpu, args.target_driver, args.target_nvrtc)
+    with contextlib.ExitStack() as stack:
+        paths = args.paths
+        if not paths:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sparserl-matrices-")))
+            write_demo_matrices(folder)
+            print(f"no matrices named: using two generated ones in {folder}")
+            paths = [str(folder)]
+
+        b = build(paths, args.out, ops=ops, widths=widths, target=target, progress=not args.no_progress)
+        print(f"== build: {len(b.rows)} products for {b.target.gpu_name} ({b.target.arch}, driver "
+              f"{b.target.driver_version}, NVRTC {b.target.nvrtc_version}), verified on the {b.executor} "
+              f"executor, {b.seconds:.1f} s")
+        print(pregen.format_table(b.rows))
+        if b.executor == "cpu":
+            print("(entries built without the serving GPU carry no timings; its runtime times each one against "
+                  "cuSPARSE on first use)")
+
+        s = serve(paths, args.out, ops=ops, widths=widths, target=b.target)
+        print(f"\n== serve on {s.device} with SPARSERL_CACHE_DIR={args.out}")
+        print(format_lookups(s))
+        if s.stats is not None:
+            st = s.stats
+            print(f"runtime: calls={st.calls} cache_hits={st.cache_hits} searches={st.searches} "
+                  f"kernel_calls={st.kernel_calls} reference_calls={st.reference_calls} fallbacks={st.fallbacks}")
+        else:
+            print("(CPU: no kernel is launched here; the keys above are the ones the GPU runtime looks up)")
+            from sparserl_compile.cli import main as sparserl
+
+            print("\n$ sparserl cache ls")
+            sparserl(["cache", "--dir", str(args.out), "ls"])
+            print("\n$ sparserl cache verify")
+            sparserl(["cache", "--dir", str(args.out), "verify"])
+    return 1 if b.failed or s.misses else 0
+
+
+if __name__ == "__main__":  # the guard matters: the verification sandbox spawns workers
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""examples/pregenerate.py at CI scale: build a cache without a GPU (CPU executor), serve from it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from example_loader import load_example
+
+from sparserl_compile import cache
+
+pg = load_example("pregenerate")
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build/serve flow (untimed entries); "
+                              "test_gpu_build_and_serve covers a GPU machine")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The example's main on two generated matrices, spmv only: its output and the folders."""
+    root = tmp_path_factory.mktemp("pregen_example")
+    mats = root / "matrices"
+    pg.write_demo_matrices(mats)
+    out = root / "kernels"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = pg.main([str(mats), "--out", str(out), "--ops", "spmv", "--no-progress"])
+    return rc, buf.getvalue(), mats, out
+
+
+@cpu_only
+def test_main_builds_untimed_entries_and_serves_every_product_from_them(built):
+    rc, text, mats, out = built
+    assert rc == 0, text
+    assert "verified on the cpu executor" in text
+    assert "2/2 products found" in text
+    assert "$ sparserl cache ls" in text and "2 entries in" in text
+    assert "2 valid entries, 0 removed" in text
+    listings = cache.KernelCache(out).ls()
+    assert len(listings) == 2 and all(x.entry is not None for x in listings)
+    for x in listings:
+        e = x.entry
+        assert e.key.op == "spmv" and e.key.arch == pg.DEFAULT_TARGET.arch
+        assert e.key.gpu_name == pg.DEFAULT_TARGET.gpu_name
+        if not e.reference_wins:  # a verified kernel: cubin and source, no timings (CPU build)
+            assert e.cubin and "sparserl_kernel" in e.source
+            assert e.verification.get("executor") == "cpu" and "kernel_us" not in e.times
+
+
+@cpu_only
+def test_serve_finds_each_key_and_restores_the_environment(built):
+    _, _, mats, out = built
+    before = os.environ["SPARSERL_CACHE_DIR"]
+    report = pg.serve([str(mats)], out, ops=("spmv",))
+    assert os.environ["SPARSERL_CACHE_DIR"] == before
+    assert report.device == "cpu" and report.stats is None and report.entries == 2
+    assert report.misses == 0
+    assert {x.name for x in report.lookups} == {"stencil2d_8.npz", "banded_96_row40_empty.npz"}
+    for x in report.lookups:
+        assert x.verdict in ("untimed kernel", "reference wins")
+        assert x.max_rel_err < 1e-5  # the served product (CPU reference) vs scipy float64
+
+
+@cpu_only
+def test_serving_another_target_misses_every_key(built):
+    _, _, mats, out = built
+    other = replace(pg.DEFAULT_TARGET, driver_version="12040")  # a different driver: other binaries
+    report = pg.serve([str(mats)], out, ops=("spmv",), target=other)
+    assert report.misses == len(report.lookups) == 2
+    assert all(x.verdict == "missing" for x in report.lookups)
+
+
+@cpu_only
+def test_a_second_build_resumes_from_the_cache(built):
+    _, _, mats, out = built
+    b = pg.build([str(mats)], out, ops=("spmv",), progress=False)
+    assert b.executor == "cpu" and b.failed == 0
+    assert [r.outcome for r in b.rows] == ["cached", "cached"]
+
+
+def test_main_rejects_an_unknown_op(tmp_path):
+    with pytest.raises(SystemExit):
+        pg.main(["--out", str(tmp_path / "k"), "--ops", "spmv,gemm"])
+
+
+@pytest.mark.gpu
+def test_gpu_build_and_serve_runs_every_product_from_the_cache(tmp_path):
+    mats = tmp_path / "matrices"
+    pg.write_demo_matrices(mats)
+    out = tmp_path / "kernels"
+    b = pg.build([str(mats)], out, ops=("spmv", "spmm"), widths=(8,), progress=False)
+    assert b.executor == "gpu" and b.failed == 0
+    report = pg.serve([str(mats)], out, ops=("spmv", "spmm"), widths=(8,))
+    assert report.device == "cuda" and report.misses == 0
+    assert report.stats.cache_hits == len(report.lookups) == 4
+    assert report.stats.searches == 0  # entries built here are timed: nothing is searched at serve time
+    assert report.stats.fallbacks == 0
+    assert all(x.max_rel_err < 1e-4 for x in report.lookups)
