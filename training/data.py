@@ -1,8 +1,26 @@
 """Supervision records (matrix -> measured kernel-space variants) and the held-out split.
 
-Until the H200 benchmark's own file format is fixed, records are JSON lines of this schema
-(one (matrix, op, dtype, n) per line; ``us`` is the verified median time, a variant that failed
-verification has ``"us": null``)::
+Two JSON-lines formats are read (plain or ``.gz``), line by line, and may be mixed:
+
+1. The H200 benchmark's per-variant lines (``sparserl_compile/suite.py``; the real file is
+   ``training/data/h200_supervision_2026-12-02.jsonl.gz``), one line per (matrix, op, n,
+   kernel variant)::
+
+    {"matrix": {"source": "generated", "generator": "stencil2d", "args": {"n": 100, "seed": 0}, "seed": 0}
+             | {"source": "shared", "name": "bcsstk13"},
+     "name": "stencil2d_100", "fingerprint": "...", "op": "spmv", "n": 1, "dtype": "f32",
+     "arch": "sm_90", "variant": "csr_scalar[block=64]", "family": "csr_scalar",
+     "params": {"block": 64}, "format": "csr", "kind": "ok" | <failure kind>,
+     "kernel_us": 5.5, "graph_us": 2.07, "torch_int32_us": 16.9, "floor_us": 0.12}
+
+   ``load_supervision`` groups them into one record per (matrix, op, n, dtype, arch), in
+   first-seen order: the variant's time is ``kernel_us`` (the median kernel time the suite
+   ranks by), ``None`` when ``kind`` is not ``"ok"``; ``reference_us`` is ``torch_int32_us``
+   (torch.sparse with int32 indices, what the suite's speedups are over). ``graph_us`` and
+   ``floor_us`` are kept on the record (``floor_us``) or dropped (``graph_us``).
+
+2. Grouped records, one (matrix, op, dtype, n) per line (``record_to_json`` writes these;
+   ``us`` is the verified median time, ``"us": null`` for a failed variant)::
 
     {"matrix": {"source": "generated", "generator": "banded", "kwargs": {"n": 4096, "half_bandwidth": 3, "seed": 1}}
              | {"source": "shared", "name": "bcsstk13"},
@@ -10,7 +28,7 @@ verification has ``"us": null``)::
      "variants": [{"family": "csr_vector", "params": {"threads": 8, "block": 256}, "us": 12.5}, ...],
      "reference_us": 30.1}
 
-``record_from_json`` is the one function to change when the real format arrives.
+``record_from_json`` reads one grouped line; ``records_from_variant_lines`` groups format 1.
 
 The held-out split (``is_held_out``) is deterministic and never trained on by any stage:
 
@@ -82,6 +100,7 @@ class SupervisionRecord:
     n: int
     variants: tuple[Variant, ...]
     reference_us: float | None = None  # torch.sparse / cuSPARSE time
+    floor_us: float | None = None  # bytes / measured bandwidth (suite lines only)
 
     def best(self) -> Variant | None:
         ok = [v for v in self.variants if v.us is not None]
@@ -91,7 +110,10 @@ class SupervisionRecord:
 def matrix_ref_from_json(m: dict) -> MatrixRef:
     src = m.get("source")
     if src == "generated":
-        return MatrixRef("generated", m["generator"], tuple(sorted(m.get("kwargs", {}).items())))
+        kwargs = dict(m.get("kwargs", m.get("args", {})))
+        if "seed" in m:  # the suite writes the seed beside the generator's args
+            kwargs.setdefault("seed", m["seed"])
+        return MatrixRef("generated", m["generator"], tuple(sorted(kwargs.items())))
     if src == "shared":
         return MatrixRef("shared", name=m["name"])
     raise ValueError(f"matrix source {src!r}: expected 'generated' or 'shared' in {m}")
@@ -105,7 +127,7 @@ def record_from_json(obj: dict) -> SupervisionRecord:
                          for v in obj["variants"])
         return SupervisionRecord(matrix_ref_from_json(obj["matrix"]), obj["op"], obj.get("dtype", "f32"),
                                  int(obj.get("n", 1)), variants,
-                                 None if obj.get("reference_us") is None else float(obj["reference_us"]))
+                                 _opt_float(obj.get("reference_us")), _opt_float(obj.get("floor_us")))
     except KeyError as e:
         raise ValueError(f"supervision record lacks {e}: {json.dumps(obj)[:200]}") from None
 
@@ -115,20 +137,71 @@ def record_to_json(r: SupervisionRecord) -> dict:
          else {"source": "generated", "generator": r.matrix.generator, "kwargs": dict(r.matrix.kwargs)})
     return {"matrix": m, "op": r.op, "dtype": r.dtype, "n": r.n,
             "variants": [{"family": v.family, "params": dict(v.params), "us": v.us} for v in r.variants],
-            "reference_us": r.reference_us}
+            "reference_us": r.reference_us, "floor_us": r.floor_us}
+
+
+def _opt_float(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def is_variant_line(obj: dict) -> bool:
+    """Whether ``obj`` is one of the benchmark suite's per-variant lines (format 1)."""
+    return "variants" not in obj and "family" in obj and "kernel_us" in obj
+
+
+def records_from_variant_lines(lines: list[tuple[int, dict]], where: str = "") -> list[SupervisionRecord]:
+    """Group per-variant lines (``(line_number, obj)``) into records, first-seen order.
+
+    A variant whose ``kind`` is not ``"ok"`` (or that has no ``kernel_us``) gets ``us=None``.
+    A group whose lines disagree on ``torch_int32_us`` keeps the first non-null one.
+    """
+    groups: dict[tuple, dict] = {}
+    for i, obj in lines:
+        try:
+            ref = matrix_ref_from_json(obj["matrix"])
+            key = (ref, obj["op"], int(obj.get("n", 1)), obj.get("dtype", "f32"), obj.get("arch"))
+            ok = obj.get("kind", "ok") == "ok" and obj.get("kernel_us") is not None
+            v = Variant(obj["family"], tuple(sorted((obj.get("params") or {}).items())),
+                        float(obj["kernel_us"]) if ok else None)
+        except KeyError as e:
+            raise ValueError(f"{where}:{i}: supervision line lacks {e}: {json.dumps(obj)[:200]}") from None
+        g = groups.setdefault(key, {"variants": [], "ref": None, "floor": None})
+        g["variants"].append(v)
+        g["ref"] = g["ref"] if g["ref"] is not None else _opt_float(obj.get("torch_int32_us"))
+        g["floor"] = g["floor"] if g["floor"] is not None else _opt_float(obj.get("floor_us"))
+    return [SupervisionRecord(ref, op, dtype, n, tuple(g["variants"]), g["ref"], g["floor"])
+            for (ref, op, n, dtype, _arch), g in groups.items()]
+
+
+def _read_lines(path: Path) -> list[str]:
+    if path.suffix == ".gz":
+        import gzip
+
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()
+    return path.read_text(encoding="utf-8").splitlines()
 
 
 def load_supervision(path: str | Path) -> list[SupervisionRecord]:
-    """Read a JSON-lines supervision file; errors name the line."""
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    """Read a supervision file (JSON lines, optionally gzipped, either format of the module
+    docstring); errors name the line. Grouped records come first, then the grouped
+    per-variant lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"supervision file {path} does not exist (see docs/training.md, 'Data')")
+    out, variant_lines = [], []
+    for i, line in enumerate(_read_lines(path), 1):
         if not line.strip():
             continue
         try:
-            out.append(record_from_json(json.loads(line)))
+            obj = json.loads(line)
+            if is_variant_line(obj):
+                variant_lines.append((i, obj))
+            else:
+                out.append(record_from_json(obj))
         except (ValueError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}:{i}: {e}") from None
-    return out
+    return out + records_from_variant_lines(variant_lines, str(path))
 
 
 @lru_cache(maxsize=1)
@@ -159,8 +232,15 @@ class Split:
     train: list[SupervisionRecord] = field(default_factory=list)
     held_out: list[SupervisionRecord] = field(default_factory=list)
 
+    def summary(self) -> str:
+        """Record and matrix counts per side, e.g. for logs and docs."""
+        def side(rs):
+            return f"{len(rs)} records / {len({r.matrix for r in rs})} matrices"
+        return f"train {side(self.train)}, held out {side(self.held_out)}"
+
 
 def split(records: list[SupervisionRecord]) -> Split:
+    """Records -> train / held-out (``is_held_out`` on each record's matrix)."""
     s = Split()
     for r in records:
         (s.held_out if is_held_out(r.matrix) else s.train).append(r)

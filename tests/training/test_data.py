@@ -47,3 +47,84 @@ def test_shared_split_holds_out_per_kind(shared_matrices):
     assert held.isdisjoint({r.matrix.name for r in s.train})
     for kind, names in kinds.items():
         assert (len(names) >= 4) == bool(held & set(names)), kind
+
+
+# --- the H200 benchmark suite's per-variant lines (format 1) ---------------------------------
+
+def _line(matrix, op, n, family, params, kind, kernel_us, torch_us=20.0):
+    return {"matrix": matrix, "name": "m", "fingerprint": "f", "op": op, "n": n, "dtype": "f32",
+            "arch": "sm_90", "variant": f"{family}{params}", "family": family, "params": params,
+            "format": "csr", "kind": kind, "kernel_us": kernel_us, "graph_us": 1.0,
+            "torch_int32_us": torch_us, "floor_us": 0.5}
+
+
+GEN = {"source": "generated", "generator": "banded", "args": {"n": 64, "half_bandwidth": 2, "seed": 3}, "seed": 3}
+LINES = [_line(GEN, "spmv", 1, "csr_scalar", {"block": 64}, "ok", 7.0),
+         _line(GEN, "spmv", 1, "csr_vector", {"threads": 4}, "ok", 5.0),
+         _line(GEN, "spmv", 1, "dia", {}, "wrong", 1.0),  # failed: fastest number, no time
+         _line(GEN, "spmm", 8, "csr_scalar", {"block": 64}, "ok", 30.0, torch_us=60.0),
+         _line({"source": "shared", "name": "bcsstk13"}, "spmv", 1, "csr_scalar", {"block": 128}, "ok", 4.0)]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_variant_lines_are_grouped_per_matrix_op_n(tmp_path, gz):
+    import gzip
+
+    text = "".join(json.dumps(x) + "\n" for x in LINES)
+    p = tmp_path / ("s.jsonl.gz" if gz else "s.jsonl")
+    if gz:
+        with gzip.open(p, "wt") as f:
+            f.write(text)
+    else:
+        p.write_text(text)
+    recs = load_supervision(p)
+    assert [(r.matrix.source, r.op, r.n, len(r.variants)) for r in recs] == [
+        ("generated", "spmv", 1, 3), ("generated", "spmm", 8, 1), ("shared", "spmv", 1, 1)]
+    spmv = recs[0]
+    assert spmv.matrix.kwargs == (("half_bandwidth", 2), ("n", 64), ("seed", 3))
+    assert spmv.matrix.load().shape == (64, 64)
+    assert [v.us for v in spmv.variants] == [7.0, 5.0, None]
+    assert spmv.best().family == "csr_vector"  # the failed dia variant never wins
+    assert spmv.reference_us == 20.0 and spmv.floor_us == 0.5
+    assert recs[1].reference_us == 60.0
+    # grouped records round-trip through the other format
+    q = tmp_path / "grouped.jsonl"
+    q.write_text("".join(json.dumps(record_to_json(r)) + "\n" for r in recs))
+    assert load_supervision(q) == recs
+
+
+def test_variant_line_without_family_is_named(tmp_path):
+    bad = dict(LINES[0])
+    del bad["matrix"]
+    p = tmp_path / "s.jsonl"
+    p.write_text(json.dumps(LINES[0]) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=r"s.jsonl:2"):
+        load_supervision(p)
+
+
+def test_missing_file_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_supervision(tmp_path / "none.jsonl.gz")
+
+
+REAL = __import__("pathlib").Path(__file__).resolve().parents[2] / "training" / "data" / "h200_supervision_2026-12-02.jsonl.gz"
+
+
+@pytest.mark.skipif(not REAL.is_file(), reason="the H200 supervision file is not in this checkout")
+def test_real_h200_file_loads_and_splits():
+    import gzip
+
+    with gzip.open(REAL, "rt") as f:
+        raw = [json.loads(x) for x in f if x.strip()]
+    groups = {(json.dumps(x["matrix"], sort_keys=True), x["op"], x["n"]) for x in raw}
+    recs = load_supervision(REAL)
+    assert len(recs) == len(groups)
+    assert sum(len(r.variants) for r in recs) == len(raw)
+    for r in recs:
+        timed = [x["kernel_us"] for x in raw if x["kind"] == "ok" and x["op"] == r.op and x["n"] == r.n
+                 and x["matrix"].get("name", x["matrix"].get("generator")) in (r.matrix.name, r.matrix.generator)]
+        assert r.best() is not None and r.best().us == pytest.approx(min(timed))
+        assert r.reference_us and r.reference_us > 0
+    s = split(recs)
+    assert s.train and s.held_out
+    assert {r.matrix for r in s.train}.isdisjoint({r.matrix for r in s.held_out})
