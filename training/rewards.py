@@ -163,7 +163,7 @@ class SandboxEvaluator:
             r = next(results)
             us = r.kernel_us
             if us is None and r.ok and self.cost_model is not None:
-                us = self.cost_model.predict_source(problem.matrix, c)
+                us = self.cost_model.predict_source(problem.matrix, c, problem.n)
             out.append(KernelOutcome(True, r.compile_ok, r.ok, us, ref or problem.reference_us,
                                      problem.best_space_us, detail=r.kind if not r.ok else ""))
         return out
