@@ -51,6 +51,14 @@ class PolicyHParams:
                    d_ff=128, max_positions=1024, n_slots=4, n_freqs=6,
                    n_features=n_features, max_points=128)
 
+    @classmethod
+    def small(cls, vocab_size: int, n_features: int) -> "PolicyHParams":
+        """~1.1M parameters: the size the shipped default checkpoint was trained at on 2 CPU
+        cores (docs/training.md); the H200-trained checkpoint is meant to use the default."""
+        return cls(vocab_size=vocab_size, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                   d_ff=352, max_positions=1024, n_slots=8, n_freqs=8,
+                   n_features=n_features, max_points=512)
+
     def to_config(self, **special_ids) -> "PolicyConfig":
         return PolicyConfig(
             vocab_size=self.vocab_size, hidden_size=self.d_model, num_hidden_layers=self.n_layers,

@@ -20,7 +20,7 @@ from training.config import opt, save_config
 @dataclass
 class PretrainConfig:
     out_dir: str = opt("runs/pretrain", "output checkpoint folder (resumed if it holds a state)")
-    size: str = opt("default", "model size: 'default' (~4M parameters) or 'tiny' (CI)")
+    size: str = opt("default", "model size: 'default' (~4M parameters), 'small' (~1.1M, the CPU-trained shipped checkpoint) or 'tiny' (CI)")
     vocab_size: int = opt(2048, "BPE vocabulary size")
     max_corpus_bytes: int = opt(32_000_000, "cap on the corpus text collected at run time")
     corpus_sources: str = opt("kernel_space,cuda_toolkit,nvidia_wheels,torch,cupy",
@@ -46,9 +46,11 @@ def hparams_for(size: str, vocab_size: int):
     n_feat = len(structure_features(np.array([0, 1]), np.array([0]), (1, 1)))
     if size == "tiny":
         return PolicyHParams.tiny(vocab_size, n_feat)
+    if size == "small":
+        return PolicyHParams.small(vocab_size, n_feat)
     if size == "default":
         return PolicyHParams(vocab_size=vocab_size, n_features=n_feat)
-    raise ValueError(f"size={size!r}: choose 'default' or 'tiny'")
+    raise ValueError(f"size={size!r}: choose 'default', 'small' or 'tiny'")
 
 
 def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):

@@ -28,6 +28,8 @@ class SFTConfig:
     batch_size: int = opt(8, "examples per step")
     max_len: int = opt(1536, "prompt + kernel tokens kept per example")
     lr: float = opt(5e-4, "peak learning rate")
+    top_variants: int = opt(1, "training targets per record: its fastest this many verified variants "
+                               "(distinct rendered sources); held-out loss always uses the fastest only")
     seed: int = opt(0, "seed for example order")
     log_every: int = opt(20, "log every this many steps")
     save_every: int = opt(200, "checkpoint every this many steps")
@@ -50,9 +52,16 @@ def default_render(family: str, op: str, dtype: str, params: dict, structure) ->
     return out if isinstance(out, str) else out.source
 
 
-def build_examples(records, tokenizer, max_points: int, render=default_render, log=print):
-    """``LMExample``s for records (matrices loaded once each); records without a verified
-    variant or whose variant fails to render are skipped and counted."""
+def ranked_variants(record, top: int):
+    """The record's verified variants, fastest first, at most ``top``."""
+    ok = sorted((v for v in record.variants if v.us is not None), key=lambda v: v.us)
+    return ok[:max(1, top)]
+
+
+def build_examples(records, tokenizer, max_points: int, render=default_render, log=print, top: int = 1):
+    """``LMExample``s for records (matrices loaded once each): one per distinct rendered source
+    among each record's ``top`` fastest verified variants. Records without a verified variant
+    or whose fastest variant fails to render are skipped and counted."""
     from policy.decode import completion_ids
     from policy.encoder import prepare_structure
     from policy.tokenizer import prompt_text
@@ -61,21 +70,27 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
     cache: dict = {}
     out, skipped = [], 0
     for r in records:
-        best = r.best()
-        if best is None:
+        variants = ranked_variants(r, top) if r.best() is not None else []
+        if not variants:
             skipped += 1
             continue
         if r.matrix not in cache:
             m = r.matrix.load()
             cache[r.matrix] = (m, prepare_structure(m.indptr, m.indices, m.shape, max_points=max_points))
         m, s = cache[r.matrix]
-        try:
-            src = render(best.family, r.op, r.dtype, dict(best.params), m)
-        except Exception as e:  # a renderer bug must not stop training; it is reported
-            log(f"[sft] skip {r.matrix.label} {best.family}{dict(best.params)}: {e}")
-            skipped += 1
-            continue
-        out.append(LMExample(tokenizer.encode(prompt_text(r.op, r.dtype, r.n)), completion_ids(tokenizer, src), s))
+        seen: set[str] = set()
+        for rank, v in enumerate(variants):
+            try:
+                src = render(v.family, r.op, r.dtype, dict(v.params), m)
+            except Exception as e:  # a renderer bug must not stop training; it is reported
+                log(f"[sft] skip {r.matrix.label} {v.family}{dict(v.params)}: {e}")
+                skipped += rank == 0
+                continue
+            if src in seen:
+                continue
+            seen.add(src)
+            out.append(LMExample(tokenizer.encode(prompt_text(r.op, r.dtype, r.n)),
+                                 completion_ids(tokenizer, src), s))
     return out, skipped
 
 
@@ -91,7 +106,8 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     src = out if has_state(out) and _stage_of(out) == "sft" else Path(cfg.init)
     model, tok = load_policy(src)
     parts = split(load_supervision(cfg.data))
-    train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log)
+    log(f"[sft] {cfg.data}: {parts.summary()}")
+    train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log, cfg.top_variants)
     held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log)
     log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
     if not train:
