@@ -8,7 +8,13 @@ reports per matrix kind:
 - speedup over torch.sparse (reference_us / us of the best correct sample; greedy and best-of-k),
 - fraction of the kernel-space best (best_space_us / us, 1.0 = as fast as the best family point),
 - how often a correct sample is *not* one of the record's rendered kernel-space points (the
-  policy wrote something new; whitespace-insensitive comparison).
+  policy wrote something new; whitespace-insensitive comparison),
+- the fraction of the kernel-space best **by the measured (H200) times**: when a correct
+  sample is, whitespace-insensitively, the rendered source of one of the record's measured
+  variants, its time is that variant's measured ``us`` from the supervision file and the
+  fraction is ``best_us / that us`` (greedy, and best-of-k over the samples that are points);
+  samples that are no measured point have no measured time and are left out (counted in
+  ``novel_rate``).
 
 Ablations are separate checkpoints (no RL = the SFT checkpoint; no sinusoidal embedding and
 correctness-only reward = checkpoints trained with those settings) plus unconstrained
@@ -48,6 +54,10 @@ class KindStats:
     speedup_greedy: list[float] = field(default_factory=list)
     speedup_best_of_k: list[float] = field(default_factory=list)
     space_frac_best_of_k: list[float] = field(default_factory=list)
+    measured_frac_greedy: list[float] = field(default_factory=list)  # per record, greedy sample a point
+    measured_frac_best_of_k: list[float] = field(default_factory=list)  # per record, some sample a point
+    greedy_correct: int = 0
+    records: int = 0
 
     def summary(self) -> dict:
         g = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None  # noqa: E731
@@ -57,7 +67,13 @@ class KindStats:
                 "novel_rate": self.novel / self.correct if self.correct else None,
                 "speedup_greedy_geomean": g(self.speedup_greedy),
                 "speedup_best_of_k_geomean": g(self.speedup_best_of_k),
-                "space_best_fraction_geomean": g(self.space_frac_best_of_k)}
+                "space_best_fraction_geomean": g(self.space_frac_best_of_k),
+                "records": self.records,
+                "greedy_correct_rate": self.greedy_correct / self.records if self.records else None,
+                "measured_space_fraction_greedy_geomean": g(self.measured_frac_greedy),
+                "measured_space_fraction_greedy_n": len(self.measured_frac_greedy),
+                "measured_space_fraction_best_of_k_geomean": g(self.measured_frac_best_of_k),
+                "measured_space_fraction_best_of_k_n": len(self.measured_frac_best_of_k)}
 
 
 def _norm(src: str) -> str:
@@ -67,7 +83,8 @@ def _norm(src: str) -> str:
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
                     constrained: bool, space_sources=None) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
-    ``space_sources``: per problem, the set of normalized kernel-space sources (or None)."""
+    ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
+    the variant failed), or None."""
     from policy.decode import DecodeConfig, generate
     from policy.encoder import prepare_structure
 
@@ -83,12 +100,26 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                                                constrained=constrained, seed=i))
         outs = evaluator(pb, [r.text for r in greedy + sampled])
         texts = [r.text for r in greedy + sampled]
+        st.records += 1
+        st.greedy_correct += bool(outs[0].correct)
+        measured = []  # measured us of each correct sample that is a measured point (None otherwise)
         for o, t in zip(outs, texts):
             st.samples += 1
             st.compiled += o.compiled
             st.correct += o.correct
-            if o.correct and space_sources is not None and _norm(t) not in space_sources[i]:
-                st.novel += 1
+            us = None
+            if o.correct and space_sources is not None:
+                if _norm(t) not in space_sources[i]:
+                    st.novel += 1
+                else:
+                    us = space_sources[i][_norm(t)]
+            measured.append(us)
+        if pb.best_space_us:
+            if measured[0]:
+                st.measured_frac_greedy.append(pb.best_space_us / measured[0])
+            ms = [u for u in measured[1:] if u]
+            if ms:
+                st.measured_frac_best_of_k.append(pb.best_space_us / min(ms))
         if outs[0].correct and outs[0].us and pb.reference_us:
             st.speedup_greedy.append(pb.reference_us / outs[0].us)
         timed = [o.us for o in outs[1:] if o.correct and o.us]
@@ -113,12 +144,14 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     problems = list(zip([r.matrix.kind for r in records], problems_from_records(records)))
     space = []
     for r, (_, pb) in zip(records, problems):
-        srcs = set()
+        srcs: dict[str, float | None] = {}
         for v in r.variants:
             try:
-                srcs.add(_norm(default_render(v.family, r.op, r.dtype, dict(v.params), pb.matrix)))
+                key = _norm(default_render(v.family, r.op, r.dtype, dict(v.params), pb.matrix))
             except Exception:
-                pass
+                continue
+            old = srcs.get(key)
+            srcs[key] = v.us if old is None else (old if v.us is None else min(old, v.us))
         space.append(srcs)
     evaluator = make_evaluator(cfg.evaluator)
     report = {"held_out_records": len(records), "k": cfg.k, "variants": {}}

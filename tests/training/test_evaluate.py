@@ -1,0 +1,33 @@
+"""``training.evaluate.evaluate_policy``: rates and the measured-time kernel-space fraction."""
+
+import pytest
+
+from policy.decode import DecodeConfig, generate
+from policy.encoder import prepare_structure
+from training.evaluate import _norm, evaluate_policy
+from training.rewards import KernelOutcome, RLProblem
+from sparserl_compile.matrices import banded
+
+
+def _all_correct(pb, sources):
+    # compiles and is correct whenever the sample is non-empty; timed by a cost model at 50 us
+    return [KernelOutcome(bool(s), bool(s), bool(s), 50.0 if s else None, pb.reference_us, pb.best_space_us)
+            for s in sources]
+
+
+def test_measured_fraction_uses_the_measured_time_of_the_point_written(tiny_model, tiny_tok):
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    s = prepare_structure(m.indptr, m.indices, m.shape, max_points=tiny_model.config.max_points)
+    greedy = generate(tiny_model, tiny_tok, s, "spmv", "f32", 1, k=1,
+                      config=DecodeConfig(greedy=True, max_new_tokens=12, constrained=False))[0].text
+    space = [{_norm(greedy): 20.0, "someotherpoint": 10.0}]  # the greedy sample "is" a point measured at 20 us
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], _all_correct, k=2, temperature=1.0,
+                         max_new_tokens=12, constrained=False, space_sources=space)["banded"]
+    summ = st.summary()
+    assert summ["samples"] == 3 and summ["records"] == 1
+    assert summ["measured_space_fraction_greedy_geomean"] == pytest.approx(10.0 / 20.0)
+    assert summ["speedup_greedy_geomean"] == pytest.approx(40.0 / 50.0)  # evaluator (cost model) time
+    # the greedy sample is a measured point, so at most the k sampled ones are novel
+    assert st.correct == 3 and st.novel <= 2
+    assert len(st.measured_frac_best_of_k) == (1 if st.novel < 2 else 0)
