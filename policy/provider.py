@@ -41,6 +41,17 @@ class ProviderStats:
     returned: int = 0
 
 
+def weights_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a checkpoint's weights file."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _host(a) -> np.ndarray:
     try:
         import torch
@@ -60,10 +71,11 @@ class PolicyProvider:
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
                  model=None, tokenizer=None):
+        checkpoint_path = None
         if model is None:
             from policy.model import load_policy
 
-            path = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINT
+            path = checkpoint_path = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINT
             if not (path / "model.safetensors").is_file():
                 raise FileNotFoundError(
                     f"no policy checkpoint at {path}: the default checkpoint is installed with "
@@ -79,6 +91,10 @@ class PolicyProvider:
             raise ValueError("PolicyProvider(model=...) also needs tokenizer=")
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         self.stats = ProviderStats()
+        #: sha256 of the weights file (None for an in-memory model); the runtime's cache key
+        #: reads ``getattr(provider, "checkpoint_hash", None)`` so a new checkpoint misses the cache
+        self.checkpoint_hash: str | None = (weights_sha256(path / "model.safetensors")
+                                            if checkpoint_path is not None else None)
 
     def candidates(self, problem, k: int) -> list[contract.Candidate]:
         """Up to ``k`` parseable candidates for ``problem`` (fewer when samples are dropped)."""

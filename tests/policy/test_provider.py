@@ -31,3 +31,14 @@ def test_missing_checkpoint_says_what_to_do(tmp_path):
 
 
 _ = np
+
+
+def test_checkpoint_hash_is_the_weights_sha256(tmp_path, tiny_model, tiny_tok):
+    import hashlib
+
+    from policy.model import save_policy
+
+    save_policy(tiny_model, tiny_tok, tmp_path)
+    prov = PolicyProvider(checkpoint=tmp_path, device="cpu")
+    assert prov.checkpoint_hash == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    assert PolicyProvider(model=tiny_model, tokenizer=tiny_tok).checkpoint_hash is None
