@@ -28,3 +28,26 @@ def test_parts_and_ablation():
     assert [correctness_reward(o) for o in (NOCOMP, WRONG, FAST)] == [None, 0.0, 1.0]
     assert correctness_only_reward(FAST) == correctness_only_reward(SLOW) == 1.0
     assert correctness_only_reward(WRONG) == 0.0
+
+
+def test_cpu_evaluator_scores_every_sample_in_order():
+    """NVRTC + the CPU executor: a correct kernel after a broken one and before a wrong one
+    each get their own outcome (select.evaluate alone stops at the first verified one)."""
+    from sparserl_compile.kernels import render
+    from sparserl_compile.matrices import banded
+    from training.rewards import RLProblem, SandboxEvaluator
+
+    m = banded(40, 2)
+    good = render("csr_scalar", "spmv", "f32", {"block": 64}, m)
+    good = good if isinstance(good, str) else good.source
+    wrong = good.replace("acc = fmaf(", "acc = 2.0f * fmaf(", 1)
+    assert wrong != good
+    broken = good.replace("fmaf(", "fmaf_missing(", 1)
+    ev = SandboxEvaluator("cpu", workers=1)
+    try:
+        out = ev(RLProblem(m, "spmv", "f32", 1, reference_us=20.0, best_space_us=5.0),
+                 [broken, good, wrong, "no header"])
+    finally:
+        ev.close()
+    assert [(o.parsed, o.compiled, o.correct) for o in out] == [
+        (True, False, False), (True, True, True), (True, True, False), (False, False, False)]
