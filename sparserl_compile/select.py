@@ -81,11 +81,13 @@ def _pattern(problem) -> Pattern:
 
 
 def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executor: str, time: bool = True,
-             value_sets: int = 3, seed: int = 0, timeout_s: float | None = None, reps: int = 30) -> Evaluation:
+             value_sets: int = 3, seed: int = 0, timeout_s: float | None = None, reps: int = 30,
+             first_verified: bool = False) -> Evaluation:
     """Sandbox every candidate (and, when timing on the GPU, the reference) for ``problem``.
 
-    Untimed (CPU executor, or ``time=False``) it stops at the first verified candidate, which
-    is the one ``decide`` would take; ``Evaluation.results`` then covers only those run.
+    ``first_verified=True`` (what ``choose`` asks for when nothing is timed) stops at the first
+    verified candidate, the one ``decide`` would take; ``Evaluation.results`` then covers only
+    the candidates run. The benchmark suite and the RL rewards run them all.
     """
     t0 = _time.perf_counter()
     pattern = _pattern(problem)
@@ -99,8 +101,8 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     for c in candidates:
         r = pool.run(SandboxJob(c, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
         results.append(r)
-        if not timed and r.ok:
-            break  # untimed, the rule takes the first verified candidate: the rest need no run
+        if first_verified and r.ok:
+            break
     return Evaluation(tuple(results), ref, _time.perf_counter() - t0)
 
 
@@ -161,8 +163,9 @@ def choose(problem, candidates: list[Candidate], *, executor: str | None = None,
     own = pool is None
     pool = pool or SandboxPool(1, timeout_s=timeout_s)
     try:
+        timed = time and executor == "gpu"
         ev = evaluate(problem, list(candidates), pool=pool, executor=executor, time=time,
-                      value_sets=value_sets, seed=seed, timeout_s=timeout_s)
+                      value_sets=value_sets, seed=seed, timeout_s=timeout_s, first_verified=not timed)
     finally:
         if own:
             pool.close()
