@@ -109,6 +109,7 @@ def check(source: str) -> list[str]:
         if _norm(sig.group(0)) != _norm(want):
             out.append(f"signature does not match the contract for op={header.op} format={header.format} "
                        f"dtype={header.dtype}: expected `{want}`, found `{' '.join(sig.group(0).split())}`")
+    out.extend(_const_violations(body, header))
     helpers = set(_HELPER.findall(body))
     for name in sorted({m.group(1) for m in _CALL.finditer(body)}):
         if name in _KEYWORDS or name in BUILTINS or name in helpers or name == contract.KERNEL_NAME:
@@ -119,6 +120,30 @@ def check(source: str) -> list[str]:
         if _is_declaration(body, name):
             continue
         out.append(f"call to {name}(): not a built-in of the kernel language nor a helper defined here")
+    return out
+
+
+_C_PTR_CAST = re.compile(r"\(\s*(?:const\s+)?(?:unsigned\s+)?[A-Za-z_]\w*\s*\*+\s*\)\s*[A-Za-z_(&]")
+_MUT_REINTERPRET = re.compile(r"reinterpret_cast\s*<\s*(?!const\b)[^>]*\*\s*>\s*\(\s*&?\s*([A-Za-z_]\w*)")
+
+
+def _const_violations(body: str, header) -> list[str]:
+    """Inputs are read-only: no C-style pointer casts, no const_cast, and a non-const
+    ``reinterpret_cast`` only of the output ``y`` or of the kernel's own (shared/local) arrays."""
+    out = []
+    m = _C_PTR_CAST.search(body)
+    if m:
+        out.append(f"forbidden: C-style pointer casts (found {m.group(0)[:-1].strip()!r}); "
+                   "use reinterpret_cast<const T*> for vector loads")
+    if re.search(r"\bconst_cast\b", body):
+        out.append("forbidden: const_cast (inputs are read-only)")
+    if header is not None:
+        inputs = {name for _, name in contract.signature(header.op, header.format, header.dtype)} - {"y"}
+        for m in _MUT_REINTERPRET.finditer(body):
+            if m.group(1) in inputs:
+                out.append(f"forbidden: a writable reinterpret_cast of the input {m.group(1)!r} "
+                           "(only y may be written)")
+                break
     return out
 
 

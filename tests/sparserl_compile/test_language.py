@@ -86,3 +86,20 @@ def test_bad_header_is_reported():
     src = BASE.replace("format=csr", "format=coo")
     assert not language.accepts(src).accepted
     assert any(p.startswith("header:") for p in language.check(src))
+
+
+def test_inputs_are_read_only_in_the_language():
+    """A kernel that writes an input through a cast is rejected before it runs anywhere (the CPU
+    executor's guarded pointers cannot see a write through a cast that strips const)."""
+    from sparserl_compile import contract
+
+    sig = contract.signature_c("spmv", "csr", "f32")
+    head = "// sparserl op=spmv format=csr dtype=f32 index=i32\n// launch block=128 work=rows per_block=128\n"
+
+    def src(stmt):
+        return head + sig + " {\n  int row = blockIdx.x * blockDim.x + threadIdx.x;\n  " + stmt + "\n}\n"
+
+    assert any("C-style pointer casts" in v for v in language.check(src("((float*)vals)[0] = 1.0f;")))
+    assert any("const_cast" in v for v in language.check(src("const_cast<float*>(x)[0] = 1.0f;")))
+    assert any("input 'x'" in v for v in language.check(src("reinterpret_cast<float4*>(x)[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);")))
+    assert not any("cast" in v for v in language.check(src("if (row < n_rows) { y[row] = reinterpret_cast<const float2*>(x)[0].x; }")))
