@@ -13,8 +13,9 @@ On the CPU every sparserl product runs the reference (torch's CPU CSR kernels; g
 kernels are GPU-only), so the check there shows that the plumbing (tensor subclass, custom
 ops, compile backend) changes nothing, not that a kernel is right; on a GPU the products run
 verified generated kernels or cuSPARSE and the logits differ by float32 rounding only.
-Training 200 epochs of Cora on a busy 2-core CPU takes about a minute (the dense input
-dropout dominates); ``--epochs`` shortens it.
+Training 200 epochs of Cora takes about 30 s on one busy CPU core (``OMP_NUM_THREADS=1``: on a
+loaded machine more OpenMP threads than free cores make small matmuls many times slower);
+``--epochs`` shortens it.
 
     python examples/gnn_inference.py --dataset cora --device cpu
     python examples/gnn_inference.py --bench --graphs rmat:18:8,rgg:1000000:10 --hidden 128

@@ -32,9 +32,10 @@ On the CPU every sparserl product runs the reference (torch's CPU CSR kernel; ge
 kernels are GPU-only), so CPU tokens/s compare torch's sparse CSR matmul with dense MKL, not a
 generated kernel; on a GPU the products run verified generated kernels or cuSPARSE.
 ``--compile`` traces the Hugging Face model and recompiles as the KV cache grows: expect
-minutes of compile time on a CPU.
+minutes of compile time on a CPU. On a loaded machine pass ``--threads 1``: OpenMP threads that
+outnumber the free cores make a small matmul ~30x slower (measured here: 0.55 ms vs 16 ms).
 
-    python examples/pruned_llm.py --sparsity 0.5,0.7 --batches 1,4,16
+    python examples/pruned_llm.py --threads 1 --sparsity 0.5,0.7,0.9 --batches 1,4,16
     python examples/pruned_llm.py --tiny --method magnitude --sparsity 0.9
 """
 

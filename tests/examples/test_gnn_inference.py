@@ -73,10 +73,10 @@ def test_tiny_graph_forward_matches_dense(model_name, compiled):
 def test_cora_accuracy_through_sparserl_equals_torch_sparse(shared_matrices):
     if not (shared_matrices / "cora_adj.npz").is_file():
         pytest.skip(f"{shared_matrices} has no cora_adj.npz")
-    # 60 epochs keep this under a minute on a busy CPU; the GCN is well past chance by then
-    report = gnn.accuracy_check("cora", "cpu", epochs=60)
+    # 100 epochs (one thread) keep this well under a minute on a busy CPU; the GCN is trained by then
+    report = gnn.accuracy_check("cora", "cpu", epochs=100)
     assert report.n_test == 1000
-    assert report.test_acc_torch_sparse > 0.6, report  # trained, not a random model (chance ~0.3)
+    assert report.test_acc_torch_sparse > 0.7, report  # trained, not a random model (chance ~0.3)
     assert report.accuracies_equal, report
     assert report.same_predictions, report
     # on the CPU both run torch's CSR kernel on the same float32 values
