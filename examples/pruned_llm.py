@@ -194,6 +194,7 @@ def input_feature_norms(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.
     """``||X_j||_2`` over all calibration tokens, per input feature of every decoder linear."""
     sq: dict[str, torch.Tensor] = {}
     hooks = []
+    ids = ids.to(eval_device(model))
     for name, lin in decoder_linears(model).items():
         def hook(_mod, args, _out, name=name):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])
@@ -254,6 +255,7 @@ def prune_(model: nn.Module, sparsity: float, method: str = "wanda", calib_ids: 
 
 def perplexity(model: nn.Module, ids: torch.Tensor) -> float:
     """exp(mean next-token cross entropy) of ``ids`` [1, T] in one forward pass."""
+    ids = ids.to(eval_device(model))
     with torch.no_grad():
         return float(torch.exp(model(ids, labels=ids).loss))
 
@@ -283,15 +285,28 @@ class Generation:
 def greedy(model: nn.Module, tok, batch: int, new_tokens: int) -> Generation:
     """Greedy decoding of exactly ``new_tokens`` per sequence for the first ``batch`` prompts."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    dev = eval_device(model)
     ids, mask = batch_prompts(tok, prompts)
+    ids, mask = ids.to(dev), mask.to(dev)
     kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               pad_token_id=tok.pad_id)
     with torch.no_grad():
         model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm up (plans, caches)
+        _sync(dev)
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
+        _sync(dev)
         seconds = time.perf_counter() - t0
-    return Generation(out[:, ids.shape[1]:], seconds)
+    return Generation(out[:, ids.shape[1]:].cpu(), seconds)
+
+
+def eval_device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 @dataclass
@@ -322,7 +337,8 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
     sparse = sr.sparsify_(copy.deepcopy(dense), min_sparsity=sparsity)
     n_sparse = sum(isinstance(m.weight, sr.SparseRLTensor) for m in sparse.modules() if isinstance(m, nn.Linear))
     with torch.no_grad():
-        ld, ls = dense(eval_ids).logits, sparse(eval_ids).logits
+        ids = eval_ids.to(eval_device(dense))
+        ld, ls = dense(ids).logits, sparse(ids).logits
     rep = LevelReport(pr, n_sparse, float((ld - ls).abs().max()), perplexity(dense, eval_ids),
                       perplexity(sparse, eval_ids))
     compiled = None
@@ -348,6 +364,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,16", help="comma list of decoding batch sizes")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sequence")
     p.add_argument("--compile", action="store_true", help='also time torch.compile(backend="sparserl") (slow to compile)')
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU sparserl runs generated kernels)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args(argv)
@@ -355,14 +372,19 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     if any(not 0 <= s < 1 for s in levels) or any(b < 1 for b in batches) or args.new_tokens < 1:
         p.error("sparsity levels are fractions in [0, 1); batch sizes and --new-tokens are >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     lm = load_model(args.tiny, args.gguf)
+    lm.model.to(args.device)
     n_params = sum(p.numel() for p in lm.model.parameters())
+    where = ("generated kernels or cuSPARSE" if args.device.startswith("cuda") else
+             f"the CPU reference (torch CSR), {torch.get_num_threads()} threads")
     print(f"model: {lm.name}, {n_params / 1e6:.1f} M parameters, loaded in {time.perf_counter() - t0:.1f} s; "
-          f"device cpu ({torch.get_num_threads()} threads): sparserl products use the CPU reference (torch CSR)")
+          f"device {args.device}: sparserl products use {where}")
     eval_ids = torch.tensor([lm.tokenizer.encode(EVAL_TEXT)])
     calib_ids = torch.tensor([lm.tokenizer.encode(CALIBRATION_TEXT)])
     ppl_dense = perplexity(lm.model, eval_ids)
@@ -385,7 +407,7 @@ def main(argv=None) -> int:
                   f"{d.same_tokens:12.1%}")
         print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
     if args.json:
-        out = {"model": lm.name, "real": lm.real, "ppl_dense": ppl_dense, "method": args.method,
+        out = {"model": lm.name, "real": lm.real, "device": args.device, "ppl_dense": ppl_dense, "method": args.method,
                "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
                "levels": [{**asdict(r), "achieved_sparsity": r.prune.achieved} for r in reports]}
         Path(args.json).write_text(json.dumps(out, indent=1))
