@@ -42,6 +42,7 @@ class EvalConfig:
     max_new_tokens: int = opt(1536, "tokens per sample")
     ablate_unconstrained: bool = opt(True, "also evaluate each checkpoint without grammar constraints")
     max_records: int = opt(0, "evaluate only the first this many held-out records (0 = all)")
+    ops: str = opt("", "only records of these ops, comma-separated (e.g. 'spmv'; empty = all)")
     out: str = opt("", "write the report as JSON here")
 
 
@@ -81,7 +82,7 @@ def _norm(src: str) -> str:
 
 
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
-                    constrained: bool, space_sources=None) -> dict[str, KindStats]:
+                    constrained: bool, space_sources=None, log=None) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
     the variant failed), or None."""
@@ -99,6 +100,9 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                            config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                                                constrained=constrained, seed=i))
         outs = evaluator(pb, [r.text for r in greedy + sampled])
+        if log is not None:
+            log(f"[eval] {pb.label} {pb.op} n={pb.n} constrained={constrained}: "
+                f"compiled {[o.compiled for o in outs]} correct {[o.correct for o in outs]}")
         texts = [r.text for r in greedy + sampled]
         st.records += 1
         st.greedy_correct += bool(outs[0].correct)
@@ -137,6 +141,8 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     from training.sft import default_render
 
     records = split(load_supervision(cfg.data)).held_out
+    if cfg.ops:
+        records = [r for r in records if r.op in cfg.ops.split(",")]
     if cfg.max_records:
         records = records[: cfg.max_records]
     if not records:
@@ -163,7 +169,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             for label, constrained in modes:
                 st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,
                                      max_new_tokens=cfg.max_new_tokens, constrained=constrained,
-                                     space_sources=space)
+                                     space_sources=space, log=log)
                 report["variants"][label] = {kind: s.summary() for kind, s in st.items()}
                 log(f"[eval] {label}: " + json.dumps(report["variants"][label]))
     finally:
