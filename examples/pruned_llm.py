@@ -282,8 +282,10 @@ class Generation:
         return self.tokens.numel() / self.seconds
 
 
-def greedy(model: nn.Module, tok, batch: int, new_tokens: int) -> Generation:
-    """Greedy decoding of exactly ``new_tokens`` per sequence for the first ``batch`` prompts."""
+def greedy(model: nn.Module, tok, batch: int, new_tokens: int, warmup_tokens: int = 2) -> Generation:
+    """Greedy decoding of exactly ``new_tokens`` per sequence for the first ``batch`` prompts,
+    timed after a warm-up generation of ``warmup_tokens`` (a compiled model needs the full
+    length: it recompiles as the KV cache grows)."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     dev = eval_device(model)
     ids, mask = batch_prompts(tok, prompts)
@@ -291,7 +293,7 @@ def greedy(model: nn.Module, tok, batch: int, new_tokens: int) -> Generation:
     kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               pad_token_id=tok.pad_id)
     with torch.no_grad():
-        model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm up (plans, caches)
+        model.generate(ids, **{**kw, "max_new_tokens": warmup_tokens, "min_new_tokens": warmup_tokens})
         _sync(dev)
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
@@ -347,7 +349,7 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
         compiled.forward = torch.compile(compiled.forward, backend="sparserl")
     for b in batches:
         gd, gs = greedy(dense, tok, b, new_tokens), greedy(sparse, tok, b, new_tokens)
-        gc = greedy(compiled, tok, b, new_tokens) if compiled is not None else None
+        gc = greedy(compiled, tok, b, new_tokens, warmup_tokens=new_tokens) if compiled is not None else None
         rep.decode.append(DecodeRow(b, gd.tokens_per_s, gs.tokens_per_s, gc.tokens_per_s if gc else None,
                                     float((gd.tokens == gs.tokens).float().mean())))
         if b == batches[0]:
