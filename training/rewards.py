@@ -152,14 +152,10 @@ class SandboxEvaluator:
         parsed = [_parse(problem, s) for s in sources]
         cands = [c for c, _ in parsed if c is not None]
         rp = problem.runtime_problem("sm_90" if self.executor == "gpu" else "cpu")
-        if self.executor == "gpu":
-            ev = evaluate(rp, cands, pool=self.pool, executor="gpu", time=True)
-            ref, results = ev.reference_us(), iter(ev.results)
-        else:
-            # untimed, select.evaluate stops at the first verified candidate: one call each
-            ref = problem.reference_us
-            results = iter([evaluate(rp, [c], pool=self.pool, executor=self.executor, time=False).results[0]
-                            for c in cands])
+        timed = self.executor == "gpu"
+        ev = evaluate(rp, cands, pool=self.pool, executor=self.executor, time=timed)  # every sample runs
+        ref = ev.reference_us() if timed else problem.reference_us
+        results = iter(ev.results)
         out = []
         for c, err in parsed:
             if c is None:

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from conftest import CSR_SCALAR
+from policy_fixtures import CSR_SCALAR
 from policy.model import PolicyHParams, build_policy, load_policy, save_policy
 from training.pretrain import PretrainConfig, pretrain
 from training.rewards import KernelOutcome, RLProblem
