@@ -371,14 +371,15 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
         )
     t = A.transposed != transpose
     m, k = (A.n_cols, A.n_rows) if t else (A.n_rows, A.n_cols)
-    if X.dtype != A.dtype:
+    val = A.val  # a plain tensor: its dtype/device reads skip the subclass's __torch_function__
+    if X.dtype != val.dtype:
         raise ValueError(
-            f"dtype mismatch: the sparse matrix is {A.dtype} but the dense operand is {X.dtype}; "
-            f"convert one of them (e.g. x.to({A.dtype}))"
+            f"dtype mismatch: the sparse matrix is {val.dtype} but the dense operand is {X.dtype}; "
+            f"convert one of them (e.g. x.to({val.dtype}))"
         )
-    if X.device != A.device:
+    if X.device != val.device:
         raise ValueError(
-            f"device mismatch: the sparse matrix is on {A.device} but the dense operand on "
+            f"device mismatch: the sparse matrix is on {val.device} but the dense operand on "
             f"{X.device}; move one with .to(device)"
         )
     if X.shape[0] != k:
