@@ -260,6 +260,8 @@ class KernelPlan:
         ls = self.header.launch
         if n % ls.n_align:
             return None  # this width does not suit the kernel's vector loads
+        if ls.n_align > 1 and x.data_ptr() % 16:
+            x = x.clone()  # a view at an odd offset: vector loads need 16-byte-aligned rows
         shape = (n_rows,) if x.dim() == 1 else (n_rows, n)
         y = x.new_zeros(shape) if ls.zero_output else x.new_empty(shape)
         v = self._values(val)
