@@ -27,7 +27,8 @@ once (``CacheWarning``) and runs memory-only: a kernel planted by another user m
 be loaded, and an unusable cache must never stop a product from being computed.
 
 ``KernelCache`` puts an in-memory dict in front of the disk. ``sparserl cache ls | show |
-clear | verify`` inspects and repairs a cache folder.
+clear | verify`` inspects and repairs a cache folder; ``sparserl cache merge`` (``merge.py``)
+combines the folders of several ranks or machines.
 """
 
 from __future__ import annotations
@@ -505,7 +506,7 @@ def _cmd_verify(args) -> int:
 
 
 def add_cli(subparsers) -> None:
-    """``sparserl cache ls | show KEY | clear [--yes] | verify``."""
+    """``sparserl cache ls | show KEY | clear [--yes] | verify | merge SRC... --into DST``."""
     p = subparsers.add_parser("cache", help="inspect or repair the kernel cache")
     p.add_argument("--dir", default=None, help="cache folder (default $SPARSERL_CACHE_DIR or ~/.cache/sparserl)")
     sub = p.add_subparsers(dest="cache_command", metavar="ACTION")
@@ -517,4 +518,7 @@ def add_cli(subparsers) -> None:
     c.add_argument("--yes", action="store_true", help="really remove them")
     c.set_defaults(func=_cmd_clear)
     sub.add_parser("verify", help="re-hash every entry and remove corrupt ones").set_defaults(func=_cmd_verify)
+    from sparserl_compile import merge  # `cache merge SRC... --into DST` (merge.py)
+
+    merge.add_cli(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

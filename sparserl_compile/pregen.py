@@ -18,6 +18,13 @@ On a machine without a GPU, pass ``--target-gpu`` (and the driver/NVRTC versions
 serving machine): candidates are compiled for its arch and verified with the CPU executor;
 such entries carry no timings, and the runtime times them against cuSPARSE in its sandbox on
 first use before it trusts them (``runtime.search_entry``).
+
+Sharded over several processes or machines: ``--rank R --world-size W`` (default: torchrun's
+``RANK``/``WORLD_SIZE``, else 0/1) makes each rank take its share of the matrices, split
+greedily by estimated cost (nonzeros + rows; ``shard``; every rank must see the same paths).
+Give each rank its own folder, ``--out kernels/rank{rank}`` (``{rank}`` is replaced), then
+``sparserl cache merge kernels/rank* --into kernels``; or one shared folder on a shared
+filesystem, which is also safe (atomic renames, the shards hold disjoint matrices).
 """
 
 from __future__ import annotations
@@ -128,6 +135,16 @@ def discover(paths: list[str], min_sparsity: float = 0.5) -> list[Item]:
     return items
 
 
+def shard(items: list[Item], rank: int, world_size: int) -> list[Item]:
+    """This rank's items: ``distributed.split_by_cost`` over nonzeros + rows (deterministic)."""
+    if not 0 <= rank < world_size:
+        raise SystemExit(f"--rank {rank} must be in [0, --world-size {world_size})")
+    from sparserl_compile.distributed import split_by_cost
+
+    mine = split_by_cost([it.matrix.nnz + it.matrix.shape[0] for it in items], world_size)[rank]
+    return [items[i] for i in mine]
+
+
 def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv", "spmm"),
                 widths=(32,), dtype: str = "f32", target=None, executor: str | None = None,
                 progress: bool = True) -> list[Row]:
@@ -198,8 +215,13 @@ def _cmd(args) -> int:
     if not items:
         print("no matrices found", file=sys.stderr)
         return 1
+    total = len(items)
+    items = shard(items, args.rank, args.world_size)
+    if args.world_size > 1:
+        print(f"rank {args.rank}/{args.world_size}: {len(items)} of {total} matrices", file=sys.stderr)
+    out = args.out.replace("{rank}", str(args.rank))
     widths = tuple(int(w) for w in args.widths.split(",") if w)
-    rows = pregenerate(items, cache_dir=args.out, ops=tuple(args.ops.split(",")), widths=widths,
+    rows = pregenerate(items, cache_dir=out, ops=tuple(args.ops.split(",")), widths=widths,
                        dtype=args.dtype, target=target, executor=args.executor, progress=not args.no_progress)
     print(format_table(rows))
     return 1 if any(r.outcome == "failed" for r in rows) else 0
@@ -221,6 +243,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--target-driver", default="unknown", help="serving machine's CUDA driver version, e.g. 13000")
     p.add_argument("--target-nvrtc", default="unknown", help="serving machine's NVRTC version, e.g. 13.0")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
+                   help="this shard (default $RANK, as torchrun sets it, else 0)")
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                   help="number of shards (default $WORLD_SIZE, else 1); --out may contain {rank}")
     p.set_defaults(func=_cmd)
 
 

@@ -1,0 +1,145 @@
+"""``sparserl cache merge SRC... --into DST``: one kernel cache from the caches of several ranks.
+
+Sharded pre-generation (``sparserl pregen --rank R --world-size W``) or several build
+machines leave one cache folder each; this copies their entries into one folder, entry by
+entry (the file name is the key's digest, so entries of different keys never collide):
+
+* every source entry is read and checked by ``KernelCache`` itself (``ls``: the entry's
+  sha256 over its canonical JSON, and that its digest names its key); a corrupt entry is
+  skipped with a message and never copied -- the runtime would regenerate that kernel;
+* a key the destination lacks (or holds only as a corrupt file) is written with
+  ``KernelCache.put`` (temp file, fsync, atomic rename);
+* a key the destination already holds: identical entries are left alone; different ones keep
+  the existing entry, unless ``prefer_faster`` and both entries carry a time, in which case
+  the faster one stays (a kernel entry's ``kernel_us``; an entry where the reference won, its
+  ``reference_us``). Untimed entries (built by a CPU-only machine) never replace anything.
+
+Sources are processed in the order given, so among sources, the first one's entry wins a
+conflict (without ``prefer_faster``). A source folder is only read, never created or
+repaired (run ``sparserl cache verify --dir SRC`` for that); naming a folder is vouching for
+it, so a source that fails the cache's own ownership/permission rules is merged with a warning.
+The destination must pass those rules. Safe to run while the runtime reads the destination.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparserl_compile.cache import CacheEntry, CacheWarning, KernelCache, check_dir
+
+OUTCOMES = ("copied", "identical", "kept", "replaced", "corrupt", "failed")
+
+
+@dataclass(frozen=True)
+class MergeAction:
+    """What happened to one source entry."""
+
+    digest: str
+    source: str  # the source folder
+    outcome: str  # one of OUTCOMES
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class MergeReport:
+    into: str
+    actions: tuple[MergeAction, ...]
+    warnings: tuple[str, ...] = ()
+
+    def count(self, outcome: str) -> int:
+        return sum(a.outcome == outcome for a in self.actions)
+
+    def summary(self) -> str:
+        return ", ".join(f"{o} {self.count(o)}" for o in OUTCOMES)
+
+
+def entry_time_us(entry: CacheEntry) -> float | None:
+    """The time a call takes with this entry: the kernel's, or the reference's when it won."""
+    v = entry.times.get("reference_us" if entry.reference_wins else "kernel_us")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        return None
+    return float(v)
+
+
+def merge_caches(sources, into, *, prefer_faster: bool = False) -> MergeReport:
+    """Merge the cache folders ``sources`` into the folder ``into`` (created 0700 if absent)."""
+    into = Path(into)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        dst = KernelCache(into)
+    if not dst.on_disk:
+        raise ValueError(f"cannot merge into {into}: {dst.disabled_reason}")
+    actions: list[MergeAction] = []
+    notes: list[str] = []
+    for src in map(Path, sources):
+        if not src.is_dir():
+            raise ValueError(f"source cache {src} is not a folder; pass the --out folder of a pregen run")
+        if src.resolve() == into.resolve():
+            notes.append(f"{src}: is the destination itself, skipped")
+            continue
+        why = check_dir(src)
+        if why:
+            notes.append(f"{src}: merged although the cache would not load it directly ({why})")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheWarning)
+            store = KernelCache(src)
+        for x in store.ls():
+            actions.append(_merge_one(dst, str(src), x.digest, x.entry, x.problem, prefer_faster))
+    return MergeReport(str(into), tuple(actions), tuple(notes))
+
+
+def _merge_one(dst: KernelCache, src: str, digest: str, entry: CacheEntry | None, problem: str,
+               prefer_faster: bool) -> MergeAction:
+    if entry is None:
+        return MergeAction(digest, src, "corrupt", problem)
+    have = dst.get(entry.key)  # hash-checked; a corrupt destination file reads as a miss
+    if have is None:
+        ok = dst.put(entry)
+        return MergeAction(digest, src, "copied" if ok else "failed", "" if ok else "write failed")
+    if have == entry:
+        return MergeAction(digest, src, "identical")
+    t_new, t_old = entry_time_us(entry), entry_time_us(have)
+    if prefer_faster and t_new is not None and t_old is not None and t_new < t_old:
+        ok = dst.put(entry)
+        return MergeAction(digest, src, "replaced" if ok else "failed",
+                           f"{t_new:.2f} us < {t_old:.2f} us" if ok else "write failed")
+    if not prefer_faster:
+        why = "existing entry kept (--prefer-faster compares times)"
+    elif t_new is None or t_old is None:
+        why = "existing entry kept: " + ("untimed source entry" if t_new is None else "untimed existing entry")
+    else:
+        why = f"existing entry kept: {t_old:.2f} us <= {t_new:.2f} us"
+    return MergeAction(digest, src, "kept", why)
+
+
+# -------------------------------------------------------------------- CLI
+
+
+def _cmd(args) -> int:
+    try:
+        report = merge_caches(args.sources, args.into, prefer_faster=args.prefer_faster)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 1
+    for note in report.warnings:
+        print(f"warning: {note}")
+    for a in report.actions:
+        if a.outcome in ("corrupt", "failed", "kept", "replaced"):
+            label = {"corrupt": "skipped corrupt entry"}.get(a.outcome, a.outcome)
+            print(f"{label} {a.digest[:12]} from {a.source}: {a.detail}")
+    print(f"merged into {report.into}: {report.summary()}")
+    return 1 if report.count("failed") else 0
+
+
+def add_cli(cache_subparsers) -> None:
+    """Add ``merge`` to the ``sparserl cache`` actions."""
+    m = cache_subparsers.add_parser("merge", help="merge cache folders of several ranks/machines into one",
+                                    description=__doc__.split("\n\n")[0])
+    m.add_argument("sources", nargs="+", metavar="SRC", help="cache folders to read (e.g. kernels/rank0 kernels/rank1)")
+    m.add_argument("--into", required=True, metavar="DST", help="cache folder to fill (created 0700)")
+    m.add_argument("--prefer-faster", action="store_true",
+                   help="on a conflict keep the faster entry when both are timed (default: keep the existing one)")
+    m.set_defaults(func=_cmd)
