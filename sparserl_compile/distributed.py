@@ -28,7 +28,7 @@ collective inside autograd, every rank must run the backward.
 Timings: each call adds to ``stats`` (``CommStats``: seconds in the exchange vs the
 product, rows and bytes sent/received, ``comm_share``). On CUDA, honest timings need a
 device synchronization around each phase, which stalls the stream; that happens only when
-``timed=True`` (the default on CPU, off on CUDA).
+``timed=True`` (the default on CPU, off on CUDA). The backward's exchange is not timed.
 
 Backends: gloo on CPU is what CI runs (``tests/sparserl_compile/test_distributed.py``).
 With gloo and CUDA tensors, the exchange stages through host memory (correct, slow). NCCL
