@@ -46,6 +46,7 @@ that cannot be split.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import os
 import time
@@ -365,6 +366,7 @@ class DistributedSparseMatrix:
         vals = torch.from_numpy(np.ascontiguousarray(block.data)).to(dtype)
         local = SparseRLTensor.from_csr(block.indptr, local_idx, vals,
                                         (rows.n_rows, cols.n_rows + len(halo_cols)), device=device)
+        plan = dataclasses.replace(plan, send_index=send_index.to(local.device))  # no copy per call
         return cls(local, plan, row_ranges, col_ranges, (n_rows, n_cols), group, timed)
 
     # ---------------------------------------------------------------- products
