@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from sparserl_compile import contract, providers
+from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
 from sparserl_compile.structure import fingerprint as _fingerprint
 
 log = logging.getLogger("sparserl_compile.runtime")
@@ -302,11 +303,6 @@ def device_arch(device: torch.device) -> str:
             a = device.type
         _arch_of[k] = a
     return a
-
-
-def width_bucket(n: int) -> int:
-    """1 for SpMV, else the next power of two >= n (the cache's bucket)."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def kernels_possible(device: torch.device) -> bool:
