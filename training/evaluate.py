@@ -35,7 +35,7 @@ from training.config import opt
 @dataclass
 class EvalConfig:
     checkpoints: str = opt("policy=runs/rl", "comma-separated name=folder pairs to compare (e.g. rl=runs/rl,no_rl=runs/sft)")
-    data: str = opt("training/data/supervision.jsonl", "supervision file; only its held-out split is used")
+    data: str = opt("training/data/h200_supervision_2026-12-02.jsonl.gz", "supervision file; only its held-out split is used")
     evaluator: str = opt("cpu", "'gpu', 'cpu' or 'header'")
     k: int = opt(8, "samples for best-of-k")
     temperature: float = opt(0.8, "sampling temperature for best-of-k")

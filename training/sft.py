@@ -22,7 +22,7 @@ from training.config import opt, save_config
 @dataclass
 class SFTConfig:
     init: str = opt("runs/pretrain", "checkpoint to start from (stage 1 output)")
-    data: str = opt("training/data/supervision.jsonl", "supervision JSON-lines file (training/data.py)")
+    data: str = opt("training/data/h200_supervision_2026-12-02.jsonl.gz", "supervision JSON-lines file (training/data.py)")
     out_dir: str = opt("runs/sft", "output checkpoint folder (resumed if it holds an SFT state)")
     steps: int = opt(1000, "optimizer steps")
     batch_size: int = opt(8, "examples per step")
