@@ -283,6 +283,41 @@ def compile_cubin(source: str, arch: str | None = None, options: tuple[str, ...]
     return res
 
 
+def precompile(sources, arch: str | None = None, options: tuple[str, ...] | list[str] = (),
+               workers: int | None = None) -> dict[str, int]:
+    """Compile many sources at once into the caches, in threads (NVRTC releases the GIL).
+
+    The search compiles every candidate of a problem; done one by one inside the sandbox
+    worker that is the larger part of its cost. Compiling them here first, in parallel, leaves
+    the worker disk-cache hits. Rejected sources are counted, not raised: the worker compiles
+    them again and reports the NVRTC log as that candidate's failure. Returns counts of
+    ``compiled``, ``cached`` and ``failed``.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    arch = arch or default_arch()
+    todo = list(dict.fromkeys(sources))
+    counts = {"compiled": 0, "cached": 0, "failed": 0}
+    if not todo:
+        return counts
+    workers = workers or min(8, os.cpu_count() or 1, len(todo))
+
+    def one(src: str) -> str:
+        try:
+            return "cached" if compile_cubin(src, arch, options).cached else "compiled"
+        except CompileError:
+            return "failed"
+
+    if workers <= 1:
+        outcomes = [one(s) for s in todo]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="nvrtc") as ex:
+            outcomes = list(ex.map(one, todo))
+    for o in outcomes:
+        counts[o] += 1
+    return counts
+
+
 def clear_memory_cache() -> None:
     """Forget in-memory entries (tests; the disk cache is untouched)."""
     with _LOCK:

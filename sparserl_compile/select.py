@@ -82,18 +82,27 @@ def _pattern(problem) -> Pattern:
 
 def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executor: str, time: bool = True,
              value_sets: int = 3, seed: int = 0, timeout_s: float | None = None, reps: int = 30,
-             first_verified: bool = False) -> Evaluation:
+             first_verified: bool = False, precompile: bool = False) -> Evaluation:
     """Sandbox every candidate (and, when timing on the GPU, the reference) for ``problem``.
 
     ``first_verified=True`` (what ``choose`` asks for when nothing is timed) stops at the first
     verified candidate, the one ``decide`` would take; ``Evaluation.results`` then covers only
     the candidates run. The benchmark suite and the RL rewards run them all.
+
+    ``precompile=True`` (the suite and the RL rewards, which run many candidates) first
+    compiles every candidate in parallel threads of this process (``compiler.precompile``), so
+    the worker finds them in the disk cache. The runtime leaves it off: NVRTC then only ever
+    sees generated code inside the worker.
     """
     t0 = _time.perf_counter()
     pattern = _pattern(problem)
     timed = time and executor == "gpu"
     common = dict(op=problem.op, dtype=problem.dtype, n=problem.n, executor=executor, seed=seed,
                   value_sets=value_sets, time=timed, reps=reps)
+    if precompile and executor == "gpu" and not first_verified and len(candidates) > 1:
+        from sparserl_compile import compiler
+
+        compiler.precompile([c.source for c in candidates])
     ref = None
     if timed:
         ref = pool.run(SandboxJob(None, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)

@@ -215,7 +215,7 @@ def bench_matrix(spec: MatrixSpec, *, ops: list[tuple[str, int]], dtype: str, po
             cands = provider.candidates(prob, max_candidates)
             row["search"] = provider.last_report.to_dict() if provider.last_report else None
             ev = select.evaluate(prob, cands, pool=pool, executor=executor, time=executor == "gpu",
-                                 value_sets=value_sets, timeout_s=timeout_s, reps=reps)
+                                 value_sets=value_sets, timeout_s=timeout_s, reps=reps, precompile=True)
             ref = ev.reference.reference if ev.reference is not None and ev.reference.ok else {}
             row["torch_int32_us"] = (ref.get("int32") or {}).get("median_us")
             row["torch_int64_us"] = (ref.get("int64") or {}).get("median_us")

@@ -153,7 +153,8 @@ class SandboxEvaluator:
         cands = [c for c, _ in parsed if c is not None]
         rp = problem.runtime_problem("sm_90" if self.executor == "gpu" else "cpu")
         timed = self.executor == "gpu"
-        ev = evaluate(rp, cands, pool=self.pool, executor=self.executor, time=timed)  # every sample runs
+        ev = evaluate(rp, cands, pool=self.pool, executor=self.executor, time=timed,
+                      precompile=True)  # every sample runs
         ref = ev.reference_us() if timed else problem.reference_us
         results = iter(ev.results)
         out = []

@@ -94,3 +94,14 @@ def test_dump_dir(tmp_path, monkeypatch):
 def test_bad_arch_is_refused():
     with pytest.raises(ValueError, match="sm_XY"):
         compiler.compile_cubin(GOOD, "hopper")
+
+
+def test_precompile_fills_the_caches_and_counts_failures(_isolated_cache):
+    good = [c.source for c in kernels.space("spmv", "f32") if "baked" not in c.family][:4]
+    bad = "extern \"C\" __global__ void k(int *x) { this is not C; }"
+    counts = compiler.precompile(good + [good[0], bad], arch="sm_90", workers=2)
+    assert counts == {"compiled": 4, "cached": 0, "failed": 1}  # the duplicate compiled once
+    compiler.clear_memory_cache()
+    hits = [compiler.compile_cubin(s, arch="sm_90").cached for s in good]
+    assert hits == ["disk"] * 4
+    assert compiler.precompile(good, arch="sm_90", workers=1) == {"compiled": 0, "cached": 4, "failed": 0}
