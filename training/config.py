@@ -33,6 +33,15 @@ def from_args(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
+def resolve_device(name: str) -> str:
+    """``"auto"`` -> ``"cuda"`` when torch sees a GPU, else ``"cpu"``; anything else as given."""
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def save_config(cfg, directory: str | Path, name: str) -> Path:
     p = Path(directory) / f"{name}_config.json"
     p.parent.mkdir(parents=True, exist_ok=True)

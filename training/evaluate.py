@@ -29,7 +29,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from training.config import opt
+from training.config import opt, resolve_device
 
 
 @dataclass
@@ -44,6 +44,8 @@ class EvalConfig:
     max_records: int = opt(0, "evaluate only the first this many held-out records (0 = all)")
     ops: str = opt("", "only records of these ops, comma-separated (e.g. 'spmv'; empty = all)")
     out: str = opt("", "write the report as JSON here")
+    device: str = opt("auto", "where the policy runs: 'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
+    workers: int = opt(2, "sandbox worker processes of the cpu/gpu evaluator")
 
 
 @dataclass
@@ -159,12 +161,12 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             old = srcs.get(key)
             srcs[key] = v.us if old is None else (old if v.us is None else min(old, v.us))
         space.append(srcs)
-    evaluator = make_evaluator(cfg.evaluator)
+    evaluator = make_evaluator(cfg.evaluator, cfg.workers)
     report = {"held_out_records": len(records), "k": cfg.k, "variants": {}}
     try:
         for pair in cfg.checkpoints.split(","):
             name, _, path = pair.partition("=")
-            model, tok = load_policy(path or name)
+            model, tok = load_policy(path or name, resolve_device(cfg.device))
             modes = [(name, True)] + ([(name + "/unconstrained", False)] if cfg.ablate_unconstrained else [])
             for label, constrained in modes:
                 st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,

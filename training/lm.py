@@ -29,6 +29,10 @@ class LMBatch:
     labels: torch.Tensor  # (B, T), -100 where not trained
     structure: StructureBatch | None
 
+    def to(self, device) -> "LMBatch":
+        return LMBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
+                       self.structure.to(device) if self.structure is not None else None)
+
 
 def collate(examples: list[LMExample], pad_id: int, max_len: int) -> LMBatch:
     seqs = [(e.prompt_ids + e.target_ids)[:max_len] for e in examples]
@@ -67,11 +71,24 @@ class FitResult:
 
 def fit(model, tokenizer, make_batch, *, out_dir, stage: str, steps: int, lr: float,
         weight_decay: float = 0.01, warmup: int = 10, log_every: int = 10, save_every: int = 100,
-        resume: bool = True, eval_batches=None, log=print) -> FitResult:
-    """AdamW with linear warm-up and cosine decay over ``steps``; resumable (``checkpoint.py``)."""
+        resume: bool = True, eval_batches=None, log=print, device: str = "cpu",
+        time_budget_s: float = 0.0) -> FitResult:
+    """AdamW with linear warm-up and cosine decay over ``steps``; resumable (``checkpoint.py``).
+
+    ``device``: where the model and batches live ("cpu", "cuda"). ``time_budget_s`` (> 0): after
+    a few steps, the step time measured caps ``steps`` so that this run ends within the budget,
+    and the cosine schedule is laid over the capped count (a run cut by a clock instead would
+    stop at a high learning rate). The cap is logged and kept in the checkpoint's log.
+    """
     import math
+    import time
 
     from training.checkpoint import TrainerState, has_state, load_state, save_state
+
+    model.to(device)
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     state = TrainerState(stage)
@@ -89,10 +106,21 @@ def fit(model, tokenizer, make_batch, *, out_dir, stage: str, steps: int, lr: fl
 
     losses = []
     model.train()
-    for s in range(start, steps):
+    t0, probe = time.perf_counter(), min(start + 5, steps)
+    s = start
+    while s < steps:
+        if time_budget_s > 0 and s == probe and s > start:
+            per_step = (time.perf_counter() - t0) / (s - start)
+            cap = max(s + 1, start + int(time_budget_s / per_step))  # at least the step that saves
+            if cap < steps:
+                log(f"[{stage}] {per_step * 1e3:.0f} ms/step: the {time_budget_s:.0f} s budget caps "
+                    f"the run at {cap} of {steps} steps")
+                state.log.append({"step": s, "capped_steps": cap, "requested_steps": steps,
+                                  "ms_per_step": per_step * 1e3})
+                steps = cap
         for g in opt.param_groups:
             g["lr"] = lr_at(s)
-        loss = lm_loss(model, make_batch(s))
+        loss = lm_loss(model, make_batch(s).to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -104,11 +132,12 @@ def fit(model, tokenizer, make_batch, *, out_dir, stage: str, steps: int, lr: fl
             log(f"[{stage}] step {s + 1}/{steps} loss {losses[-1]:.4f}")
         if (s + 1) % save_every == 0 or s + 1 == steps:
             save_state(out_dir, model, tokenizer, opt, state)
+        s += 1
     eval_loss = None
     if eval_batches:
         model.eval()
         with torch.no_grad():
-            eval_loss = float(sum(float(lm_loss(model, b)) for b in eval_batches) / len(eval_batches))
+            eval_loss = float(sum(float(lm_loss(model, b.to(device))) for b in eval_batches) / len(eval_batches))
         log(f"[{stage}] held-out loss {eval_loss:.4f}")
     model.eval()
     return FitResult(str(out_dir), start, state.step, losses, eval_loss)

@@ -51,6 +51,11 @@ class RolloutBatch:
     structure: StructureBatch
     groups: torch.Tensor  # (B,) group id (samples of the same problem)
 
+    def to(self, device) -> "RolloutBatch":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return RolloutBatch(mv(self.input_ids), mv(self.attention_mask), mv(self.positions), mv(self.actions),
+                            mv(self.action_mask), mv(self.allowed), self.structure.to(device), mv(self.groups))
+
 
 def make_batch(rollouts: list[Rollout], structures: list[PreparedStructure], groups: list[int],
                pad_id: int) -> RolloutBatch:
@@ -102,11 +107,12 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     """Generalized advantage estimation over (B, A) right-padded sequences -> (adv, returns)."""
     B, A = rewards.shape
     adv = torch.zeros_like(rewards)
-    last = torch.zeros(B, dtype=rewards.dtype)
+    last = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    zero = torch.zeros_like(last)
     for t in reversed(range(A)):
-        nxt = values[:, t + 1] * mask[:, t + 1] if t + 1 < A else torch.zeros(B)
+        nxt = values[:, t + 1] * mask[:, t + 1] if t + 1 < A else zero
         delta = rewards[:, t] + gamma * nxt - values[:, t]
-        last = delta + gamma * lam * last * (mask[:, t + 1] if t + 1 < A else torch.zeros(B))
+        last = delta + gamma * lam * last * (mask[:, t + 1] if t + 1 < A else zero)
         adv[:, t] = last * mask[:, t]
     return adv, (adv + values) * mask
 
@@ -130,7 +136,7 @@ def ppo_update(model, ref_model, optimizer, batch: RolloutBatch, rewards: list[f
                cfg: PPOConfig = PPOConfig()) -> PPOStats:
     """One PPO/GRPO update on a rollout batch with one scalar reward per sample."""
     m = batch.action_mask.float()
-    r = torch.tensor(rewards, dtype=torch.float32)
+    r = torch.tensor(rewards, dtype=torch.float32, device=batch.input_ids.device)
     with torch.no_grad():
         old_lp, old_v, _ = token_logprobs(model, batch, cfg.temperature)
         ref_lp, _, _ = token_logprobs(ref_model, batch, cfg.temperature)
@@ -138,7 +144,7 @@ def ppo_update(model, ref_model, optimizer, batch: RolloutBatch, rewards: list[f
         last = (batch.action_mask.long().sum(1) - 1).clamp(min=0)
         if cfg.algo == "ppo":
             tok_r = -cfg.kl_coef * kl_tok
-            tok_r[torch.arange(len(r)), last] += r
+            tok_r[torch.arange(len(r), device=r.device), last] += r
             adv, ret = gae(tok_r, old_v, m, cfg.gamma, cfg.lam)
             mu, sd = _masked_mean(adv, m), (_masked_mean((adv - _masked_mean(adv, m)) ** 2, m)).sqrt()
             adv = (adv - mu) / (sd + 1e-6) * m
@@ -160,9 +166,9 @@ def ppo_update(model, ref_model, optimizer, batch: RolloutBatch, rewards: list[f
         if cfg.algo == "ppo":
             v_clip = old_v + (v - old_v).clamp(-cfg.value_clip, cfg.value_clip)
             value_loss = 0.5 * _masked_mean(torch.max((v - ret) ** 2, (v_clip - ret) ** 2), m)
-            kl_loss = torch.zeros(())
+            kl_loss = torch.zeros((), device=r.device)
         else:
-            value_loss = torch.zeros(())
+            value_loss = torch.zeros((), device=r.device)
             d = ref_lp - lp
             kl_loss = cfg.kl_coef * _masked_mean(torch.exp(d) - d - 1, m)
         loss = policy_loss + cfg.vf_coef * value_loss + kl_loss - cfg.entropy_coef * _masked_mean(ent, m)

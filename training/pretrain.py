@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import opt, save_config
+from training.config import opt, resolve_device, save_config
 
 
 @dataclass
@@ -32,6 +32,8 @@ class PretrainConfig:
     seed: int = opt(0, "seed for initialization and window sampling")
     log_every: int = opt(20, "log the loss every this many steps")
     save_every: int = opt(200, "checkpoint every this many steps")
+    device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
+    time_budget_s: float = opt(0.0, "cap the steps so this run takes about this long (0 = no cap)")
 
     @classmethod
     def tiny(cls, out_dir: str) -> "PretrainConfig":
@@ -89,6 +91,7 @@ def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
 
     torch.manual_seed(cfg.seed)
     return fit(model, tok, make_batch, out_dir=out, stage="pretrain", steps=cfg.steps, lr=cfg.lr,
+               device=resolve_device(cfg.device), time_budget_s=cfg.time_budget_s,
                log_every=cfg.log_every, save_every=cfg.save_every, log=log)
 
 

@@ -11,13 +11,14 @@ penalty to the frozen starting (SFT) model. Resumes from ``out_dir``.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from training.config import opt, save_config
+from training.config import opt, resolve_device, save_config
 
 
 @dataclass
@@ -40,6 +41,8 @@ class RLConfig:
     seed: int = opt(0, "seed")
     log_every: int = opt(1, "log every this many steps")
     save_every: int = opt(10, "checkpoint every this many steps")
+    device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda' for the policy")
+    time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
 
 
 @dataclass
@@ -98,6 +101,9 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     model = load_policy(out)[0] if resume else copy.deepcopy(ref_model)
     for p in model.parameters():
         p.requires_grad_(True)
+    device = resolve_device(cfg.device)
+    model.to(device)
+    ref_model.to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     state = load_state(out, optim) if resume else TrainerState("rl")
     if problems is None:
@@ -109,6 +115,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
     structs = {}
     res = RLResult(str(out), state.step, state.step)
+    t0 = time.perf_counter()
     for step in range(state.step, cfg.steps):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
         pick = rng.choice(len(problems), size=min(cfg.problems_per_step, len(problems)), replace=False)
@@ -126,7 +133,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             sts += [structs[pi]] * len(rs)
             groups += [g] * len(rs)
             rewards += [float(reward_fn(o)) for o in outcomes]
-        batch = make_batch(rolls, sts, groups, tok.pad_token_id)
+        batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
         st = ppo_update(model, ref_model, optim, batch, rewards, pcfg)
         state.step = step + 1
         res.mean_rewards.append(st.mean_reward)
@@ -136,8 +143,12 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             state.log.append(rec)
             log(f"[rl] step {step + 1}/{cfg.steps} reward {st.mean_reward:.3f} kl {st.kl:.4f} "
                 f"loss {st.loss:.4f} entropy {st.entropy:.3f}")
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        over = cfg.time_budget_s > 0 and time.perf_counter() - t0 > cfg.time_budget_s
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or over:
             save_state(out, model, tok, optim, state)
+        if over:
+            log(f"[rl] time budget of {cfg.time_budget_s:.0f} s reached after step {step + 1}")
+            break
     res.step = state.step
     if hasattr(evaluator, "close"):
         evaluator.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import opt, save_config
+from training.config import opt, resolve_device, save_config
 
 
 @dataclass
@@ -33,6 +33,8 @@ class SFTConfig:
     seed: int = opt(0, "seed for example order")
     log_every: int = opt(20, "log every this many steps")
     save_every: int = opt(200, "checkpoint every this many steps")
+    device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
+    time_budget_s: float = opt(0.0, "cap the steps so this run takes about this long (0 = no cap)")
 
     @classmethod
     def tiny(cls, init: str, data: str, out_dir: str) -> "SFTConfig":
@@ -122,7 +124,8 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
              for i in range(0, len(held), cfg.batch_size)]
     torch.manual_seed(cfg.seed)
     return fit(model, tok, make_batch, out_dir=out, stage="sft", steps=cfg.steps, lr=cfg.lr,
-               log_every=cfg.log_every, save_every=cfg.save_every, eval_batches=evals, log=log)
+               log_every=cfg.log_every, save_every=cfg.save_every, eval_batches=evals, log=log,
+               device=resolve_device(cfg.device), time_budget_s=cfg.time_budget_s)
 
 
 def _stage_of(directory: Path) -> str | None:

@@ -27,6 +27,21 @@ def test_pretrain_loss_falls_and_resumes(tmp_path):
     assert (r2.start_step, r2.step, len(r2.losses)) == (30, 34, 4)
 
 
+def test_time_budget_caps_the_steps_and_the_schedule(tmp_path):
+    cfg = PretrainConfig.tiny(str(tmp_path / "pt"))
+    cfg.steps, cfg.time_budget_s, cfg.save_every = 100_000, 0.5, 100_000
+    texts = [CSR_SCALAR] * 10
+    logs = []
+    r = pretrain(cfg, texts=texts, log=logs.append)
+    assert 5 <= r.step < 100_000 and len(r.losses) == r.step  # capped, and it ran to the cap
+    state = json.loads((tmp_path / "pt" / "trainer_state.json").read_text())
+    assert state["step"] == r.step  # the capped end is saved even though save_every is larger
+    cap = [e for e in state["log"] if "capped_steps" in e]
+    assert cap and cap[0]["capped_steps"] == r.step and cap[0]["requested_steps"] == 100_000
+    assert any("budget caps" in m for m in logs)
+    assert state["log"][-1]["lr"] < cfg.lr * 0.1  # the cosine schedule ended at the cap
+
+
 def _render(family, op, dtype, params, structure):
     return CSR_SCALAR.replace("256", str(params["block"]))
 
