@@ -3,14 +3,15 @@
 #   bash benchmarks/device_run.sh [sparserl bench args...]     e.g. --quick --time-budget 300
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
-# everything under "$OUT" flat (<= 8 files): logs tarred, results JSON, supervision data,
-# junit XML, the markdown report. Ends with a short summary (the tool returns the last 12k chars).
+# everything under "$OUT" as it goes: logs/, junit XML, and in $OUT/bench the results JSON, supervision
+# data and markdown reports as the suite writes them. Ends with a short summary (the tool returns the last 12k chars).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$(pwd)/device_out}"
 mkdir -p "$OUT"
-LOGS="$(mktemp -d)"
-BENCH_DIR="$(mktemp -d)"
+LOGS="$OUT/logs"; mkdir -p "$LOGS"
+BENCH_DIR="$OUT/bench"  # written as the suite goes: a call cut by its time limit keeps what finished
+mkdir -p "$BENCH_DIR"
 
 echo "== install"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 \
@@ -59,11 +60,8 @@ fi
 RESULTS_ALL="$(ls -t "$BENCH_DIR"/bench_*.json 2>/dev/null)"
 RESULTS="$(echo "$RESULTS_ALL" | head -1)"
 for r in $RESULTS_ALL; do
-  cp "$r" "$OUT/"
-  python3 benchmarks/report.py "$r" --out "$OUT/$(basename "$r" .json)_report.md" --no-plots >>"$LOGS/report.log" 2>&1
+  python3 benchmarks/report.py "$r" --out "$BENCH_DIR/$(basename "$r" .json)_report.md" --no-plots >>"$LOGS/report.log" 2>&1
 done
-cat "$BENCH_DIR"/supervision_*.jsonl.gz > "$OUT/supervision.jsonl.gz" 2>/dev/null
-tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 
 echo "== summary"
 echo "gpu tests rc=$GPU_RC  cpu tests rc=$CPU_RC  bench rc=$BENCH_RC"
