@@ -498,7 +498,12 @@ def main(argv=None) -> int:
     carry.add_argument("--patterns", metavar="DIR", help="no model file: random weights pruned by DIR's saved masks")
     p.add_argument("--seed", type=int, default=0, help="--patterns: seed of the random weights")
     p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--k", type=int, default=0,
+                   help="candidates the runtime tries per weight matrix and width (0: the provider's "
+                        "default); a decoder has hundreds of matrices, each searched on first use")
     args = p.parse_args(argv)
+    if args.k:
+        sr.configure(k=args.k)
     batches = [int(b) for b in args.batches.split(",") if b]
     if args.patterns and (args.tiny or args.gguf):
         p.error("--patterns builds its model from DIR/config.json: drop --tiny / --gguf")
