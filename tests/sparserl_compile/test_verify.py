@@ -90,6 +90,23 @@ def test_every_fault_kernel_is_rejected_for_its_reason_on_cpu(name):
 
 
 @needs_simt
+def test_value_sets_are_shared_by_candidates_of_one_pattern_only():
+    pat = verify.Pattern.of(matrices.stencil2d(12))
+    wrong = FAULTS["wrong_answer"]
+    assert verify.verify(candidate(GOOD), pat, executor="cpu").ok
+    first = dict(verify._VALUE_SETS["sets"])
+    assert sorted(first) == [0, 1, 2]
+    # a wrong kernel after a good one on the same pattern still fails, on the shared sets
+    r = verify.verify(candidate(wrong.source), pat, executor="cpu", static=wrong.static)
+    assert not r.ok and r.failed in wrong.checks
+    assert all(verify._VALUE_SETS["sets"][s] is first[s] for s in first)
+    other = verify.Pattern.of(matrices.stencil2d(13))
+    assert verify.verify(candidate(GOOD), other, executor="cpu").ok
+    assert verify._VALUE_SETS["pattern"] is other
+    assert verify._VALUE_SETS["sets"][0].ref.shape == (169,)
+
+
+@needs_simt
 def test_good_kernel_passes_on_generated_edge_cases():
     for name, m in _edge_cases().items():
         r = verify.verify(candidate(GOOD), m, executor="cpu")
