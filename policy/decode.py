@@ -126,12 +126,19 @@ def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None):
 @torch.no_grad()
 def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
              k: int = 1, config: DecodeConfig = DecodeConfig(),
-             grammar_text: str | None = None) -> list[Rollout]:
-    """k completions for one matrix (see the module docstring)."""
+             grammar_text: str | None = None, forced: list[list[int]] | None = None) -> list[Rollout]:
+    """k completions for one matrix (see the module docstring).
+
+    ``forced``: per sample, completion tokens to write first whatever the model prefers
+    (``format_diverse`` forces each sample's format this way); their log-probabilities are
+    still those of the (masked) distribution, and the grammar matcher consumes them.
+    """
     import llguidance.torch as llt
 
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one sample")
+    if forced is not None and len(forced) != k:
+        raise ValueError(f"forced has {len(forced)} prefixes for k={k} samples")
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     eos = tokenizer.eos_token_id
@@ -151,7 +158,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     masks = [[] for _ in range(k)]
     done = [False] * k
     errors: list[str | None] = [None] * k
-    for _ in range(config.max_new_tokens):
+    for step_i in range(config.max_new_tokens):
         logits = logits.float().clone()
         if matchers is not None:
             for i, m in enumerate(matchers):
@@ -164,6 +171,12 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
             dead = ~allowed.any(-1)
             logits[dead, eos] = 0.0  # a failed matcher allows nothing: end that sample
         tok, lp = _pick(logits, config, gen)
+        if forced is not None:
+            for i, f in enumerate(forced):
+                if step_i < len(f) and not done[i]:
+                    tok[i] = f[step_i]
+                    lp[i] = torch.log_softmax(logits[i] / (1.0 if config.greedy else max(config.temperature, 1e-5)),
+                                              -1)[f[step_i]]
         for i in range(k):
             if done[i]:
                 continue
@@ -191,6 +204,65 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
             masks=torch.stack(masks[i]) if matchers is not None and masks[i] else None,
             grammar_error=errors[i]))
     return rollouts
+
+
+def header_prefix(op: str, fmt: str) -> str:
+    """The start of a kernel up to and including its format choice (header line 1)."""
+    return f"// sparserl op={op} format={fmt}"
+
+
+@torch.no_grad()
+def rank_formats(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
+                 formats) -> list[tuple[str, float]]:
+    """The model's log-probability of choosing each format (teacher-forced, one batched
+    forward over ``prompt + header_prefix(op, fmt)``), most likely first. The prefix ends at a
+    pre-tokenizer boundary (the next header text starts with a space), so its tokens are the
+    ones the model would write."""
+    device = next(model.parameters()).device
+    prompt = tokenizer.encode(prompt_text(op, dtype, n))
+    seqs = [tokenizer.encode(header_prefix(op, f)) for f in formats]
+    L = len(prompt) + max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), L), tokenizer.pad_token_id, dtype=torch.long)
+    att = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(prompt) + len(x)] = torch.tensor(prompt + x)
+        att[i, : len(prompt) + len(x)] = 1
+    sb = StructureBatch.collate([structure]).repeat(len(seqs)).to(device)
+    logits = model(ids.to(device), sb, attention_mask=att.to(device)).logits.float()
+    logp = torch.log_softmax(logits, -1)
+    out = []
+    for i, (f, x) in enumerate(zip(formats, seqs)):
+        pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(x), device=device)
+        out.append((f, float(logp[i, pos, torch.tensor(x, device=device)].sum())))
+    return sorted(out, key=lambda t: -t[1])
+
+
+def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
+                   k: int, formats, config: DecodeConfig = DecodeConfig(greedy=True),
+                   grammar_text: str | None = None) -> list[Rollout]:
+    """k samples that differ in their format: the model's k most likely formats
+    (``rank_formats``), each forced as the sample's header prefix, the rest written by the
+    model (greedy by default). After supervised training the policy puts nearly all its mass
+    on one format, so k temperature samples are often k copies of one kernel; this spends the
+    k candidates on the k formats the model ranks highest instead. Each rollout's ``extra``
+    holds its format and the format's log-probability."""
+    if config.constrained:  # only formats the grammar has for this op and dtype
+        vocab = model.config.vocab_size
+
+        def allowed(f):
+            ids = tokenizer.encode(header_prefix(op, f))
+            return make_matcher(tokenizer, vocab, grammar_text, op, dtype).validate_tokens(ids) == len(ids)
+
+        formats = [f for f in formats if allowed(f)]
+    if not formats:
+        raise ValueError(f"no format of {op}/{dtype} is allowed by the grammar")
+    ranked = rank_formats(model, tokenizer, structure, op, dtype, n, formats)[:k]
+    forced = [tokenizer.encode(header_prefix(op, f)) for f, _ in ranked]
+    rolls = generate(model, tokenizer, structure, op, dtype, n, k=len(ranked), config=config,
+                     grammar_text=grammar_text, forced=forced)
+    for r, (f, lp) in zip(rolls, ranked):
+        r.extra.update(format=f, format_logprob=lp)
+    return rolls
 
 
 def completion_ids(tokenizer, source: str) -> list[int]:

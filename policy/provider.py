@@ -15,12 +15,12 @@ saying how to get one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from policy.decode import DecodeConfig, generate
+from policy.decode import DecodeConfig, format_diverse, generate
 from policy.encoder import prepare_structure
 from sparserl_compile import contract
 
@@ -63,6 +63,16 @@ def _host(a) -> np.ndarray:
     return np.asarray(a)
 
 
+def plausible_formats(indptr, indices, shape) -> tuple[str, ...]:
+    """The contract's formats that can win on this CSR pattern (``search.format_plausible``:
+    no DIA for scattered diagonals, no ELL for skewed rows, no BSR without dense blocks)."""
+    from sparserl_compile import search, structure
+
+    f = structure.features(_host(indptr).astype(np.int32), _host(indices).astype(np.int32),
+                           (int(shape[0]), int(shape[1])))
+    return tuple(fmt for fmt in contract.FORMATS if search.format_plausible(fmt, f))
+
+
 class PolicyProvider:
     """Kernel candidates sampled from a policy checkpoint."""
 
@@ -70,7 +80,7 @@ class PolicyProvider:
 
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
-                 model=None, tokenizer=None):
+                 model=None, tokenizer=None, diverse: bool = False):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -90,6 +100,9 @@ class PolicyProvider:
         elif tokenizer is None:
             raise ValueError("PolicyProvider(model=...) also needs tokenizer=")
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
+        #: True: the k candidates are the model's k most likely formats, each written greedily
+        #: (``decode.format_diverse``) instead of k temperature samples
+        self.diverse = diverse
         self.stats = ProviderStats()
         #: sha256 of the weights file (None for an in-memory model); the runtime's cache key
         #: reads ``getattr(provider, "checkpoint_hash", None)`` so a new checkpoint misses the cache
@@ -104,8 +117,14 @@ class PolicyProvider:
                               (problem.n_rows, problem.n_cols),
                               max_points=self.model.config.max_points)
         dtype = contract.TORCH_DTYPES.get(str(problem.dtype).replace("torch.", ""), str(problem.dtype))
-        rolls = generate(self.model, self.tokenizer, s, problem.op, dtype,
-                         int(getattr(problem, "n", 1) or 1), k=k, config=self.decode)
+        n = int(getattr(problem, "n", 1) or 1)
+        if self.diverse:
+            cfg = replace(self.decode, greedy=True)
+            rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
+                                   plausible_formats(problem.indptr, problem.indices,
+                                                     (problem.n_rows, problem.n_cols)), config=cfg)
+        else:
+            rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode)
         out = []
         for r in rolls:
             self.stats.sampled += 1

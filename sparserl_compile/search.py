@@ -123,6 +123,23 @@ class SearchProvider:
         return None
 
 
+def format_plausible(fmt: str, f) -> bool:
+    """Whether a kernel of format ``fmt`` can win on a pattern with ``structure.features``
+    ``f``, by the same rules that prune the space (DIA diagonals, ELL padding, BSR block
+    density at any of the square block sizes). For providers that pick a format before
+    the parameters (the policy's format-diverse decoding)."""
+    from sparserl_compile import structure
+
+    if fmt == "dia":
+        return f.n_diags <= MAX_DIAGS and f.diag_fill >= MIN_DIAG_FILL
+    if fmt == "ell":
+        return f.row_max * f.n_rows <= MAX_PAD * f.nnz + 4096
+    if fmt == "bsr":
+        sizes = getattr(structure, "BLOCK_SIZES", ())
+        return any(d >= MIN_BLOCK_DENSITY for d in list(f.block_density)[:len(sizes)])
+    return True
+
+
 def _convert_problem(pat, c: Candidate) -> str | None:
     from sparserl_compile import formats
 

@@ -46,6 +46,8 @@ class EvalConfig:
     out: str = opt("", "write the report as JSON here")
     device: str = opt("auto", "where the policy runs: 'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
     workers: int = opt(2, "sandbox worker processes of the cpu/gpu evaluator")
+    diverse: bool = opt(False, "the k samples are the k most likely plausible formats, each written greedily "
+                               "(policy.decode.format_diverse), instead of k temperature samples")
 
 
 @dataclass
@@ -84,7 +86,7 @@ def _norm(src: str) -> str:
 
 
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
-                    constrained: bool, space_sources=None, log=None) -> dict[str, KindStats]:
+                    constrained: bool, space_sources=None, log=None, diverse: bool = False) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
     the variant failed), or None."""
@@ -98,9 +100,18 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1,
                           config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained))
-        sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k,
-                           config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
-                                               constrained=constrained, seed=i))
+        if diverse:
+            from policy.decode import format_diverse
+            from policy.provider import plausible_formats
+
+            sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k,
+                                     plausible_formats(m.indptr, m.indices, m.shape),
+                                     config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens,
+                                                         constrained=constrained))
+        else:
+            sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k,
+                               config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
+                                                   constrained=constrained, seed=i))
         outs = evaluator(pb, [r.text for r in greedy + sampled])
         if log is not None:
             log(f"[eval] {pb.label} {pb.op} n={pb.n} constrained={constrained}: "
@@ -171,7 +182,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             for label, constrained in modes:
                 st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,
                                      max_new_tokens=cfg.max_new_tokens, constrained=constrained,
-                                     space_sources=space, log=log)
+                                     space_sources=space, log=log, diverse=cfg.diverse)
                 report["variants"][label] = {kind: s.summary() for kind, s in st.items()}
                 log(f"[eval] {label}: " + json.dumps(report["variants"][label]))
     finally:

@@ -61,3 +61,28 @@ def test_unconstrained_ablation_has_no_masks(tiny_model, tiny_tok):
 def test_both_grammars_accept_the_kernel(tiny_tok, kernel_source):
     for fb in (True, False):
         assert grammar_accepts(tiny_tok, len(tiny_tok), kernel_source, kernel_grammar("spmv", "f32", use_fallback=fb))
+
+
+def test_format_diverse_forces_the_models_top_formats(tiny_model, tiny_tok):
+    from policy.decode import format_diverse, header_prefix, rank_formats
+
+    fmts = ("csr", "merge", "dia", "ell")
+    ranked = rank_formats(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, fmts)
+    assert sorted(f for f, _ in ranked) == sorted(fmts)
+    lps = [lp for _, lp in ranked]
+    assert lps == sorted(lps, reverse=True) and max(lps) < 0
+    rs = format_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 3, fmts + ("no_such_format",),
+                        config=DecodeConfig(greedy=True, max_new_tokens=40))
+    assert [r.extra["format"] for r in rs] == [f for f, _ in ranked[:3]]  # grammar dropped the unknown one
+    for r in rs:
+        assert r.text.startswith(header_prefix("spmv", r.extra["format"]))
+        allowed = unpack_masks(r.masks, len(tiny_tok))
+        assert all(allowed[t, tok] for t, tok in enumerate(r.tokens))  # forced tokens obey the grammar too
+        assert len(r.logprobs) == len(r.tokens) and max(r.logprobs) <= 0
+
+
+def test_forced_prefixes_must_match_k(tiny_model, tiny_tok):
+    import pytest
+
+    with pytest.raises(ValueError, match="prefixes"):
+        generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=2, forced=[[1]])

@@ -48,3 +48,16 @@ def test_real_matrices_get_a_sane_number_of_points(shared_matrices):
         assert 5 <= len(cands) <= 200, (name, sp.last_report)
         assert {"csr", "csr_part", "merge"} <= _formats(cands)
         assert sp.last_report.seconds < 10
+
+
+def test_format_plausible_follows_the_pruning_rules():
+    from sparserl_compile import matrices, search, structure
+
+    band = matrices.banded(2000, 3)
+    rnd = matrices.uniform_random(2000, 2000, 8, seed=0)
+    blocks = matrices.block_diagonal(200, 8)
+    f = {name: structure.features(m.indptr, m.indices, m.shape)
+         for name, m in (("band", band), ("rnd", rnd), ("blocks", blocks))}
+    assert search.format_plausible("dia", f["band"]) and not search.format_plausible("dia", f["rnd"])
+    assert search.format_plausible("bsr", f["blocks"]) and not search.format_plausible("bsr", f["rnd"])
+    assert all(search.format_plausible(x, f["rnd"]) for x in ("csr", "merge", "csr_part", "sell"))

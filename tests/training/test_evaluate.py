@@ -31,3 +31,18 @@ def test_measured_fraction_uses_the_measured_time_of_the_point_written(tiny_mode
     # the greedy sample is a measured point, so at most the k sampled ones are novel
     assert st.correct == 3 and st.novel <= 2
     assert len(st.measured_frac_best_of_k) == (1 if st.novel < 2 else 0)
+
+
+def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    seen = []
+
+    def record(pb, sources):
+        seen.extend(sources)
+        return _all_correct(pb, sources)
+
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], record, k=3, temperature=1.0,
+                         max_new_tokens=12, constrained=True, diverse=True)["banded"]
+    fmts = [s.split("format=")[1].split()[0] for s in seen[1:]]  # after the greedy sample
+    assert st.samples == 4 and len(set(fmts)) == 3
