@@ -18,7 +18,7 @@ def add_cli(subparsers) -> None:
     def stage(name, cls, fn, help):
         p = stages.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_dataclass_args(p, cls)
-        p.set_defaults(func=lambda a: _report(fn(from_args(cls, a))))
+        p.set_defaults(func=lambda a: _run(fn, from_args(cls, a)))
 
     def _pretrain(c):
         from training.pretrain import pretrain
@@ -45,6 +45,19 @@ def add_cli(subparsers) -> None:
         return 0
 
     ev.set_defaults(func=_eval)
+
+
+def _run(fn, cfg) -> int:
+    """Run a stage; under ``torchrun`` end the process group after it (``training/dist.py``)."""
+    from training import dist as tdist
+
+    try:
+        result = fn(cfg)
+        if tdist.is_main():
+            _report(result)
+    finally:
+        tdist.cleanup()
+    return 0
 
 
 def _report(result) -> int:

@@ -133,10 +133,30 @@ class PPOStats:
 
 
 def ppo_update(model, ref_model, optimizer, batch: RolloutBatch, rewards: list[float],
-               cfg: PPOConfig = PPOConfig()) -> PPOStats:
-    """One PPO/GRPO update on a rollout batch with one scalar reward per sample."""
+               cfg: PPOConfig = PPOConfig(), ctx=None) -> PPOStats:
+    """One PPO/GRPO update on a rollout batch with one scalar reward per sample.
+
+    ``ctx`` (``training.dist.DistContext`` of several ranks): ``batch`` and ``rewards`` are this
+    rank's share of the global rollout batch (whole groups: GRPO's group statistics stay
+    local). Every masked mean is over the global batch (token counts all-reduced), PPO's
+    advantage whitening uses the global moments, each rank's loss is its share of the global
+    loss and the gradients are summed over the ranks before clipping, so the update is the one
+    process's update on the whole batch (up to float rounding). Stats are global.
+    """
+    from training import dist as tdist
+
+    on = ctx is not None and ctx.distributed
+
+    def gsum(x: torch.Tensor) -> torch.Tensor:
+        return tdist.all_reduce_sum(x) if on else x
+
     m = batch.action_mask.float()
     r = torch.tensor(rewards, dtype=torch.float32, device=batch.input_ids.device)
+    M = gsum(m.sum()).clamp(min=1)  # action tokens in the global batch
+
+    def mm(x: torch.Tensor) -> torch.Tensor:  # this rank's share of the global masked mean
+        return (x * m).sum() / M
+
     with torch.no_grad():
         old_lp, old_v, _ = token_logprobs(model, batch, cfg.temperature)
         ref_lp, _, _ = token_logprobs(ref_model, batch, cfg.temperature)
@@ -146,7 +166,8 @@ def ppo_update(model, ref_model, optimizer, batch: RolloutBatch, rewards: list[f
             tok_r = -cfg.kl_coef * kl_tok
             tok_r[torch.arange(len(r), device=r.device), last] += r
             adv, ret = gae(tok_r, old_v, m, cfg.gamma, cfg.lam)
-            mu, sd = _masked_mean(adv, m), (_masked_mean((adv - _masked_mean(adv, m)) ** 2, m)).sqrt()
+            mu = gsum(mm(adv))
+            sd = gsum(mm((adv - mu) ** 2)).sqrt()
             adv = (adv - mu) / (sd + 1e-6) * m
         elif cfg.algo == "grpo":
             adv_s = torch.zeros_like(r)
@@ -162,22 +183,27 @@ def ppo_update(model, ref_model, optimizer, batch: RolloutBatch, rewards: list[f
         lp, v, ent = token_logprobs(model, batch, cfg.temperature)
         ratio = torch.exp(lp - old_lp)
         pg = -torch.min(ratio * adv, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * adv)
-        policy_loss = _masked_mean(pg, m)
+        policy_loss = mm(pg)
         if cfg.algo == "ppo":
             v_clip = old_v + (v - old_v).clamp(-cfg.value_clip, cfg.value_clip)
-            value_loss = 0.5 * _masked_mean(torch.max((v - ret) ** 2, (v_clip - ret) ** 2), m)
+            value_loss = 0.5 * mm(torch.max((v - ret) ** 2, (v_clip - ret) ** 2))
             kl_loss = torch.zeros((), device=r.device)
         else:
             value_loss = torch.zeros((), device=r.device)
             d = ref_lp - lp
-            kl_loss = cfg.kl_coef * _masked_mean(torch.exp(d) - d - 1, m)
-        loss = policy_loss + cfg.vf_coef * value_loss + kl_loss - cfg.entropy_coef * _masked_mean(ent, m)
+            kl_loss = cfg.kl_coef * mm(torch.exp(d) - d - 1)
+        loss = policy_loss + cfg.vf_coef * value_loss + kl_loss - cfg.entropy_coef * mm(ent)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if on:
+            tdist.all_reduce_grads(model.parameters(), ctx)  # summed shares: the global loss's gradient
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
     model.eval()
     with torch.no_grad():
-        clip_frac = _masked_mean(((ratio - 1).abs() > cfg.clip).float(), m)
-    return PPOStats(loss.item(), policy_loss.item(), float(value_loss), _masked_mean(kl_tok, m).item(),
-                    _masked_mean(ent.detach(), m).item(), clip_frac.item(), r.mean().item())
+        clip_frac = mm(((ratio - 1).abs() > cfg.clip).float())
+        n_samples = gsum(torch.tensor(float(len(r)), device=r.device)).clamp(min=1)
+        parts = torch.stack([loss.detach(), policy_loss.detach(), value_loss.detach().float(), mm(kl_tok),
+                             mm(ent.detach()), clip_frac, r.sum() / n_samples])
+        parts = gsum(parts).tolist()
+    return PPOStats(*parts)

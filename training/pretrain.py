@@ -56,19 +56,33 @@ def hparams_for(size: str, vocab_size: int):
 
 
 def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
-    """Run stage 1; ``texts`` overrides the corpus (tests). Returns ``lm.FitResult``."""
+    """Run stage 1; ``texts`` overrides the corpus (tests). Returns ``lm.FitResult``.
+
+    Under ``torchrun`` (``training/dist.py``): ``batch_size`` is the global batch (a multiple
+    of the world size); rank 0 collects the corpus and trains the tokenizer, every rank gets
+    them by broadcast, draws the step's windows with the one-process rng and trains on its
+    slice (DDP, ``lm.fit``).
+    """
     from policy.model import build_policy, load_policy
-    from policy.tokenizer import TokenizerSpec, train_tokenizer
+    from policy.tokenizer import TokenizerSpec, train_tokenizer, wrap
+    from training import dist as tdist
     from training.checkpoint import has_state
     from training.corpus import build_corpus
     from training.lm import LMExample, collate, fit
 
+    ctx = tdist.setup(resolve_device(cfg.device))
+    tdist.shard_bounds(cfg.batch_size, ctx, "sequences per step (--batch-size, the global batch)")
+    log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
-    save_config(cfg, out, "pretrain")
+    if ctx.is_main:
+        save_config(cfg, out, "pretrain")
     if texts is None:
-        corpus = build_corpus(cfg.max_corpus_bytes, sources=tuple(cfg.corpus_sources.split(",")))
-        log(corpus.stats.summary())
-        texts = corpus.texts()
+        if ctx.is_main:
+            corpus = build_corpus(cfg.max_corpus_bytes, sources=tuple(cfg.corpus_sources.split(",")))
+            log(corpus.stats.summary())
+            texts = corpus.texts()
+        if ctx.distributed:
+            texts = tdist.broadcast_object(texts)  # one corpus for all ranks
     if not texts:
         raise ValueError("the pretraining corpus is empty: no CUDA sources were found "
                          "(set CUDA_HOME or install the nvidia-* / cupy wheels)")
@@ -76,7 +90,12 @@ def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
         model, tok = load_policy(out)
         log(f"[pretrain] resuming from {out}")
     else:
-        tok = train_tokenizer(texts, TokenizerSpec(vocab_size=cfg.vocab_size))
+        from tokenizers import Tokenizer
+
+        tok = train_tokenizer(texts, TokenizerSpec(vocab_size=cfg.vocab_size)) if ctx.is_main else None
+        if ctx.distributed:  # rank 0's tokenizer everywhere
+            tok_json = tdist.broadcast_object(tok.backend_tokenizer.to_str() if ctx.is_main else None)
+            tok = tok if ctx.is_main else wrap(Tokenizer.from_str(tok_json))
         model = build_policy(hparams_for(cfg.size, len(tok)), seed=cfg.seed)
     log(f"[pretrain] {model.n_params() / 1e6:.2f}M parameters, vocab {len(tok)}")
     ids = np.fromiter((t for txt in texts for t in tok.encode(txt) + [tok.eos_token_id]), dtype=np.int64)
@@ -86,13 +105,14 @@ def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
     def make_batch(step: int):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
         starts = rng.integers(0, ids.size - cfg.block_size - 1, size=cfg.batch_size)
+        starts = tdist.shard(starts, ctx, "sequences per step")  # this rank's slice of the global batch
         ex = [LMExample([int(ids[s])], ids[s + 1: s + cfg.block_size].tolist()) for s in starts]
         return collate(ex, tok.pad_token_id, cfg.block_size)
 
     torch.manual_seed(cfg.seed)
     return fit(model, tok, make_batch, out_dir=out, stage="pretrain", steps=cfg.steps, lr=cfg.lr,
                device=resolve_device(cfg.device), time_budget_s=cfg.time_budget_s,
-               log_every=cfg.log_every, save_every=cfg.save_every, log=log)
+               log_every=cfg.log_every, save_every=cfg.save_every, log=log, ctx=ctx)
 
 
 _ = asdict

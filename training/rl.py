@@ -83,17 +83,28 @@ def make_evaluator(name: str, workers: int = 2):
 
 
 def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) -> RLResult:
-    """Run stage 3. ``problems``/``evaluator``/``reward_fn`` override the config (tests)."""
+    """Run stage 3. ``problems``/``evaluator``/``reward_fn`` override the config (tests).
+
+    Under ``torchrun`` (``training/dist.py``): every rank draws the same ``problems_per_step``
+    problems and keeps its equal contiguous share (the count must divide by the world size),
+    generates and scores its samples with the same seeds one process would use, and
+    ``ppo_update`` combines the ranks (global advantage moments and masked means, summed
+    gradients). Rank 0 logs and writes checkpoints; the time-budget stop is rank 0's decision.
+    """
     from policy.decode import DecodeConfig, generate
     from policy.encoder import prepare_structure
     from policy.model import load_policy
     from training.checkpoint import TrainerState, has_state, load_state, save_state
     from training.data import load_supervision, split
     from training.ppo import PPOConfig, make_batch, ppo_update
+    from training import dist as tdist
     from training.rewards import REWARDS
 
+    ctx = tdist.setup(resolve_device(cfg.device))
+    log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
-    save_config(cfg, out, "rl")
+    if ctx.is_main:
+        save_config(cfg, out, "rl")
     ref_model, tok = load_policy(cfg.init)
     for p in ref_model.parameters():
         p.requires_grad_(False)
@@ -101,7 +112,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     model = load_policy(out)[0] if resume else copy.deepcopy(ref_model)
     for p in model.parameters():
         p.requires_grad_(True)
-    device = resolve_device(cfg.device)
+    device = ctx.device
     model.to(device)
     ref_model.to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -110,6 +121,9 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         problems = problems_from_records(split(load_supervision(cfg.data)).train)
     if not problems:
         raise ValueError("RL needs at least one training problem")
+    n_pick = min(cfg.problems_per_step, len(problems))
+    lo, hi = tdist.shard_bounds(n_pick, ctx, f"problems per step (--problems-per-step {cfg.problems_per_step}, "
+                                             f"{len(problems)} problems)")
     evaluator = evaluator or make_evaluator(cfg.evaluator, cfg.workers)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
@@ -118,9 +132,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     t0 = time.perf_counter()
     for step in range(state.step, cfg.steps):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
-        pick = rng.choice(len(problems), size=min(cfg.problems_per_step, len(problems)), replace=False)
+        pick = rng.choice(len(problems), size=n_pick, replace=False)
         rolls, sts, groups, rewards = [], [], [], []
-        for g, pi in enumerate(pick):
+        for g in range(lo, hi):  # this rank's share; g stays the global index (same sampling seed)
+            pi = pick[g]
             pb = problems[pi]
             if pi not in structs:
                 m = pb.matrix
@@ -134,7 +149,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             groups += [g] * len(rs)
             rewards += [float(reward_fn(o)) for o in outcomes]
         batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
-        st = ppo_update(model, ref_model, optim, batch, rewards, pcfg)
+        st = ppo_update(model, ref_model, optim, batch, rewards, pcfg, ctx=ctx)
         state.step = step + 1
         res.mean_rewards.append(st.mean_reward)
         rec = {"step": step + 1, **st.__dict__}
@@ -144,7 +159,9 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             log(f"[rl] step {step + 1}/{cfg.steps} reward {st.mean_reward:.3f} kl {st.kl:.4f} "
                 f"loss {st.loss:.4f} entropy {st.entropy:.3f}")
         over = cfg.time_budget_s > 0 and time.perf_counter() - t0 > cfg.time_budget_s
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or over:
+        if ctx.distributed and cfg.time_budget_s > 0:
+            over = tdist.broadcast_scalar(over)  # rank 0's clock: every rank stops after the same step
+        if ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or over) and ctx.is_main:
             save_state(out, model, tok, optim, state)
         if over:
             log(f"[rl] time budget of {cfg.time_budget_s:.0f} s reached after step {step + 1}")
@@ -152,6 +169,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     res.step = state.step
     if hasattr(evaluator, "close"):
         evaluator.close()
+    if ctx.distributed:
+        tdist.barrier()  # rank 0's checkpoint is complete before any rank moves on
     return res
 
 

@@ -97,14 +97,23 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
 
 
 def sft(cfg: SFTConfig, render=default_render, log=print):
-    """Run stage 2. Returns ``lm.FitResult`` (its ``eval_loss`` is on the held-out split)."""
+    """Run stage 2. Returns ``lm.FitResult`` (its ``eval_loss`` is on the held-out split).
+
+    Under ``torchrun`` (``training/dist.py``): ``batch_size`` is the global batch (a multiple
+    of the world size); every rank builds the same examples, draws the step's examples with
+    the one-process rng and trains on its slice (DDP, token-count-weighted loss, ``lm.fit``).
+    """
     from policy.model import load_policy
+    from training import dist as tdist
     from training.checkpoint import has_state
     from training.data import load_supervision, split
     from training.lm import collate, fit
 
+    ctx = tdist.setup(resolve_device(cfg.device))
+    log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
-    save_config(cfg, out, "sft")
+    if ctx.is_main:
+        save_config(cfg, out, "sft")
     src = out if has_state(out) and _stage_of(out) == "sft" else Path(cfg.init)
     model, tok = load_policy(src)
     parts = split(load_supervision(cfg.data))
@@ -114,10 +123,14 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
     if not train:
         raise ValueError(f"{cfg.data}: no training examples (every record held out or without a verified variant)")
+    n_pick = min(cfg.batch_size, len(train))
+    tdist.shard_bounds(n_pick, ctx, f"examples per step (--batch-size {cfg.batch_size}, the global batch, "
+                                    f"capped at the {len(train)} training examples)")
 
     def make_batch(step: int):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
-        pick = rng.choice(len(train), size=min(cfg.batch_size, len(train)), replace=False)
+        pick = rng.choice(len(train), size=n_pick, replace=False)
+        pick = tdist.shard(pick, ctx, "examples per step")  # this rank's slice of the global batch
         return collate([train[i] for i in pick], tok.pad_token_id, cfg.max_len)
 
     evals = [collate(held[i:i + cfg.batch_size], tok.pad_token_id, cfg.max_len)
@@ -125,7 +138,7 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     torch.manual_seed(cfg.seed)
     return fit(model, tok, make_batch, out_dir=out, stage="sft", steps=cfg.steps, lr=cfg.lr,
                log_every=cfg.log_every, save_every=cfg.save_every, eval_batches=evals, log=log,
-               device=resolve_device(cfg.device), time_budget_s=cfg.time_budget_s)
+               device=ctx.device, time_budget_s=cfg.time_budget_s, ctx=ctx)
 
 
 def _stage_of(directory: Path) -> str | None:
