@@ -29,7 +29,7 @@ def test_pretrain_loss_falls_and_resumes(tmp_path):
 
 def test_time_budget_caps_the_steps_and_the_schedule(tmp_path):
     cfg = PretrainConfig.tiny(str(tmp_path / "pt"))
-    cfg.steps, cfg.time_budget_s, cfg.save_every = 100_000, 0.5, 100_000
+    cfg.steps, cfg.time_budget_s, cfg.save_every = 100_000, 2.0, 100_000
     texts = [CSR_SCALAR] * 10
     logs = []
     r = pretrain(cfg, texts=texts, log=logs.append)
@@ -39,7 +39,8 @@ def test_time_budget_caps_the_steps_and_the_schedule(tmp_path):
     cap = [e for e in state["log"] if "capped_steps" in e]
     assert cap and cap[0]["capped_steps"] == r.step and cap[0]["requested_steps"] == 100_000
     assert any("budget caps" in m for m in logs)
-    assert state["log"][-1]["lr"] < cfg.lr * 0.1  # the cosine schedule ended at the cap
+    if r.step > 20:  # past the 10 warm-up steps (a loaded machine may cap the run inside them)
+        assert state["log"][-1]["lr"] < cfg.lr * 0.1  # the cosine schedule ended at the cap
 
 
 def _render(family, op, dtype, params, structure):
