@@ -161,7 +161,11 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, device: int | None = None) -> None:
+    if device is not None:  # the parent's GPU (e.g. this rank's under torchrun), not GPU 0
+        import torch
+
+        torch.cuda.set_device(device)
     pattern: Pattern | None = None
     conn.send(("ready", os.getpid()))
     while True:
@@ -189,9 +193,9 @@ def _worker_main(conn) -> None:
 # ------------------------------------------------------------------ parent side
 
 class _Worker:
-    def __init__(self, ctx, start_timeout_s: float):
+    def __init__(self, ctx, start_timeout_s: float, device: int | None = None):
         self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="sparserl-sandbox")
+        self.proc = ctx.Process(target=_worker_main, args=(child, device), daemon=True, name="sparserl-sandbox")
         self.proc.start()
         child.close()
         self.pattern_key: str | None = None
@@ -218,6 +222,27 @@ class _Worker:
         self.kill()
 
 
+def parent_device() -> int | None:
+    """The CUDA device the calling process works on, when it has chosen one (torch imported and
+    CUDA initialized, e.g. by ``torch.cuda.set_device(local_rank)`` under torchrun); else None
+    (workers use the default device)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return None
+        if torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+        local = os.environ.get("LOCAL_RANK")  # torchrun, before this process touched CUDA
+        if local is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1 \
+                and int(local) < torch.cuda.device_count():
+            return int(local)
+    except Exception:  # noqa: BLE001 - a broken CUDA setup: let the worker find out
+        pass
+    return None
+
+
 class SandboxPool:
     """Persistent sandbox workers. Use as a context manager, or call ``close()``.
 
@@ -225,10 +250,13 @@ class SandboxPool:
     concurrent kernels disturb each other's times.
     """
 
-    def __init__(self, workers: int = 1, *, timeout_s: float = 60.0, start_timeout_s: float = 180.0):
+    def __init__(self, workers: int = 1, *, timeout_s: float = 60.0, start_timeout_s: float = 180.0,
+                 device: int | None = None):
         if workers < 1:
             raise ValueError(f"workers={workers}: need at least one")
         self._ctx = mp.get_context("spawn")
+        #: CUDA device index the workers run on: ``device``, else the parent's (``parent_device``)
+        self.device = device if device is not None else parent_device()
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self._n = workers
@@ -255,7 +283,7 @@ class SandboxPool:
                 if w.alive():
                     return w
                 w.kill()
-        return _Worker(self._ctx, self.start_timeout_s)
+        return _Worker(self._ctx, self.start_timeout_s, self.device)
 
     def _give(self, w: _Worker) -> None:
         with self._lock:

@@ -37,6 +37,26 @@ def test_compile_error_is_typed_and_the_worker_is_reused():
     _parent_still_computes()
 
 
+def test_workers_follow_the_parents_cuda_device(monkeypatch):
+    import torch
+
+    from sparserl_compile import sandbox
+
+    with SandboxPool(1) as pool:  # no GPU here: workers keep their default device
+        assert pool.device is None
+        assert pool.run(_job(FAULTS["compile_error"].source), M).kind == "compile_error"
+    assert SandboxPool(1, device=3).device == 3  # explicit wins; no worker is started until a job
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert sandbox.parent_device() == 2  # torchrun, CUDA not touched yet
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert sandbox.parent_device() == 1  # the device the process chose wins
+
+
 @needs_simt
 def test_hang_is_killed_and_the_next_job_runs():
     with SandboxPool(1, timeout_s=60) as pool:
