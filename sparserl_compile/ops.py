@@ -19,6 +19,12 @@ Autograd: the gradient w.r.t. the dense operand is the product with the transpos
 no gradient: asking for one (values with ``requires_grad=True`` while grad mode is on) raises
 a ``RuntimeError`` at the product that says so. Index arrays are never differentiable.
 
+Each op has a graph twin ``sparserl::<op>_graph`` (same schema, kernel and checks, fake
+kernel; ``GRAPH_TWINS`` maps one to the other) registered with only a kernel: no autograd
+layer, no output alias checks. The ``"sparserl"`` compile backend puts the twins into the
+graphs AOTAutograd has already differentiated, where those layers are pure per-call host
+cost; called directly, a twin does not differentiate (use the ops).
+
 Operands are checked (dtype, device, shape) in both the real and the fake kernel with
 messages that name the operand and the fix. The dense operand must be contiguous here;
 ``tensor.py`` and ``dispatch.py`` make it so before calling.
@@ -79,27 +85,68 @@ def _out_shape(dense, n_rows, n_cols, transposed, vector):
     return (m,) if vector else (m, dense.shape[1])
 
 
-def _define(name: str, fn, transposed: bool, vector: bool):
-    @torch.library.custom_op(f"sparserl::{name}", mutates_args=())
-    def op(crow_indices: torch.Tensor, col_indices: torch.Tensor, values: torch.Tensor,
-           dense: torch.Tensor, n_rows: int, n_cols: int, fingerprint: str) -> torch.Tensor:
+def _kernel(name: str, fn, transposed: bool, vector: bool):
+    """The real kernel of ``name`` (shared by the op and its graph twin): check, then run."""
+
+    def kernel(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
         if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector):
             _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
         return fn(crow_indices, col_indices, values, dense.contiguous(), n_rows, n_cols, fingerprint)
 
-    @op.register_fake
-    def _(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
+    return kernel
+
+
+def _fake(name: str, transposed: bool, vector: bool):
+    def fake(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
         _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
         return dense.new_empty(_out_shape(dense, n_rows, n_cols, transposed, vector))
 
+    return fake
+
+
+def _define(name: str, fn, transposed: bool, vector: bool):
+    kernel = _kernel(name, fn, transposed, vector)
+
+    @torch.library.custom_op(f"sparserl::{name}", mutates_args=())
+    def op(crow_indices: torch.Tensor, col_indices: torch.Tensor, values: torch.Tensor,
+           dense: torch.Tensor, n_rows: int, n_cols: int, fingerprint: str) -> torch.Tensor:
+        return kernel(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint)
+
+    op.register_fake(_fake(name, transposed, vector))
     op.__doc__ = fn.__doc__
     return op
+
+
+#: the graph twins' library (the ``*_graph`` ops below)
+_graph_lib = torch.library.Library("sparserl", "FRAGMENT")
+
+
+def _define_graph_twin(name: str, fn, transposed: bool, vector: bool):
+    """``sparserl::<name>_graph``: the same product as ``sparserl::<name>`` with only the
+    kernel registered (no autograd layer, no output-alias checks), for graphs that
+    AOTAutograd has already differentiated; ``backend.py`` puts it into compiled graphs."""
+    qual = f"{name}_graph"
+    _graph_lib.define(
+        f"{qual}(Tensor crow_indices, Tensor col_indices, Tensor values, Tensor dense, "
+        "SymInt n_rows, SymInt n_cols, str fingerprint) -> Tensor",
+        tags=(torch.Tag.pt2_compliant_tag,),
+    )
+    _graph_lib.impl(qual, _kernel(qual, fn, transposed, vector), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"sparserl::{qual}", _fake(qual, transposed, vector), lib=_graph_lib)
+    return getattr(torch.ops.sparserl, qual)
 
 
 spmv = _define("spmv", runtime.spmv, transposed=False, vector=True)
 spmm = _define("spmm", runtime.spmm, transposed=False, vector=False)
 spmv_t = _define("spmv_t", runtime.spmv_t, transposed=True, vector=True)
 spmm_t = _define("spmm_t", runtime.spmm_t, transposed=True, vector=False)
+
+#: each op's overload -> its graph twin's (what ``backend.py`` swaps in after AOTAutograd)
+GRAPH_TWINS = {
+    getattr(torch.ops.sparserl, name).default: _define_graph_twin(name, fn, t, v).default
+    for name, fn, t, v in (("spmv", runtime.spmv, False, True), ("spmm", runtime.spmm, False, False),
+                           ("spmv_t", runtime.spmv_t, True, True), ("spmm_t", runtime.spmm_t, True, False))
+}
 
 #: each op -> the op that computes its gradient w.r.t. the dense operand
 _ADJOINT = {"spmv": spmv_t, "spmm": spmm_t, "spmv_t": spmv, "spmm_t": spmm}

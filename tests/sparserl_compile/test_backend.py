@@ -154,7 +154,9 @@ def test_mode_and_options_become_inductor_config_patches(monkeypatch):
     backend.sparserl_backend(gm, [torch.ones(2)], mode="max-autotune", options={"epilogue_fusion": False})
     assert seen["patches"]["max_autotune"] is True and seen["patches"]["epilogue_fusion"] is False
     backend.sparserl_backend(gm, [torch.ones(2)])
-    assert seen["patches"] is None
+    (name, twin_pass), = seen["patches"].items()  # only the graph-twin pass
+    assert name == "post_grad_custom_post_pass" and isinstance(twin_pass, backend.GraphTwinPass)
+    assert twin_pass.inner is None
     with pytest.raises(TypeError, match="unknown arguments"):
         backend.sparserl_backend(gm, [torch.ones(2)], bogus=1)
     with pytest.raises(TypeError, match="options must be a dict"):
@@ -183,3 +185,75 @@ def test_compiled_on_cuda_matches_eager():
     x = torch.randn(50, 30, device="cuda")
     compiled = torch.compile(model, backend="sparserl", fullgraph=True)
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def _spmm_graph():
+    """An FX graph (make_fx) with one ``sparserl::spmm`` call, and its inputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    a = S.sparsify(mat())
+    x = torch.randn(30, 4)
+
+    def f(crow, col, val, x):
+        return torch.relu(torch.ops.sparserl.spmm(crow, col, val, x, 40, 30, a.fingerprint))
+
+    return make_fx(f)(a.crow, a.col, a.val, x), (a.crow, a.col, a.val, x)
+
+
+def test_lowering_swaps_each_op_for_its_graph_twin_with_the_same_result():
+    gm, args = _spmm_graph()
+    want = gm(*args)
+    assert backend.lower_to_graph_twins(gm) == 1
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.sparserl.spmm_graph.default in targets
+    assert torch.ops.sparserl.spmm.default not in targets
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+    assert backend.lower_to_graph_twins(gm) == 0  # idempotent
+
+
+def test_graph_twin_pass_chains_the_users_pass_and_keys_the_caches():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class Theirs(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(sum(n.target == torch.ops.sparserl.spmm.default for n in graph.nodes))
+
+        def uuid(self):
+            return "theirs-v1"
+
+    gm, _ = _spmm_graph()
+    backend.GraphTwinPass(Theirs())(gm.graph)
+    assert seen == [1]  # the user's pass ran first, on the graph as AOTAutograd gave it
+    assert any(n.target == torch.ops.sparserl.spmm_graph.default for n in gm.graph.nodes)
+    ours = backend.GraphTwinPass().uuid()
+    assert ours and ours == backend.GraphTwinPass().uuid()
+    assert backend.GraphTwinPass(Theirs()).uuid() == (ours, "theirs-v1")
+    assert backend.GraphTwinPass(lambda g: None).uuid() is None  # no uuid: Inductor bypasses its cache
+
+
+def test_compiled_forward_and_backward_call_the_graph_twins():
+    """The real backend: Inductor's code calls sparserl::*_graph (not the custom ops and their
+    autograd layer) in the forward and the backward, and the results match eager."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = Model(S.sparsify(mat(50, 50, density=0.1)))
+    x = torch.randn(50, 30)
+    compiled = torch.compile(model, backend="sparserl", fullgraph=True)
+    with inductor_config.patch(force_disable_caches=True):
+        y, fw = run_and_get_code(compiled, x)
+        _, bw = run_and_get_code(lambda: y.sum().backward())
+    torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+    fw, bw = "\n".join(fw), "\n".join(bw)
+    assert fw.count("torch.ops.sparserl.spmm_graph.default(") == 2, fw  # (W x^T)^T and adj @ h
+    assert "torch.ops.sparserl.spmm_t_graph.default(" in bw, bw  # adj^T @ grad, W^T @ grad
+    assert "torch.ops.sparserl.spmm.default(" not in fw + bw and "torch.ops.sparserl.spmm_t.default(" not in fw + bw
+    grads = [p.grad.clone() for p in (model.lin.bias, model.head.weight)]
+    model.zero_grad()
+    model(x).sum().backward()
+    for g, p in zip(grads, (model.lin.bias, model.head.weight)):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)

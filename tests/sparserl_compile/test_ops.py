@@ -90,3 +90,33 @@ def test_values_never_get_a_gradient():
         torch.ops.sparserl.spmm(crow, col, val.requires_grad_(True), torch.ones(4, 2, dtype=torch.float64), 5, 4, fp)
     with torch.no_grad():  # without grad mode nothing is asked of autograd
         torch.ops.sparserl.spmm(crow, col, val, torch.ones(4, 2, dtype=torch.float64), 5, 4, fp)
+
+
+def test_every_op_has_a_graph_twin():
+    from sparserl_compile.ops import GRAPH_TWINS
+
+    assert {op.name() for op in GRAPH_TWINS} == {f"sparserl::{n}" for n in OPS}
+    for op, twin in GRAPH_TWINS.items():
+        assert twin.name() == op.name() + "_graph"
+        assert str(twin._schema).split("(", 1)[1] == str(op._schema).split("(", 1)[1]  # same signature
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_graph_twins_compute_the_same_and_pass_opcheck(name):
+    m, csr, fp = csr_args(7, 5, 0.4, seed=1, dtype=torch.float32)
+    op, twin = getattr(torch.ops.sparserl, name), getattr(torch.ops.sparserl, name + "_graph")
+    x = dense_for(name, 7, 5, dtype=torch.float32)
+    want = op(*csr, x, 7, 5, fp)
+    torch.testing.assert_close(twin(*csr, x, 7, 5, fp), want, rtol=0, atol=0)
+    torch.library.opcheck(twin, (*csr, x, 7, 5, fp), test_utils=("test_schema", "test_faketensor"))
+    with FakeTensorMode() as mode:
+        y = twin(*(mode.from_tensor(t) for t in csr), mode.from_tensor(x), 7, 5, fp)
+        assert y.shape == want.shape and y.dtype == want.dtype
+
+
+def test_graph_twins_check_operands_like_the_ops():
+    m, (crow, col, val), fp = csr_args(5, 4, 0.5)
+    with pytest.raises(RuntimeError, match=r"sparserl::spmm_graph: the dense operand is torch.float32"):
+        torch.ops.sparserl.spmm_graph(crow, col, val, torch.ones(4, 2), 5, 4, fp)
+    with pytest.raises(RuntimeError, match=r"dense operand has 5 rows.*has 4 columns"):
+        torch.ops.sparserl.spmm_graph(crow, col, val, torch.ones(5, 2, dtype=torch.float64), 5, 4, fp)
