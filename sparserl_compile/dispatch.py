@@ -5,8 +5,10 @@ With ``enable()`` (or inside ``with accelerate():``) a ``TorchFunctionMode`` loo
 call. When the left operand is a 2-D torch sparse CSR or coalesced COO matrix (any index dtype)
 and the right one a dense strided 1-D/2-D tensor of the same dtype (float32, float16, bfloat16,
 float64) and device, the product runs through ``torch.ops.sparserl.spmv``/``spmm`` (so the
-runtime's kernels and autograd w.r.t. the dense operand apply). Everything else is passed to
-torch unchanged, so errors and results there are torch's own:
+runtime's kernels and autograd w.r.t. the dense operand apply); when there is nothing to record
+(grad not needed, no dispatch mode, plain tensors) it calls the runtime directly, as
+``SparseRLTensor`` products do, skipping the custom op's per-call layers. Everything else is
+passed to torch unchanged, so errors and results there are torch's own:
 
 * sparse @ sparse, dense @ sparse, batched or hybrid sparse tensors, CSC/BSR layouts,
   uncoalesced COO (call ``.coalesce()`` once to accelerate it), ``out=`` arguments;
@@ -38,8 +40,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sparserl_compile import structure
-from sparserl_compile.tensor import _is_canonical, check_csr_arrays
+from sparserl_compile import runtime, structure
+from sparserl_compile.tensor import _eager_plain, _is_canonical, check_csr_arrays
 
 #: native structures whose fingerprint and int32 indices are kept
 MEMO_SIZE = 32
@@ -146,9 +148,12 @@ def _run(s: torch.Tensor, d: torch.Tensor):
     crow, col, vals, fp = got
     n_rows, n_cols = s.shape
     d = d.contiguous()
-    if d.dim() == 1:
-        return torch.ops.sparserl.spmv(crow, col, vals.detach(), d, n_rows, n_cols, fp)
-    return torch.ops.sparserl.spmm(crow, col, vals.detach(), d, n_rows, n_cols, fp)
+    vals = vals.detach()
+    if _eager_plain(vals, d):  # nothing to record: call the runtime, not the custom op's layers
+        fn = runtime.spmv if d.dim() == 1 else runtime.spmm
+    else:
+        fn = torch.ops.sparserl.spmv if d.dim() == 1 else torch.ops.sparserl.spmm
+    return fn(crow, col, vals, d, n_rows, n_cols, fp)
 
 
 def _route(func, args, kwargs):

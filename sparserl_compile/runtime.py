@@ -168,17 +168,30 @@ def reference_product(crow, col, val, x, n_rows: int, n_cols: int) -> torch.Tens
     if n_rows == 0 or col.numel() == 0 or x.numel() == 0:
         return x.new_zeros(shape)
     key = (x.device.type, val.dtype, mv)
-    if _native_ok.get(key, True):
+    ok = _native_ok.get(key)
+    if ok is not False:
         try:
-            y = _csr(crow, col, val, n_rows, n_cols) @ x
-            _native_ok[key] = True
-            return y
+            y = _native_mm(_csr(crow, col, val, n_rows, n_cols), x)
         except (RuntimeError, NotImplementedError):
             if val.dtype not in (torch.float16, torch.bfloat16):
                 raise
             _native_ok[key] = False  # no half kernel here: accumulate in float32 from now on
-    y = _new_csr(crow, col, val.float(), n_rows, n_cols) @ x.float()
+        else:
+            if ok is None:
+                _native_ok[key] = True
+            return y
+    y = _native_mm(_new_csr(crow, col, val.float(), n_rows, n_cols), x.float())
     return y.to(val.dtype)
+
+
+def _native_mm(a_csr, x):
+    """``a_csr @ x`` by torch, out of reach of torch function modes: a product of sparserl's
+    own must not be seen (and routed a second time) by ``dispatch.enable()``'s mode when the
+    runtime is called directly from Python, as the eager fast paths do."""
+    if torch._C._is_torch_function_mode_enabled():
+        with torch._C.DisableTorchFunction():
+            return a_csr @ x
+    return a_csr @ x
 
 
 #: the last torch CSR tensors built, keyed by the identity of their member tensors: a torch
@@ -288,20 +301,20 @@ Plan = ReferencePlan | KernelPlan
 # ------------------------------------------------------------------------- one product
 
 
-_arch_of: dict[tuple, str] = {}
+_arch_of: dict[torch.device, str] = {}
 
 
 def device_arch(device: torch.device) -> str:
-    """``"cpu"`` or ``"sm_XY"`` of a CUDA device."""
-    k = (device.type, device.index)
-    a = _arch_of.get(k)
+    """``"cpu"`` or ``"sm_XY"`` of a CUDA device (memoized on the device: it is part of every
+    product's plan key, so a hit costs one dict lookup)."""
+    a = _arch_of.get(device)
     if a is None:
         if device.type == "cuda":
             maj, mnr = torch.cuda.get_device_capability(device)
             a = f"sm_{maj}{mnr}"
         else:
             a = device.type
-        _arch_of[k] = a
+        _arch_of[device] = a
     return a
 
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sparserl_compile import runtime as _runtime
 from sparserl_compile.structure import fingerprint as _fingerprint
 
 aten = torch.ops.aten
@@ -93,7 +94,9 @@ class SparseRLTensor(torch.Tensor):
     # ------------------------------------------------------------------ subclass protocol
 
     def __tensor_flatten__(self):
-        return list(self.tensor_data_names), tuple(getattr(self, a) for a in self.tensor_attribute_names)
+        # called on every compiled call (Dynamo's metadata guard, AOTAutograd's unwrap): spelled
+        # out, not built from the name lists (tests check that the two agree)
+        return ["crow", "col", "val"], (self.n_rows, self.n_cols, self.fingerprint, self.transposed)
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
@@ -388,11 +391,10 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
             f"needs {k} rows"
         )
     X = X.contiguous()
-    args = (A.crow, A.col, A.val, X, A.n_rows, A.n_cols, A.fingerprint)
-    if _eager_plain(A.val, X):  # skip the custom-op machinery (~70 us of host time per call)
-        from sparserl_compile import runtime
-
-        fn = (runtime.spmv_t if t else runtime.spmv) if X.dim() == 1 else (runtime.spmm_t if t else runtime.spmm)
+    args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
+    if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
+        rt = _runtime
+        fn = (rt.spmv_t if t else rt.spmv) if X.dim() == 1 else (rt.spmm_t if t else rt.spmm)
         return fn(*args)
     if X.dim() == 1:
         return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)

@@ -122,6 +122,26 @@ def test_autograd_flows_to_the_dense_operand():
     torch.testing.assert_close(X.grad, want)
 
 
+def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
+    """Nothing to record (no autograd, no dispatch mode): the routed product skips the custom
+    op's layers and calls the runtime; with a dense operand that requires grad it goes through
+    the op (autograd). Nested modes (enable() + accelerate()) still run one product."""
+    direct = []
+    real = runtime.spmm
+    monkeypatch.setattr(runtime, "spmm", lambda *a: direct.append(1) or real(*a))
+    A, X = native(dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    S.enable()
+    with S.accelerate():
+        y = A @ X
+    assert direct == [1] and calls() == 1
+    torch.testing.assert_close(y, A.to_dense() @ X)
+    Xg = X.clone().requires_grad_(True)
+    with S.accelerate():
+        (A @ Xg).sum().backward()
+    assert direct == [1] and calls() == 3  # the op's forward and its adjoint, not the direct path
+    torch.testing.assert_close(Xg.grad, A.to_dense().t() @ torch.ones(12, 3, dtype=torch.float64))
+
+
 def test_unsupported_combinations_pass_through_unchanged():
     A = native()
     X = torch.randn(9, 4)

@@ -316,3 +316,34 @@ def test_first_use_check_passes_a_right_kernel_once(kernels_on_cpu):
     a @ x
     a @ x
     assert k.launches == 2 and runtime.plans()[key].checked and runtime.stats().fallbacks == 0
+
+
+def test_reference_is_out_of_reach_of_torch_function_modes():
+    """The runtime is called directly by the eager fast paths, possibly inside a user's (or
+    dispatch.enable()'s) TorchFunctionMode: its own native CSR product must not be seen there."""
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.sparse = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.sparse += any(getattr(a, "layout", None) == torch.sparse_csr for a in args)
+            return func(*args, **(kwargs or {}))
+
+    a = S.sparsify(matrix())
+    x = torch.randn(20, 3)
+    with Record() as rec:
+        y = runtime.spmm(a.crow, a.col, a.val, x, 30, 20, a.fingerprint)
+        yh = runtime.reference_product(a.crow, a.col, a.val.half(), x.half(), 30, 20)
+    assert rec.sparse == 0
+    np.testing.assert_allclose(y.numpy(), matrix() @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert yh.dtype == torch.float16
+
+
+def test_device_arch_is_memoized_per_device():
+    runtime._arch_of.clear()
+    assert runtime.device_arch(torch.device("cpu")) == "cpu"
+    assert list(runtime._arch_of) == [torch.device("cpu")]
+    assert runtime.device_arch(torch.empty(0).device) == "cpu" and len(runtime._arch_of) == 1

@@ -128,6 +128,10 @@ def test_tensor_protocol_and_basic_ops():
     names, ctx = a.__tensor_flatten__()
     b = SparseRLTensor.__tensor_unflatten__({n: getattr(a, n) for n in names}, ctx, a.shape, a.stride())
     assert b.fingerprint == a.fingerprint and b.shape == a.shape
+    for t in (a, a.t()):  # the spelled-out flatten agrees with the declared names
+        names, ctx = t.__tensor_flatten__()
+        assert names == SparseRLTensor.tensor_data_names
+        assert ctx == tuple(getattr(t, n) for n in SparseRLTensor.tensor_attribute_names)
     for c in (a.detach(), a.clone(), a.to("cpu"), a.cpu()):
         assert isinstance(c, SparseRLTensor) and c.fingerprint == a.fingerprint
         torch.testing.assert_close(c.to_dense(), a.to_dense())
