@@ -155,6 +155,9 @@ def _release_memory() -> None:
     import gc
     import sys
 
+    from sparserl_compile import verify
+
+    verify.clear_value_sets()  # the last pattern's operands and references (GBs on large matrices)
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():

@@ -243,6 +243,11 @@ class _ValueSet:
 _VALUE_SETS: dict = {"key": None, "pattern": None, "sets": {}}
 
 
+def clear_value_sets() -> None:
+    """Drop the cached value sets (the sandbox worker does when its pattern changes)."""
+    _VALUE_SETS.update(key=None, pattern=None, sets={})
+
+
 def _value_set(p: "Pattern", lengths, x_shape, dtype: str, seed: int, s: int) -> _ValueSet:
     key = (id(p), id(p.indptr), id(p.indices), p.shape, dtype, tuple(x_shape), seed)
     if _VALUE_SETS["key"] != key or _VALUE_SETS["pattern"] is not p:

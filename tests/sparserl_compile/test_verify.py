@@ -104,6 +104,8 @@ def test_value_sets_are_shared_by_candidates_of_one_pattern_only():
     assert verify.verify(candidate(GOOD), other, executor="cpu").ok
     assert verify._VALUE_SETS["pattern"] is other
     assert verify._VALUE_SETS["sets"][0].ref.shape == (169,)
+    verify.clear_value_sets()
+    assert verify._VALUE_SETS["pattern"] is None and not verify._VALUE_SETS["sets"]
 
 
 @needs_simt
