@@ -44,3 +44,17 @@ def tiny_model(tiny_tok, n_features):
     from policy.model import PolicyHParams, build_policy
 
     return build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=0).eval()
+
+
+def structure_dependent_supervision() -> list[dict]:
+    """Supervision lines (training/data.py schema) whose best csr_scalar block depends on the
+    structure: 128 for banded matrices, 512 for uniform random ones (6 seeds each)."""
+    lines = []
+    for seed in range(6):
+        for gen, kw, best in (("banded", {"n": 64, "half_bandwidth": 1}, 128),
+                              ("uniform_random", {"n_rows": 64, "n_cols": 64, "per_row": 6.0}, 512)):
+            lines.append({"matrix": {"source": "generated", "generator": gen, "kwargs": {**kw, "seed": seed}},
+                          "op": "spmv", "dtype": "f32", "n": 1,
+                          "variants": [{"family": "csr_scalar", "params": {"block": best}, "us": 1.0},
+                                       {"family": "csr_scalar", "params": {"block": 32}, "us": 5.0}]})
+    return lines

@@ -55,20 +55,13 @@ def write_inputs(base: Path) -> None:
     """The SFT/RL starting checkpoint and the supervision file (the test process writes them)."""
     from policy.model import PolicyHParams, build_policy, save_policy
     from policy.tokenizer import TokenizerSpec, train_tokenizer
-    from policy_fixtures import CSR_SCALAR
+    from policy_fixtures import CSR_SCALAR, structure_dependent_supervision
     from training.pretrain import hparams_for
 
     tok = train_tokenizer([CSR_SCALAR] * 10, TokenizerSpec(vocab_size=400))
     n_feat = hparams_for("tiny", 400).n_features
     save_policy(build_policy(PolicyHParams.tiny(len(tok), n_feat), seed=1), tok, base / "init")
-    lines = []
-    for seed in range(6):
-        for gen, kw, best in (("banded", {"n": 64, "half_bandwidth": 1}, 128),
-                              ("uniform_random", {"n_rows": 64, "n_cols": 64, "per_row": 6.0}, 512)):
-            lines.append({"matrix": {"source": "generated", "generator": gen, "kwargs": {**kw, "seed": seed}},
-                          "op": "spmv", "dtype": "f32", "n": 1,
-                          "variants": [{"family": "csr_scalar", "params": {"block": best}, "us": 1.0},
-                                       {"family": "csr_scalar", "params": {"block": 32}, "us": 5.0}]})
+    lines = structure_dependent_supervision()
     (base / "sup.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
 
 

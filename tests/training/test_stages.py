@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from policy_fixtures import CSR_SCALAR
+from policy_fixtures import CSR_SCALAR, structure_dependent_supervision
 from policy.model import PolicyHParams, build_policy, load_policy, save_policy
 from training.pretrain import PretrainConfig, pretrain
 from training.rewards import KernelOutcome, RLProblem
@@ -50,14 +50,7 @@ def _render(family, op, dtype, params, structure):
 def test_sft_learns_structure_dependent_targets(tmp_path, tiny_tok, n_features):
     init = tmp_path / "init"
     save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
-    lines = []
-    for seed in range(6):
-        for gen, kw, best in (("banded", {"n": 64, "half_bandwidth": 1}, 128),
-                              ("uniform_random", {"n_rows": 64, "n_cols": 64, "per_row": 6.0}, 512)):
-            lines.append({"matrix": {"source": "generated", "generator": gen, "kwargs": {**kw, "seed": seed}},
-                          "op": "spmv", "dtype": "f32", "n": 1,
-                          "variants": [{"family": "csr_scalar", "params": {"block": best}, "us": 1.0},
-                                       {"family": "csr_scalar", "params": {"block": 32}, "us": 5.0}]})
+    lines = structure_dependent_supervision()
     data = tmp_path / "sup.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in lines))
     before = {k: v.clone() for k, v in load_policy(init)[0].state_dict().items()}
