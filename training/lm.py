@@ -51,11 +51,16 @@ def collate(examples: list[LMExample], pad_id: int, max_len: int) -> LMBatch:
     return LMBatch(ids, att, lab, sb)
 
 
+def _next_token_ce(logits: torch.Tensor, batch: LMBatch, reduction: str) -> torch.Tensor:
+    """Cross-entropy of each position's logits against the next token, on target tokens only."""
+    logits, labels = logits[:, :-1], batch.labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction=reduction)
+
+
 def lm_loss(model, batch: LMBatch) -> torch.Tensor:
     out = model(batch.input_ids, batch.structure, attention_mask=batch.attention_mask)
-    logits = out.logits[:, :-1]
-    labels = batch.labels[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    return _next_token_ce(out.logits, batch, "mean")
 
 
 def target_count(batch: LMBatch) -> int:
@@ -78,10 +83,8 @@ class _LogitsOnly(torch.nn.Module):
 
 def lm_loss_sum(logits_fn, batch: LMBatch) -> torch.Tensor:
     """Summed cross-entropy of the target tokens; ``logits_fn`` returns logits (``_LogitsOnly``)."""
-    logits = logits_fn(batch.input_ids, batch.structure, attention_mask=batch.attention_mask)[:, :-1]
-    labels = batch.labels[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                           reduction="sum")
+    logits = logits_fn(batch.input_ids, batch.structure, attention_mask=batch.attention_mask)
+    return _next_token_ce(logits, batch, "sum")
 
 
 @dataclass
