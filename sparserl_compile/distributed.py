@@ -212,7 +212,7 @@ def _backend(group) -> str:
     return str(dist.get_backend(group)).lower() if dist.is_initialized() else "none"
 
 
-def _comm_device(group) -> torch.device:
+def comm_device(group=None) -> torch.device:
     """Where setup messages live: the current CUDA device for NCCL, else the CPU."""
     if _backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -341,7 +341,7 @@ class DistributedSparseMatrix:
         recv_counts = np.bincount(owner[halo], minlength=ws).astype(np.int64)
 
         # tell each owner what to send: counts, then the global row ids
-        dev = _comm_device(group)
+        dev = comm_device(group)
         send_counts_t = torch.zeros(ws, dtype=torch.int64, device=dev)
         if ws > 1:
             _all_to_all(send_counts_t, torch.from_numpy(recv_counts).to(dev), [1] * ws, [1] * ws, group)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparserl_compile.distributed import comm_device
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -104,12 +106,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _comm_device() -> torch.device:
-    if _active() and str(dist.get_backend()).lower() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def shard_bounds(n: int, ctx: DistContext, what: str = "items") -> tuple[int, int]:
     """``[start, stop)`` of this rank's equal share of ``n`` items; ``n`` must divide evenly."""
     if n % ctx.world_size:
@@ -138,7 +134,7 @@ def sum_scalars(*values: float) -> list[float]:
     """Python floats summed over ranks (one all-reduce)."""
     if not _active() or dist.get_world_size() == 1:
         return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return [float(v) for v in t.cpu()]
 
@@ -147,7 +143,7 @@ def broadcast_scalar(value, src: int = 0):
     """Rank ``src``'s python scalar (int, float or bool) on every rank; same type back."""
     if not _active() or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=_comm_device())
+    t = torch.tensor([float(value)], dtype=torch.float64, device=comm_device())
     dist.broadcast(t, src=src)
     return type(value)(t.item()) if not isinstance(value, bool) else bool(t.item())
 
@@ -157,7 +153,7 @@ def broadcast_object(obj, src: int = 0):
     if not _active() or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    dist.broadcast_object_list(box, src=src, device=comm_device())
     return box[0]
 
 
