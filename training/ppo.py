@@ -117,10 +117,6 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, (adv + values) * mask
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return (x * m).sum() / m.sum().clamp(min=1)
-
-
 @dataclass
 class PPOStats:
     loss: float
