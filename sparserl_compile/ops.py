@@ -136,16 +136,16 @@ def _define_graph_twin(name: str, fn, transposed: bool, vector: bool):
     return getattr(torch.ops.sparserl, qual)
 
 
-spmv = _define("spmv", runtime.spmv, transposed=False, vector=True)
-spmm = _define("spmm", runtime.spmm, transposed=False, vector=False)
-spmv_t = _define("spmv_t", runtime.spmv_t, transposed=True, vector=True)
-spmm_t = _define("spmm_t", runtime.spmm_t, transposed=True, vector=False)
+#: (name, runtime function, transposed, vector) of every op
+_OPS = (("spmv", runtime.spmv, False, True), ("spmm", runtime.spmm, False, False),
+        ("spmv_t", runtime.spmv_t, True, True), ("spmm_t", runtime.spmm_t, True, False))
+
+spmv, spmm, spmv_t, spmm_t = (_define(name, fn, t, v) for name, fn, t, v in _OPS)
 
 #: each op's overload -> its graph twin's (what ``backend.py`` swaps in after AOTAutograd)
 GRAPH_TWINS = {
     getattr(torch.ops.sparserl, name).default: _define_graph_twin(name, fn, t, v).default
-    for name, fn, t, v in (("spmv", runtime.spmv, False, True), ("spmm", runtime.spmm, False, False),
-                           ("spmv_t", runtime.spmv_t, True, True), ("spmm_t", runtime.spmm_t, True, False))
+    for name, fn, t, v in _OPS
 }
 
 #: each op -> the op that computes its gradient w.r.t. the dense operand
