@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   bash benchmarks/device_run.sh [sparserl bench args...]     e.g. --quick --time-budget 300
+#   [GNN="..."] [LLM="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
 # everything under "$OUT" as it goes: logs/, junit XML, and in $OUT/bench the results JSON, supervision
@@ -44,10 +45,29 @@ CPU_RC=$?
 tail -8 "$LOGS/pytest_cpu.log"
 fi
 
+# Applications, before the suite (each optional): GNN="args of examples/gnn_inference.py",
+# LLM="args of examples/pruned_llm.py" (their JSON goes to $OUT/bench/{gnn,llm}.json)
+APP_RC=
+if [ -n "${GNN:-}" ]; then
+  echo "== gnn_inference.py $GNN"
+  timeout "${GNN_TIMEOUT:-400}" python3 examples/gnn_inference.py $GNN --json "$BENCH_DIR/gnn.json" >"$LOGS/gnn.log" 2>&1
+  APP_RC="gnn=$?"
+  grep -v "^ *warn\|UserWarning" "$LOGS/gnn.log" | tail -60
+fi
+if [ -n "${LLM:-}" ]; then
+  echo "== pruned_llm.py $LLM"
+  timeout "${LLM_TIMEOUT:-400}" python3 examples/pruned_llm.py $LLM --json "$BENCH_DIR/llm.json" >"$LOGS/llm.log" 2>&1
+  APP_RC="$APP_RC llm=$?"
+  grep -v "^ *warn\|UserWarning" "$LOGS/llm.log" | tail -40
+fi
+
+BENCH_RC=skipped
+if [ $# -gt 0 ]; then
 echo "== sparserl bench $*"
 python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
 BENCH_RC=$?
 tail -30 "$LOGS/bench.log"
+fi
 # An optional second suite in the same call, e.g. BENCH2="--suite shared --widths 32 --time-budget 150"
 if [ -n "${BENCH2:-}" ]; then
   echo "== sparserl bench $BENCH2"
@@ -64,7 +84,7 @@ for r in $RESULTS_ALL; do
 done
 
 echo "== summary"
-echo "gpu tests rc=$GPU_RC  cpu tests rc=$CPU_RC  bench rc=$BENCH_RC"
+echo "gpu tests rc=$GPU_RC  cpu tests rc=$CPU_RC  apps $APP_RC  bench rc=$BENCH_RC"
 grep -E "passed|failed|error" "$LOGS/pytest_gpu.log" | tail -3
 if [ -n "$RESULTS" ]; then
   python3 - $RESULTS_ALL <<'EOF'
@@ -82,4 +102,6 @@ for r in rows:
 if sp: print(f"geomean speedup {math.exp(sum(map(math.log, sp))/len(sp)):.2f} over {len(sp)} rows")
 EOF
 fi
-ls -la "$OUT"
+# at most 8 files come back from a call: pack the logs
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+ls -la "$OUT" "$BENCH_DIR"

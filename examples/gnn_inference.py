@@ -199,7 +199,27 @@ def _time(fn, reps=20, warmup=3) -> float:
     return float(np.median(times))
 
 
-def bench_graph(spec: str, hidden: int, n_features: int) -> list[dict]:
+def profile_table(fn, calls: int = 5, rows: int = 14) -> str:
+    """torch.profiler's table (CPU and CUDA activities) of ``calls`` calls of ``fn``, sorted by
+    self CPU time: where a forward's host and device time go."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def plan_summary() -> list[str]:
+    """The runtime's plans, one line each: (op, width bucket) -> kernel format or reference."""
+    from sparserl_compile import runtime
+
+    return sorted({f"{k[1]} n~{k[2]}: {getattr(p, 'header', None) and p.header.format or repr(p)[:80]}"
+                   for k, p in runtime.plans().items()})
+
+
+def bench_graph(spec: str, hidden: int, n_features: int, profile: bool = False) -> list[dict]:
     name, a = make_graph(spec)
     dev = "cuda"
     rows = []
@@ -232,6 +252,10 @@ def bench_graph(spec: str, hidden: int, n_features: int) -> list[dict]:
             out = comp(x)
             err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
             timings["sparserl_compiled_us"] = _time(lambda: comp(x))
+            if profile:
+                timings["sparserl_compiled_profile"] = profile_table(lambda: comp(x))
+                timings["sparserl_eager_profile"] = profile_table(lambda: m(x))
+                timings["plans"] = plan_summary()
             try:
                 # CUDA graphs replay the whole forward with no per-call host work: what is left
                 # is GPU time, so the gap to sparserl_compiled_us is the per-call host cost
@@ -278,6 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--epochs", type=int, default=200, help="GCN training epochs for the accuracy check")
     p.add_argument("--json", help="write results to this JSON file")
+    p.add_argument("--profile", action="store_true",
+                   help="--bench: also keep torch.profiler tables of the sparserl forwards and the plans")
     args = p.parse_args(argv)
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here; use --device cpu")
@@ -292,7 +318,7 @@ def main(argv=None) -> int:
         rows = []
         for g in args.graphs.split(","):
             t0 = time.time()
-            rows.extend(bench_graph(g, args.hidden, args.features))
+            rows.extend(bench_graph(g, args.hidden, args.features, args.profile))
             print(f"# {g}: {time.time() - t0:.1f}s", file=sys.stderr)
         results["bench"] = rows
         keys = ["graph", "model", "nnz", "torch_sparse_eager_us", "torch_compile_default_us",
@@ -300,6 +326,9 @@ def main(argv=None) -> int:
         print(" | ".join(keys))
         for r in rows:
             print(" | ".join(f"{r.get(k):.1f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys))
+        for r in rows if args.profile else ():
+            print(f"\n## {r['graph']} {r['model']}: plans {r.get('plans')}")
+            print(r.get("sparserl_compiled_profile", ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
