@@ -8,9 +8,13 @@ here) looks up a ``Plan`` in an in-memory table keyed by
 * hit: run the plan (a ``KernelPlan`` launches its cubin; a ``ReferencePlan`` calls
   torch.sparse, i.e. cuSPARSE on CUDA and torch's CPU CSR kernels on the CPU);
 * miss on CUDA: the disk cache (``cache.KernelCache.default()``; a cached "reference wins"
-  verdict counts too) -> else the active provider's ``k`` candidates
-  (``providers.get_provider()``) -> ``select.choose`` (compile, verify, time) -> cache ->
-  plan;
+  verdict counts too) -> else, by ``RuntimeConfig.on_miss``: ``"search"`` (default) asks the
+  active provider for ``k`` candidates (``providers.get_provider()``) -> ``select.choose``
+  (compile, verify, time) -> cache -> plan, and the product waits for it; ``"reference"``
+  plans the reference (serving from a pre-generated cache: a miss never stalls);
+  ``"background"`` runs the reference now and the same search on one daemon thread, and the
+  first product after it finished swaps the verdict in (``PendingPlan``;
+  ``wait_for_searches()`` blocks until the queued ones are done);
 * miss on the CPU, for float64 values, for empty matrices or with kernels disabled: a
   ``ReferencePlan`` (generated kernels are GPU-only).
 
@@ -59,6 +63,13 @@ TRANSPOSE_MEMO_SIZE = 32
 
 # ------------------------------------------------------------------------- configuration
 
+#: what a CUDA product whose structure is in neither the plan table nor the disk cache does
+ON_MISS = {
+    "search": "search now (provider, compile, sandboxed verify, time) and wait for the verdict",
+    "reference": "run the reference and keep it (serving from a pre-generated cache, never a stall)",
+    "background": "run the reference now, search on a background thread, switch when verified",
+}
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -68,8 +79,12 @@ class RuntimeConfig:
     k: int = 0  # candidates asked from the provider per miss (0: the provider's own default)
     cache: bool = True  # read and write the on-disk kernel cache
     kernels: bool = True  # False: every product uses the reference (torch.sparse / cuSPARSE)
+    on_miss: str = "search"  # a structure the disk cache cannot serve: see ON_MISS
 
     def __post_init__(self) -> None:
+        if self.on_miss not in ON_MISS:
+            raise ValueError(f"RuntimeConfig.on_miss={self.on_miss!r}: use one of {sorted(ON_MISS)} "
+                             f"({'; '.join(f'{k}: {v}' for k, v in ON_MISS.items())})")
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
             raise ValueError(f"RuntimeConfig.k={self.k!r}: the number of candidates must be an int >= 0 "
                              "(0 = the provider's default)")
@@ -92,6 +107,7 @@ class RuntimeStats:
     fallbacks: int = 0  # kernel-path failures that fell back to the reference
     cache_hits: int = 0  # misses served by the disk cache
     searches: int = 0  # misses that asked the provider
+    background: int = 0  # searches queued on the background thread (on_miss="background")
 
 
 _config = RuntimeConfig()
@@ -295,7 +311,7 @@ class KernelPlan:
         return f"KernelPlan(format={self.header.format}, block={self.header.launch.block})"
 
 
-Plan = ReferencePlan | KernelPlan
+Plan = "ReferencePlan | KernelPlan | PendingPlan"
 
 
 # ------------------------------------------------------------------------- one product
@@ -338,6 +354,13 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> to
                 _table[key] = plan
     else:
         _counts["hits"] += 1
+    if plan.kind == "pending" and plan.future.done():
+        with _lock:
+            cur = _table.get(key)
+            if cur is plan:  # the first product after the search: swap the verdict in
+                cur = _table[key] = plan.resolve()
+            if cur is not None:  # (None: the table was cleared meanwhile; this call runs the reference)
+                plan = cur
     if plan.kind == "kernel":
         try:
             y = plan.run(op, crow, col, val, x, n_rows, n_cols)
@@ -518,7 +541,7 @@ def _kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) -
 def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
     problem = _problem(op, crow, col, val, x, n_rows, n_cols, fp)
     store = _store()
-    key = entry = None
+    key = entry = candidates = None
     if store is not None:
         try:
             key = _cache_key(problem, x.device)
@@ -530,17 +553,106 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
         _counts["cache_hits"] += 1
         if entry.reference_wins:
             return ReferencePlan("cached verdict: " + entry.verification.get("why", "the reference wins"))
-        if "kernel_us" not in entry.times:
-            # pre-generated without a GPU: verified on the CPU, never timed on this GPU
-            cand = contract.Candidate(entry.source, contract.parse_header(entry.header or entry.source))
-            entry = search_entry(problem, key, candidates=[cand])
-            _put(store, entry, fp)
-    else:
-        entry = search_entry(problem, key)
-        _put(store, entry, fp)
+        if "kernel_us" in entry.times:
+            return _entry_plan(entry, problem, x.device, key)
+        # pre-generated without a GPU: verified on the CPU, never timed on this GPU; it is
+        # timed against cuSPARSE in the sandbox (one candidate) before it is trusted
+        candidates = [contract.Candidate(entry.source, contract.parse_header(entry.header or entry.source))]
+    elif _config.on_miss == "reference":
+        return ReferencePlan("not in the kernel cache (on_miss='reference')")
+    if _config.on_miss == "background":
+        return PendingPlan(problem, x.device, key, _background_search(problem, key, store, fp, candidates))
+    entry = search_entry(problem, key, candidates=candidates)
+    _put(store, entry, fp)
+    return _entry_plan(entry, problem, x.device, key)
+
+
+def _entry_plan(entry, problem, device, key) -> Plan:
     if entry.reference_wins:
         return ReferencePlan(entry.verification.get("why", "the reference wins"))
-    return _kernel_plan(problem, x.device, entry.cubin, entry.header or entry.source, entry.source, key)
+    return _kernel_plan(problem, device, entry.cubin, entry.header or entry.source, entry.source, key)
+
+
+class PendingPlan:
+    """A structure whose search runs on the background thread (``on_miss="background"``):
+    products run the reference until the search is done; the next product after that swaps
+    in the verdict (``resolve``), which then goes through the first-use check like any plan."""
+
+    kind = "pending"
+
+    def __init__(self, problem, device, key, future):
+        self.problem, self.device, self.key, self.future = problem, device, key, future
+
+    def run(self, op, crow, col, val, x, n_rows, n_cols):
+        return reference_product(crow, col, val, x, n_rows, n_cols)
+
+    def resolve(self) -> Plan:
+        """The plan of the finished search (a failed search: the reference, logged once)."""
+        try:
+            return _entry_plan(self.future.result(), self.problem, self.device, self.key)
+        except Exception as e:
+            _counts["fallbacks"] += 1
+            _log_once("background search failed, using the reference", self.problem.fingerprint,
+                      f"{type(e).__name__}: {e}")
+            return ReferencePlan(f"background search failed: {type(e).__name__}: {e}")
+
+    def __repr__(self) -> str:
+        return f"PendingPlan(done={self.future.done()})"
+
+
+_bg_queue = None
+
+
+def _background_search(problem, key, store, fp, candidates=None):
+    """Queue ``search_entry`` for ``problem`` on the one background thread; returns a Future.
+    The thread is a daemon: a search still running when the process exits is abandoned (its
+    sandbox worker is closed at exit) and nothing half-done is cached."""
+    global _bg_queue
+    from concurrent.futures import Future
+
+    with _lock:
+        if _bg_queue is None:
+            import queue
+
+            _bg_queue = queue.Queue()
+            threading.Thread(target=_background_worker, args=(_bg_queue,), name="sparserl-search",
+                             daemon=True).start()
+    fut: Future = Future()
+    _counts["background"] += 1
+    _bg_queue.put((fut, problem, key, store, fp, candidates))
+    return fut
+
+
+def _background_worker(q) -> None:
+    while True:
+        fut, problem, key, store, fp, candidates = q.get()
+        if not fut.set_running_or_notify_cancel():
+            continue
+        try:
+            entry = search_entry(problem, key, candidates=candidates)
+            _put(store, entry, fp)
+        except BaseException as e:  # noqa: BLE001 - handed to the product that resolves it
+            fut.set_exception(e)
+        else:
+            fut.set_result(entry)
+
+
+def wait_for_searches(timeout: float | None = None) -> bool:
+    """Block until every background search queued so far has finished (``on_miss="background"``);
+    False if ``timeout`` seconds passed first. Finished verdicts take effect on each structure's
+    next product."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _lock:
+        pending = [p.future for p in _table.values() if p.kind == "pending"]
+    for f in pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            f.exception(timeout=left)
+        except TimeoutError:
+            return False
+    return True
 
 
 def _cache_key(problem, device):
@@ -688,5 +800,5 @@ __all__ = [
     "RuntimeConfig", "RuntimeStats", "ReferencePlan", "KernelPlan", "TransposedPattern",
     "configure", "get_config", "stats", "reset_stats", "clear", "plans", "reference_product",
     "product", "spmv", "spmm", "spmv_t", "spmm_t", "transpose_pattern", "device_arch",
-    "width_bucket", "kernels_possible",
+    "width_bucket", "kernels_possible", "PendingPlan", "wait_for_searches", "ON_MISS",
 ]

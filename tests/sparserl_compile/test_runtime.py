@@ -16,11 +16,11 @@ from sparserl_compile.structure import fingerprint
 
 @pytest.fixture(autouse=True)
 def fresh_runtime():
-    runtime.configure(provider="reference", k=4, cache=True, kernels=True)
+    runtime.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
     runtime.clear()
     runtime.reset_stats()
     yield
-    runtime.configure(provider="reference", k=4, cache=True, kernels=True)
+    runtime.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
     runtime.clear()
 
 
@@ -247,6 +247,96 @@ def test_kernel_plan_runs_the_kernel(kernels_on_cpu):
     y = a @ x
     assert k.launches == 1 and runtime.stats().kernel_calls == 1
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+
+
+
+# ------------------------------------------------------------- on_miss: reference, background
+
+
+def test_on_miss_is_validated():
+    with pytest.raises(ValueError, match="on_miss='later'.*background.*reference.*search"):
+        runtime.configure(on_miss="later")
+
+
+def test_on_miss_reference_never_searches(kernels_on_cpu):
+    rec = RecordingProvider([a_candidate()])
+    runtime.configure(provider=rec, on_miss="reference")
+    m = matrix()
+    x = torch.randn(20, 4)
+    y = S.sparsify(m) @ x
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    (plan,) = runtime.plans().values()
+    assert plan.kind == "reference" and "not in the kernel cache" in plan.reason
+    assert rec.problems == [] and runtime.stats().searches == 0
+
+
+@pytest.fixture
+def gated_search(kernels_on_cpu, monkeypatch):
+    """search_entry waits for ``gate`` (or raises ``error``); verdicts load as FakeKernel plans."""
+    import threading
+
+    from sparserl_compile import cache, formats
+
+    state = {"gate": threading.Event(), "error": None, "kernel": FakeKernel(), "calls": 0}
+
+    def search_entry(problem, key, *, candidates=None, executor=None):
+        state["calls"] += 1
+        assert state["gate"].wait(10)
+        if state["error"]:
+            raise state["error"]
+        c = a_candidate()
+        return cache.CacheEntry(key=key, cubin=b"cubin", source=c.source, header=c.header.render(),
+                                times={"kernel_us": 1.0, "reference_us": 2.0})
+
+    def kernel_plan(problem, device, cubin, header, source, key=None):
+        header = contract.parse_header(header)
+        fd = formats.convert(problem.indptr, problem.indices, (problem.n_rows, problem.n_cols), "csr")
+        return runtime.KernelPlan(header, state["kernel"], fd, formats.to_device(fd, "cpu"), source)
+
+    monkeypatch.setattr(runtime, "search_entry", search_entry)
+    monkeypatch.setattr(runtime, "_kernel_plan", kernel_plan)
+    runtime.configure(cache=False, on_miss="background")
+    return state
+
+
+def test_on_miss_background_serves_the_reference_then_swaps_the_kernel_in(gated_search):
+    m = matrix()
+    a = S.sparsify(m)
+    x = torch.randn(20, 4)
+    y = a @ x  # the search is queued and waits: this call runs the reference
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    (plan,) = runtime.plans().values()
+    assert plan.kind == "pending"
+    st = runtime.stats()
+    assert st.background == 1 and st.reference_calls == 1 and st.kernel_calls == 0
+    a @ x  # still searching: the reference again, and no second search is queued
+    assert runtime.stats().background == 1 and not runtime.wait_for_searches(timeout=0.05)
+    gated_search["gate"].set()
+    assert runtime.wait_for_searches(timeout=10)
+    y = a @ x  # the first product after the verdict: the verified kernel (first-use checked)
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    (plan,) = runtime.plans().values()
+    assert plan.kind == "kernel" and plan.checked
+    assert gated_search["kernel"].launches == 1 and gated_search["calls"] == 1
+    assert runtime.stats().kernel_calls == 1
+
+
+def test_on_miss_background_failure_falls_back_and_logs_once(gated_search, caplog):
+    gated_search["error"] = RuntimeError("sandbox worker died")
+    gated_search["gate"].set()
+    m = matrix()
+    a = S.sparsify(m)
+    x = torch.randn(20, 4)
+    a @ x
+    assert runtime.wait_for_searches(timeout=10)
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.runtime"):
+        y = a @ x
+        a @ x
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    (plan,) = runtime.plans().values()
+    assert plan.kind == "reference" and "sandbox worker died" in plan.reason
+    assert runtime.stats().fallbacks == 1 and runtime.stats().kernel_calls == 0
+    assert len([r for r in caplog.records if "sandbox worker died" in r.getMessage()]) == 1
 
 
 @pytest.mark.gpu
