@@ -427,6 +427,8 @@ class DecodeRow:
     sparserl_tokens_per_s: float
     compiled_tokens_per_s: float | None
     same_tokens: float  # fraction of generated tokens where sparserl eager equals dense
+    torch_sparse_tokens_per_s: float | None = None  # the same sparse model, every product by torch.sparse
+    kernel_fraction: float | None = None  # of sparserl's products while timing, the share run by a generated kernel
     sparserl_over_dense: float = field(init=False)  # tokens/s ratio (> 1: sparserl faster)
     compiled_over_dense: float | None = field(init=False)
 
@@ -444,14 +446,43 @@ class LevelReport:
     ppl_pruned: float | None  # None in --patterns mode (random weights; see cpu_perplexity)
     ppl_sparserl: float | None
     decode: list[DecodeRow] = field(default_factory=list)
+    pregen: dict | None = None  # what --pregen did for this level (counts, seconds)
     sample_dense: str = ""
     sample_sparserl: str = ""
+
+
+def pregenerate_weights(model: nn.Module, widths: list[int], share: int, *, target=None,
+                        executor: str | None = None) -> dict:
+    """``sparserl pregen`` for every sparse weight of ``model`` at the decoding widths (one token
+    per sequence: the width of each product is the batch size), into the runtime's kernel
+    cache; alike weights share their exploration (``pregen --share``). Returns counts."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from sparserl_compile import cache, pregen
+
+    items = []
+    for name, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(w, sr.SparseRLTensor):
+            ip, ix = w.crow.cpu().numpy(), w.col.cpu().numpy()
+            items.append(pregen.Item(name, sp.csr_matrix((np.ones(ix.size, np.float32), ix, ip),
+                                                         shape=(w.n_rows, w.n_cols))))
+    t0 = time.perf_counter()
+    rows = pregen.pregenerate(items, cache_dir=cache.default_dir(), ops=("spmm",), widths=tuple(widths),
+                              progress=False, share=share, target=target, executor=executor)
+    out = {k: sum(r.outcome == k for r in rows) for k in ("kernel", "reference", "cached", "failed")}
+    out.update(products=len(rows), matrices=len(items), widths=list(widths), share=share,
+               shared=sum(r.detail.startswith("shared") for r in rows), seconds=round(time.perf_counter() - t0, 1),
+               speedups=[round(r.reference_us / r.kernel_us, 3) for r in rows
+                         if r.outcome == "kernel" and r.kernel_us and r.reference_us])
+    return out
 
 
 def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[int], new_tokens: int,
               compile_: bool, eval_ids: torch.Tensor, calib_ids: torch.Tensor | None, *,
               masks: dict[str, torch.Tensor] | None = None, masks_out: dict[str, torch.Tensor] | None = None,
-              measure_ppl: bool = True) -> LevelReport:
+              measure_ppl: bool = True, pregen_share: int | None = None) -> LevelReport:
     """Prune a copy of ``base`` (or, given ``masks``, zero what they mark pruned), sparsify, check
     logits, time decoding; ``masks_out`` receives the pruning's keep-masks."""
     dense = copy.deepcopy(base)
@@ -467,15 +498,33 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
     rep = LevelReport(pr, n_sparse, float((ld - ls).abs().max()),
                       perplexity(dense, eval_ids) if measure_ppl else None,
                       perplexity(sparse, eval_ids) if measure_ppl else None)
+    if pregen_share is not None and batches:
+        rep.pregen = pregenerate_weights(sparse, batches, pregen_share)
+        sr.configure(on_miss="reference")  # prefill widths that were not pre-generated: cuSPARSE
     compiled = None
     if compile_:
         compiled = copy.deepcopy(sparse)
         compiled.forward = torch.compile(compiled.forward, backend="sparserl")
+    on_gpu = eval_device(dense).type == "cuda"
     for b in batches:
-        gd, gs = greedy(dense, tok, b, new_tokens), greedy(sparse, tok, b, new_tokens)
+        gd = greedy(dense, tok, b, new_tokens)
+        before = sr.stats()
+        gs = greedy(sparse, tok, b, new_tokens)
+        after = sr.stats()
+        done = after.calls - before.calls
+        frac = (after.kernel_calls - before.kernel_calls) / done if done else None
         gc = greedy(compiled, tok, b, new_tokens, warmup_tokens=new_tokens) if compiled is not None else None
+        gt = None
+        if on_gpu:  # the same model with every product by torch.sparse (cuSPARSE): kernels off
+            cfg = sr.get_config()
+            sr.configure(kernels=False)
+            try:
+                gt = greedy(sparse, tok, b, new_tokens)
+            finally:
+                sr.configure(kernels=cfg.kernels)
         rep.decode.append(DecodeRow(b, gd.tokens_per_s, gs.tokens_per_s, gc.tokens_per_s if gc else None,
-                                    float((gd.tokens == gs.tokens).float().mean())))
+                                    float((gd.tokens == gs.tokens).float().mean()),
+                                    gt.tokens_per_s if gt else None, frac))
         if b == batches[0]:
             rep.sample_dense, rep.sample_sparserl = tok.decode(gd.tokens[0]), tok.decode(gs.tokens[0])
     return rep
@@ -498,6 +547,10 @@ def main(argv=None) -> int:
     carry.add_argument("--patterns", metavar="DIR", help="no model file: random weights pruned by DIR's saved masks")
     p.add_argument("--seed", type=int, default=0, help="--patterns: seed of the random weights")
     p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--pregen", type=int, default=None, metavar="K",
+                   help="before timing, pre-generate kernels for every sparse weight at the decoding "
+                        "widths (sparserl pregen --share K: alike weights share their exploration; 0: "
+                        "search each), then serve with on_miss='reference' (no search while timing)")
     p.add_argument("--k", type=int, default=0,
                    help="candidates the runtime tries per weight matrix and width (0: the provider's "
                         "default); a decoder has hundreds of matrices, each searched on first use")
@@ -527,6 +580,9 @@ def main(argv=None) -> int:
         p.error("sparsity levels are fractions in [0, 1); batch sizes and --new-tokens are >= 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here; use --device cpu")
+    if args.pregen is not None and not args.device.startswith("cuda"):
+        p.error("--pregen generates GPU kernels: it needs --device cuda (on the CPU every product runs "
+                "torch's CSR kernel)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -567,7 +623,8 @@ def main(argv=None) -> int:
         elif save_dir:
             masks_out = {}
         r = run_level(lm.model, lm.tokenizer, s, method, batches, args.new_tokens, args.compile,
-                      eval_ids, calib_ids, masks=masks, masks_out=masks_out, measure_ppl=meta is None)
+                      eval_ids, calib_ids, masks=masks, masks_out=masks_out, measure_ppl=meta is None,
+                      pregen_share=args.pregen)
         reports.append(r)
         if masks_out is not None:
             f = save_dir / mask_file(s)
@@ -587,12 +644,18 @@ def main(argv=None) -> int:
         print(f"\n== {method} {s:.0%}: {r.prune.layers} linears pruned ({r.prune.achieved:.1%} zeros), "
               f"{r.sparsified_layers} sparsified; max |logit diff| sparserl vs pruned dense "
               f"{r.max_abs_logit_diff:.2e}; {ppl}; {time.perf_counter() - t0:.0f} s")
-        print(f"{'batch':>5s} {'dense tok/s':>12s} {'sparserl tok/s':>15s} {'ratio':>6s} {'compiled tok/s':>15s} "
-              f"{'same tokens':>12s}")
+        if r.pregen:
+            pg = r.pregen
+            print(f"pregen: {pg['products']} products of {pg['matrices']} weights at widths {pg['widths']} in "
+                  f"{pg['seconds']:.0f} s: {pg['kernel']} kernels, {pg['reference']} cuSPARSE verdicts, "
+                  f"{pg['cached']} cached, {pg['failed']} failed; {pg['shared']} explored by a look-alike")
+        print(f"{'batch':>5s} {'dense tok/s':>12s} {'sparserl tok/s':>15s} {'ratio':>6s} {'torch.sparse':>13s} "
+              f"{'compiled tok/s':>15s} {'kernels':>8s} {'same tokens':>12s}")
         for d in r.decode:
-            comp = f"{d.compiled_tokens_per_s:15.1f}" if d.compiled_tokens_per_s is not None else f"{'-':>15s}"
+            f = lambda v, w, spec: f"{v:{w}{spec}}" if v is not None else f"{'-':>{w}s}"  # noqa: E731
             print(f"{d.batch:>5d} {d.dense_tokens_per_s:12.1f} {d.sparserl_tokens_per_s:15.1f} "
-                  f"{d.sparserl_over_dense:6.2f} {comp} {d.same_tokens:12.1%}")
+                  f"{d.sparserl_over_dense:6.2f} {f(d.torch_sparse_tokens_per_s, 13, '.1f')} "
+                  f"{f(d.compiled_tokens_per_s, 15, '.1f')} {f(d.kernel_fraction, 8, '.0%')} {d.same_tokens:12.1%}")
         if r.decode and not meta:
             print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
     if save_dir:

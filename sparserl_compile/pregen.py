@@ -19,6 +19,15 @@ serving machine): candidates are compiled for its arch and verified with the CPU
 such entries carry no timings, and the runtime times them against cuSPARSE in its sandbox on
 first use before it trusts them (``runtime.search_entry``).
 
+``--share K`` (for models whose pruned weights come in families: an LLM's 30 ``q_proj``
+matrices pruned to the same per-row sparsity): matrices with the same shape and the same row
+lengths (min, max, mean) form a group per product; the first is searched in full, and every
+other gets only the group's ``K`` fastest verified kernels as candidates (structure-baked
+kernels excluded: their source is one matrix's). Each of those is still compiled, verified in
+the sandbox on *this* matrix and timed against cuSPARSE on it, so nothing is trusted on the
+strength of a neighbour; only the exploration is shared. A product where none of them beats
+cuSPARSE gets the "reference wins" verdict, as in a full search.
+
 Sharded over several processes or machines: ``--rank R --world-size W`` (default: torchrun's
 ``RANK``/``WORLD_SIZE``, else 0/1) makes each rank take its share of the matrices, split
 greedily by estimated cost (nonzeros + rows; ``shard``; every rank must see the same paths).
@@ -145,13 +154,31 @@ def shard(items: list[Item], rank: int, world_size: int) -> list[Item]:
     return [items[i] for i in mine]
 
 
+def share_key(m: sp.csr_matrix, op: str, n: int, dtype: str) -> tuple:
+    """Products whose kernels ``--share`` explores once: same op, width, dtype, shape and row
+    lengths (min, max, mean to 0.1)."""
+    lengths = np.diff(m.indptr)
+    return (op, n, dtype, m.shape, int(lengths.min()), int(lengths.max()), round(float(lengths.mean()), 1))
+
+
+def ranked_candidates(candidates, entry, k: int) -> list:
+    """The ``k`` best verified, structure-free candidates of a finished search, fastest first
+    (untimed searches: in the provider's order)."""
+    by_name = {c.name: c for c in candidates if not (c.family and "baked" in c.family)}
+    outcomes = [o for o in entry.verification.get("candidates", [])
+                if o.get("kind") == "ok" and o.get("name") in by_name]
+    outcomes.sort(key=lambda o: float("inf") if o.get("kernel_us") is None else o["kernel_us"])
+    return [by_name[o["name"]] for o in outcomes[:k]]
+
+
 def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv", "spmm"),
                 widths=(32,), dtype: str = "f32", target=None, executor: str | None = None,
-                progress: bool = True) -> list[Row]:
-    """Fill the cache at ``cache_dir`` for every item and product; returns one ``Row`` each."""
+                progress: bool = True, share: int = 0) -> list[Row]:
+    """Fill the cache at ``cache_dir`` for every item and product; returns one ``Row`` each.
+    ``share=K > 0``: explore once per group of alike products (module doc, ``--share``)."""
     from tqdm import tqdm
 
-    from sparserl_compile import cache, runtime, structure
+    from sparserl_compile import cache, providers, runtime, structure
 
     store = cache.KernelCache(cache_dir)
     if not store.on_disk:
@@ -161,6 +188,7 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
     rows: list[Row] = []
     bar = tqdm(jobs, disable=not progress, unit="product", file=sys.stderr)
     fps: dict[str, str] = {}
+    groups: dict[tuple, list] = {}  # share_key -> the leader's ranked candidates
     for it, op, n in bar:
         bar.set_postfix_str(f"{it.name} {op} n={n}")
         t0 = time.perf_counter()
@@ -174,14 +202,31 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
             rows.append(Row(it.name, op, n, m.nnz, "cached", "already in the cache",
                             hit.times.get("kernel_us"), hit.times.get("reference_us"), 0.0))
             continue
+        gkey = share_key(m, op, n, dtype) if share else None
+        shared = groups.get(gkey) if share else None
         try:
-            entry = runtime.search_entry(problem, key, executor=executor)
+            if shared:
+                entry = runtime.search_entry(problem, key, candidates=shared, executor=executor)
+            else:
+                prov = providers.get_provider()
+                cands = prov.candidates(problem, runtime.get_config().k)
+                if prov.name == "search" and len(cands) > 1:
+                    # the kernel space's own sources (not generated code): compile them in
+                    # threads here, so the sandbox worker finds them in the compile cache
+                    from sparserl_compile import compiler
+
+                    compiler.precompile([c.source for c in cands], arch=target.arch)
+                entry = runtime.search_entry(problem, key, candidates=cands, executor=executor)
+                if share:
+                    groups[gkey] = ranked_candidates(cands, entry, share)
             store.put(entry)
         except Exception as e:  # one bad matrix never stops the run
             rows.append(Row(it.name, op, n, m.nnz, "failed", f"{type(e).__name__}: {e}"[:120], None, None,
                             time.perf_counter() - t0))
             continue
         detail = entry.verification.get("winner_family") or entry.verification.get("why", "")
+        if shared:
+            detail = f"shared {len(shared)}: {detail}"
         rows.append(Row(it.name, op, n, m.nnz, "reference" if entry.reference_wins else "kernel", str(detail),
                         entry.times.get("kernel_us"), entry.times.get("reference_us"),
                         time.perf_counter() - t0))
@@ -222,7 +267,8 @@ def _cmd(args) -> int:
     out = args.out.replace("{rank}", str(args.rank))
     widths = tuple(int(w) for w in args.widths.split(",") if w)
     rows = pregenerate(items, cache_dir=out, ops=tuple(args.ops.split(",")), widths=widths,
-                       dtype=args.dtype, target=target, executor=args.executor, progress=not args.no_progress)
+                       dtype=args.dtype, target=target, executor=args.executor, progress=not args.no_progress,
+                       share=args.share)
     print(format_table(rows))
     return 1 if any(r.outcome == "failed" for r in rows) else 0
 
@@ -242,6 +288,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--target-arch", default="sm_90")
     p.add_argument("--target-driver", default="unknown", help="serving machine's CUDA driver version, e.g. 13000")
     p.add_argument("--target-nvrtc", default="unknown", help="serving machine's NVRTC version, e.g. 13.0")
+    p.add_argument("--share", type=int, default=0, metavar="K",
+                   help="search alike matrices (same shape and row lengths) once; the others get the "
+                        "K best kernels as candidates, verified and timed on each (default 0: off)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
                    help="this shard (default $RANK, as torchrun sets it, else 0)")

@@ -146,3 +146,32 @@ def test_patterns_mode_needs_a_saved_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         llm.main(["--patterns", str(tmp_path)])
     assert "no meta.json" in capsys.readouterr().err
+
+
+def test_pregen_needs_a_gpu_device(capsys):
+    with pytest.raises(SystemExit):
+        llm.main(["--tiny", "--sparsity", "0.8", "--pregen", "2"])
+    assert "--pregen generates GPU kernels" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, calib, tmp_path, monkeypatch):
+    """Built for a named target on the CPU (CPU executor): one entry per weight and width, the
+    alike weights explored once, and each entry under the key the runtime computes for it."""
+    from sparserl_compile import cache, runtime
+
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "kernels"))
+    target = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
+    dense = copy.deepcopy(tiny.model)
+    llm.prune_(dense, 0.75, "magnitude")
+    sparse = sr.sparsify_(copy.deepcopy(dense), min_sparsity=0.75)
+    got = llm.pregenerate_weights(sparse, [2], share=1, target=target, executor="cpu")
+    weights = llm.decoder_linears(sparse)
+    assert got["matrices"] == len(weights) == 14 and got["products"] == 14 and got["failed"] == 0
+    assert got["kernel"] == 14 and 0 < got["shared"] < 14  # alike shapes share, the first of each does not
+    store = cache.KernelCache(tmp_path / "kernels")
+    for m in weights.values():
+        w = m.weight
+        p = runtime.make_problem("spmm", "f32", 2, w.crow.numpy(), w.col.numpy(), (w.n_rows, w.n_cols),
+                                 w.fingerprint, "sm_90")
+        assert store.get(runtime.cache_key(p, target)) is not None

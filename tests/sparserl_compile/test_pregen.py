@@ -91,3 +91,42 @@ def test_empty_matrices_are_skipped_with_a_reason(tmp_path, capsys):
     _save_npz(tmp_path / "e.npz", sp.csr_matrix((4, 4), dtype=np.float32))
     assert pregen.discover([str(tmp_path)]) == []
     assert "empty matrix" in capsys.readouterr().err
+
+
+def _row_pruned(n_rows, n_cols, per_row, seed):
+    """A weight pruned to exactly ``per_row`` nonzeros in every row (as per-row pruning does)."""
+    rng = np.random.default_rng(seed)
+    cols = np.concatenate([np.sort(rng.choice(n_cols, per_row, replace=False)) for _ in range(n_rows)])
+    indptr = np.arange(0, n_rows * per_row + 1, per_row)
+    return sp.csr_matrix((rng.standard_normal(cols.size).astype(np.float32), cols, indptr), shape=(n_rows, n_cols))
+
+
+def test_share_key_groups_alike_row_pruned_weights():
+    a, b = _row_pruned(48, 64, 16, 0), _row_pruned(48, 64, 16, 1)
+    assert pregen.share_key(a, "spmm", 4, "f32") == pregen.share_key(b, "spmm", 4, "f32")
+    assert pregen.share_key(a, "spmm", 4, "f32") != pregen.share_key(a, "spmm", 8, "f32")
+    assert pregen.share_key(a, "spmm", 4, "f32") != pregen.share_key(_row_pruned(48, 64, 8, 0), "spmm", 4, "f32")
+
+
+@pytest.mark.slow
+def test_share_searches_a_group_once_and_verifies_every_member(tmp_path, monkeypatch):
+    seen = []
+    real = runtime.search_entry
+
+    def spy(problem, key, *, candidates=None, executor=None):
+        seen.append(len(candidates))
+        return real(problem, key, candidates=candidates, executor=executor)
+
+    monkeypatch.setattr(runtime, "search_entry", spy)
+    items = [pregen.Item("w0", _row_pruned(48, 64, 16, 0)), pregen.Item("w1", _row_pruned(48, 64, 16, 1)),
+             pregen.Item("w2", _row_pruned(48, 64, 16, 2)), pregen.Item("other", matrices.stencil2d(8))]
+    rows = pregen.pregenerate(items, cache_dir=tmp_path / "k", ops=("spmv",), target=TARGET, executor="cpu",
+                              progress=False, share=2)
+    assert [r.outcome for r in rows] == ["kernel"] * 4
+    assert not rows[0].detail.startswith("shared") and not rows[3].detail.startswith("shared")
+    assert rows[1].detail.startswith("shared") and rows[2].detail.startswith("shared")
+    # the leader and the unlike matrix saw the whole pruned space; the members at most 2 kernels
+    assert seen[0] > 2 and seen[3] > 2 and 1 <= seen[1] <= 2 and seen[1] == seen[2]
+    # every member's entry was verified on its own pattern (in the sandbox, CPU executor)
+    store = cache.KernelCache(tmp_path / "k")
+    assert len(store.ls()) == 4
