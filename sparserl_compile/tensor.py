@@ -502,12 +502,21 @@ def _linear(func, types, args, kwargs):
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if not isinstance(w, SparseRLTensor) or isinstance(x, SparseRLTensor):
         raise NotImplementedError("F.linear: sparserl takes a SparseRLTensor weight and a dense input")
-    if x.shape[-1] != w.shape[1]:
+    k = w.n_rows if w.transposed else w.n_cols  # in-features (attributes: no __torch_function__ trip)
+    if x.shape[-1] != k:
         raise ValueError(
             f"linear: input has {x.shape[-1]} features but the sparse weight {tuple(w.shape)} "
-            f"expects {w.shape[1]}"
+            f"expects {k}"
         )
-    y = _right(x, w, transpose=True)
+    val = w.val
+    if (x.dim() >= 2 and not w.transposed and type(x) is torch.Tensor and x.layout == torch.strided
+            and x.dtype == val.dtype and x.device == val.device and _eager_plain(val, x)):
+        # the eager hot path of a sparsified model (a decoder runs hundreds of these per token):
+        # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do
+        y = _runtime.spmm(w.crow, w.col, val, x.reshape(-1, k).t().contiguous(), w.n_rows, k, w.fingerprint)
+        y = y.t().reshape(*x.shape[:-1], w.n_rows)
+    else:
+        y = _right(x, w, transpose=True)
     return y if bias is None else y + bias
 
 

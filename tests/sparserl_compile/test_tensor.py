@@ -316,3 +316,27 @@ def test_products_on_cuda_match_scipy():
     Xh = torch.from_numpy(X).half().cuda()
     check_close((a.half() @ Xh).cpu(), m @ Xh.double().cpu().numpy(), torch.float16)
     torch.testing.assert_close(a.cpu().to_dense(), torch.from_numpy(m.toarray()).float())
+
+
+def test_linear_fast_path_matches_the_general_path_for_every_input_shape():
+    """F.linear's eager shortcut (plain weight, plain input) and the general path (transposed
+    weight, autograd) give the dense result for 1-D, 2-D, 3-D inputs, views, with and without bias."""
+    m = rand_csr(6, 5, seed=3)
+    a = S.sparsify(m)
+    at = S.sparsify(m.T.tocsr()).t()  # the same matrix, held as the transpose of its transpose
+    bias = torch.randn(6, dtype=torch.float64)
+    inputs = [torch.randn(5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64),
+              torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(1, 1, 5, dtype=torch.float64),
+              torch.randn(5, 7, dtype=torch.float64).t()]  # a non-contiguous view
+    for x in inputs:
+        want = x.numpy() @ m.toarray().T
+        for w in (a, at):
+            check_close(F.linear(x, w), want, torch.float64)
+            out = F.linear(x, w, bias)
+            check_close(out, want + bias.numpy(), torch.float64)
+            assert out.shape == (*x.shape[:-1], 6)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    F.linear(x, a).sum().backward()  # the general path (autograd) with the same result
+    np.testing.assert_allclose(x.grad.numpy(), np.ones((4, 6)) @ m.toarray(), rtol=1e-12)
+    with pytest.raises(ValueError, match="input has 4 features"):
+        F.linear(torch.randn(3, 4, dtype=torch.float64), a)
