@@ -7,7 +7,10 @@ On the CPU it installs a kernel plan whose launch does nothing, so the figure is
 path alone (SparseRLTensor.__torch_function__ -> tensor._product -> runtime.product ->
 KernelPlan.run -> bound launch), next to torch's own CSR ``mv`` for scale. On a GPU it lets the
 runtime find a real kernel for a 2D stencil and reports host microseconds per call (no sync
-inside the timed loop) for sparserl and for torch.sparse.
+inside the timed loop) for sparserl and for torch.sparse. Both also time ``F.linear`` with a
+pruned weight (1536 x 576, 90 % zeros in every row, the shape of a SmolLM2-135M MLP
+projection) at one and 16 tokens: sparserl's eager shortcut against the dense ``F.linear``
+(cuBLAS) and, on the GPU, torch.sparse CSR.
 """
 
 from __future__ import annotations
@@ -35,6 +38,49 @@ class _NoopKernel:
         return lambda x, y: None
 
 
+def pruned_weight(rows: int = 1536, cols: int = 576, sparsity: float = 0.9, seed: int = 0) -> torch.Tensor:
+    """A dense weight with exactly ``sparsity`` zeros in every row (per-row pruning)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    keep = torch.rand(rows, cols, generator=g).argsort(dim=1) < round(cols * (1 - sparsity))
+    return w * keep
+
+
+def linear_rows(device: str, noop: bool) -> None:
+    import torch.nn.functional as F
+
+    wd = pruned_weight().to(device)
+    ws = S.sparsify(wd)
+    native = wd.to_sparse_csr()
+    for tokens in (1, 16):
+        x = torch.randn(tokens, 1, wd.shape[1], device=device)
+        F.linear(x, ws)  # plan it (on the GPU: search, verify, cache)
+        if noop:  # CPU: every plan of this weight launches nothing (the Python path alone)
+            for key, plan in list(runtime._table.items()):
+                if key[0] == ws.fingerprint:
+                    runtime._table[key] = _noop_plan(ws, plan)
+        rows = [("sparserl F.linear", lambda: F.linear(x, ws)), ("dense F.linear", lambda: F.linear(x, wd))]
+        if device == "cuda":
+            x2 = x.reshape(tokens, -1)
+            rows.append(("torch.sparse W @ x^T", lambda: (native @ x2.t()).t()))
+        for name, fn in rows:
+            us = _per_call_us(fn, n=5000)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            print(f"  {tokens:2d} token(s) {name:22s}: {us:7.1f} us host per call")
+
+
+def _noop_plan(ws, plan):
+    if plan.kind == "kernel":
+        plan.kernel, plan._bound = _NoopKernel(), None
+        return plan
+    cand = next(c for c in kernels.space("spmm", "f32", n=16) if c.header.format == "csr")
+    fd = formats.convert(ws.crow.numpy(), ws.col.numpy(), (ws.n_rows, ws.n_cols), "csr")
+    p = runtime.KernelPlan(cand.header, _NoopKernel(), fd, formats.to_device(fd, "cpu"), cand.source)
+    p.checked = True
+    return p
+
+
 def cpu(side: int) -> None:
     torch.set_num_threads(1)
     m = matrices.stencil2d(side)
@@ -49,6 +95,8 @@ def cpu(side: int) -> None:
     print(f"stencil2d({side}), {m.nnz} nonzeros, CPU, one thread")
     print(f"  SparseRLTensor @ x, no-op kernel : {_per_call_us(lambda: a @ x):7.1f} us (Python path only)")
     print(f"  torch.mv on CSR (computes)       : {_per_call_us(lambda: torch.mv(native, x)):7.1f} us")
+    print("pruned linear 1536 x 576, 90 % zeros per row, no-op kernel (sparserl) vs dense (computes):")
+    linear_rows("cpu", noop=True)
 
 
 def cuda(side: int) -> None:
@@ -64,6 +112,8 @@ def cuda(side: int) -> None:
         us = _per_call_us(fn, n=5000)
         torch.cuda.synchronize()
         print(f"  {name:20s}: {us:7.1f} us host per call")
+    print("pruned linear 1536 x 576, 90 % zeros per row:")
+    linear_rows("cuda", noop=False)
 
 
 def main() -> None:
