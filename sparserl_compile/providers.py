@@ -13,8 +13,10 @@ Providers, by name for ``set_provider``:
 * ``"search"``: ``sparserl_compile.search.SearchProvider``, the hand-written kernel families
   searched by heuristics. The default (``DEFAULT_PROVIDER``) until a trained policy ships.
 * ``"policy"``: ``policy.provider.PolicyProvider``, the trained language model.
+* ``"nearest"``: ``sparserl_compile.nearest.NearestProvider``, the winners of the most alike
+  matrices measured on the H200 (a few candidates instead of the whole space).
 
-The last two are imported lazily on first use, so ``import sparserl_compile`` never imports
+The last three are imported lazily on first use, so ``import sparserl_compile`` never imports
 the policy (transformers) or the search. Any object with a ``name`` and a
 ``candidates(problem, k)`` method may be set as well.
 
@@ -36,6 +38,7 @@ from sparserl_compile import contract
 _LAZY = {
     "search": ("sparserl_compile.search", "SearchProvider"),
     "policy": ("policy.provider", "PolicyProvider"),
+    "nearest": ("sparserl_compile.nearest", "NearestProvider"),
 }
 
 
@@ -101,7 +104,7 @@ _active: Provider | None = None
 
 
 def resolve(obj_or_name: "Provider | str") -> Provider:
-    """A provider object from a name (``reference``, ``search``, ``policy``) or an object."""
+    """A provider object from a name (``reference``, ``search``, ``policy``, ``nearest``) or an object."""
     if isinstance(obj_or_name, str):
         name = obj_or_name
         if name == "reference":
