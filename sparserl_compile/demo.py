@@ -155,7 +155,7 @@ def _cmd(args) -> int:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("demo", help="the main job on generated matrices (works without a GPU)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--provider", default=None, help="search | policy (default: the runtime's, i.e. search)")
+    p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's, i.e. search)")
     p.add_argument("--n", type=int, default=16, help="SpMM dense width")
     p.add_argument("--k", type=int, default=4, help="policy samples per product")
     p.add_argument("--quick", action="store_true", help="two matrices only")

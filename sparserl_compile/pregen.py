@@ -281,7 +281,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
     p.add_argument("--widths", default="32", help="SpMM dense widths, comma list")
     p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
-    p.add_argument("--provider", default=None, help="search | policy (default: the runtime's)")
+    p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's)")
     p.add_argument("--executor", default=None, choices=["gpu", "cpu"], help="default: gpu if present")
     p.add_argument("--min-sparsity", type=float, default=0.5, help="ONNX: fraction of zeros to count as sparse")
     p.add_argument("--target-gpu", default=None, help="without a GPU: the serving GPU's name, e.g. 'NVIDIA H200'")
