@@ -453,9 +453,9 @@ class LevelReport:
 
 def pregenerate_weights(model: nn.Module, widths: list[int], share: int, *, target=None,
                         executor: str | None = None) -> dict:
-    """``sparserl pregen`` for every sparse weight of ``model`` at the decoding widths (one token
-    per sequence: the width of each product is the batch size), into the runtime's kernel
-    cache; alike weights share their exploration (``pregen --share``). Returns counts."""
+    """``sparserl pregen`` for every sparse weight of ``model`` at ``widths`` (decoding one token
+    per sequence, a product's width is the batch size), into the runtime's kernel cache; alike
+    weights share their exploration (``pregen --share``). Returns counts."""
     import numpy as np
     import scipy.sparse as sp
 
@@ -491,6 +491,11 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
     else:
         pr = apply_masks_(dense, masks, sparsity, method)
     sparse = sr.sparsify_(copy.deepcopy(dense), min_sparsity=sparsity)
+    pregen = None
+    if pregen_share is not None:
+        # the decoding widths and the logits check's width, so that check runs the kernels too
+        pregen = pregenerate_weights(sparse, sorted({*batches, int(eval_ids.shape[1])}), pregen_share)
+        sr.configure(on_miss="reference")  # other widths (prefill): cuSPARSE, no search
     n_sparse = sum(isinstance(m.weight, sr.SparseRLTensor) for m in sparse.modules() if isinstance(m, nn.Linear))
     with torch.no_grad():
         ids = eval_ids.to(eval_device(dense))
@@ -498,9 +503,7 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
     rep = LevelReport(pr, n_sparse, float((ld - ls).abs().max()),
                       perplexity(dense, eval_ids) if measure_ppl else None,
                       perplexity(sparse, eval_ids) if measure_ppl else None)
-    if pregen_share is not None and batches:
-        rep.pregen = pregenerate_weights(sparse, batches, pregen_share)
-        sr.configure(on_miss="reference")  # prefill widths that were not pre-generated: cuSPARSE
+    rep.pregen = pregen
     compiled = None
     if compile_:
         compiled = copy.deepcopy(sparse)
@@ -548,9 +551,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="--patterns: seed of the random weights")
     p.add_argument("--json", help="write the results to this JSON file")
     p.add_argument("--pregen", type=int, default=None, metavar="K",
-                   help="before timing, pre-generate kernels for every sparse weight at the decoding "
-                        "widths (sparserl pregen --share K: alike weights share their exploration; 0: "
-                        "search each), then serve with on_miss='reference' (no search while timing)")
+                   help="first pre-generate kernels for every sparse weight at the decoding widths and "
+                        "the logits check's (sparserl pregen --share K: alike weights share their "
+                        "exploration; 0: search each), then serve with on_miss='reference' (no search "
+                        "afterwards; other widths use cuSPARSE)")
     p.add_argument("--k", type=int, default=0,
                    help="candidates the runtime tries per weight matrix and width (0: the provider's "
                         "default); a decoder has hundreds of matrices, each searched on first use")
