@@ -102,6 +102,17 @@ class SparseRLTensor(torch.Tensor):
     def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
         return cls(*(inner_tensors[n] for n in cls.tensor_data_names), *ctx)
 
+    def _stable_hash_for_caching(self) -> str:
+        """A deterministic key for torch's AOTAutograd cache (PyTorch's extension point for
+        traceable subclasses): what a compiled graph depends on -- the structure fingerprint,
+        shape, transpose flag, the inner tensors' dtypes, lengths and device type, and
+        requires_grad -- never the values."""
+        import hashlib
+
+        parts = (self.fingerprint, self.n_rows, self.n_cols, self.transposed, self.crow.dtype, self.col.dtype,
+                 self.val.dtype, self.crow.numel(), self.val.numel(), self.val.device.type, self.val.requires_grad)
+        return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=16).hexdigest()
+
     def _with(self, **changes) -> "SparseRLTensor":
         """A tensor like this one with some inner tensors or attributes replaced."""
         kw = {n: getattr(self, n) for n in self.tensor_data_names + self.tensor_attribute_names}

@@ -369,6 +369,31 @@ def test_cuda_search_end_to_end_is_correct_and_cached():
     assert runtime.stats().cache_hits == 1 and runtime.stats().searches == 0
 
 
+@pytest.mark.gpu
+def test_cuda_background_search_then_kernel_and_nearest_provider():
+    """on_miss="background" on the GPU: the first products run cuSPARSE while the search runs;
+    after it, the verdict (here from the "nearest" provider's few candidates) serves the
+    products, each right; a fresh plan table then finds it in the disk cache."""
+    runtime.configure(provider="nearest", k=2, on_miss="background")
+    m = matrix(3000, 3000, seed=6)
+    a = S.sparsify(m, device="cuda")
+    x = torch.randn(3000, 16, device="cuda")
+    want = m @ x.cpu().numpy()
+    np.testing.assert_allclose((a @ x).cpu().numpy(), want, rtol=1e-4, atol=1e-4)
+    assert runtime.stats().background == 1
+    assert runtime.wait_for_searches(timeout=300)
+    for _ in range(2):
+        np.testing.assert_allclose((a @ x).cpu().numpy(), want, rtol=1e-4, atol=1e-4)
+    (plan,) = runtime.plans().values()
+    assert plan.kind in ("kernel", "reference") and runtime.stats().fallbacks == 0
+    if plan.kind == "kernel":
+        assert plan.checked and runtime.stats().kernel_calls == 2
+    runtime.clear()
+    runtime.reset_stats()
+    a @ x
+    assert runtime.stats().cache_hits == 1 and runtime.stats().background == 0
+
+
 class WrongKernel(FakeKernel):
     """Launches fine but writes a wrong answer (as a miscompiled or stale cached kernel would)."""
 

@@ -340,3 +340,12 @@ def test_linear_fast_path_matches_the_general_path_for_every_input_shape():
     np.testing.assert_allclose(x.grad.numpy(), np.ones((4, 6)) @ m.toarray(), rtol=1e-12)
     with pytest.raises(ValueError, match="input has 4 features"):
         F.linear(torch.randn(3, 4, dtype=torch.float64), a)
+
+
+def test_stable_cache_hash_names_the_structure_not_the_values():
+    m = rand_csr(6, 5, seed=4)
+    a, b = S.sparsify(m), S.sparsify(m * 2.0)  # same structure, other values
+    assert a._stable_hash_for_caching() == b._stable_hash_for_caching()
+    assert a._stable_hash_for_caching() != S.sparsify(rand_csr(6, 5, seed=5))._stable_hash_for_caching()
+    assert a._stable_hash_for_caching() != a.t()._stable_hash_for_caching()
+    assert a._stable_hash_for_caching() != a.float()._stable_hash_for_caching()  # a is float64
