@@ -16,6 +16,9 @@ reports per matrix kind:
   samples that are no measured point have no measured time and are left out (counted in
   ``novel_rate``).
 
+``--baselines nearest`` scores the ``"nearest"`` provider (winners of the most alike training
+records) through the same evaluator, as the row a learned policy has to beat.
+
 Ablations are separate checkpoints (no RL = the SFT checkpoint; no sinusoidal embedding and
 correctness-only reward = checkpoints trained with those settings) plus unconstrained
 decoding, a decoding switch (``--ablate-unconstrained``). Speeds need timings: on the CPU
@@ -46,6 +49,8 @@ class EvalConfig:
     out: str = opt("", "write the report as JSON here")
     device: str = opt("auto", "where the policy runs: 'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
     workers: int = opt(2, "sandbox worker processes of the cpu/gpu evaluator")
+    baselines: str = opt("", "also score these non-LM candidate sources the same way, comma-separated: "
+                             "'nearest' (the nearest provider, its table built from this file's training split)")
     diverse: bool = opt(False, "the k samples are the k most likely plausible formats, each written greedily "
                                "(policy.decode.format_diverse), instead of k temperature samples")
 
@@ -112,38 +117,69 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k,
                                config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                                                    constrained=constrained, seed=i))
-        outs = evaluator(pb, [r.text for r in greedy + sampled])
+        texts = [r.text for r in greedy + sampled]
+        outs = evaluator(pb, texts)
         if log is not None:
             log(f"[eval] {pb.label} {pb.op} n={pb.n} constrained={constrained}: "
                 f"compiled {[o.compiled for o in outs]} correct {[o.correct for o in outs]}")
-        texts = [r.text for r in greedy + sampled]
-        st.records += 1
-        st.greedy_correct += bool(outs[0].correct)
-        measured = []  # measured us of each correct sample that is a measured point (None otherwise)
-        for o, t in zip(outs, texts):
-            st.samples += 1
-            st.compiled += o.compiled
-            st.correct += o.correct
-            us = None
-            if o.correct and space_sources is not None:
-                if _norm(t) not in space_sources[i]:
-                    st.novel += 1
-                else:
-                    us = space_sources[i][_norm(t)]
-            measured.append(us)
-        if pb.best_space_us:
-            if measured[0]:
-                st.measured_frac_greedy.append(pb.best_space_us / measured[0])
-            ms = [u for u in measured[1:] if u]
-            if ms:
-                st.measured_frac_best_of_k.append(pb.best_space_us / min(ms))
-        if outs[0].correct and outs[0].us and pb.reference_us:
-            st.speedup_greedy.append(pb.reference_us / outs[0].us)
-        timed = [o.us for o in outs[1:] if o.correct and o.us]
-        if timed and pb.reference_us:
-            st.speedup_best_of_k.append(pb.reference_us / min(timed))
-        if timed and pb.best_space_us:
-            st.space_frac_best_of_k.append(pb.best_space_us / min(timed))
+        _score(st, pb, outs, texts, None if space_sources is None else space_sources[i], best_from=1)
+    return stats
+
+
+def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -> None:
+    """Add one record's outcomes to ``st``: ``outs[0]`` is the greedy/first pick, best-of-k
+    is over ``outs[best_from:]`` (1 for the policy: the k samples after the greedy one; 0 for a
+    baseline whose k proposals include its first)."""
+    st.records += 1
+    st.greedy_correct += bool(outs[0].correct)
+    measured = []  # measured us of each correct sample that is a measured point (None otherwise)
+    for o, t in zip(outs, texts):
+        st.samples += 1
+        st.compiled += o.compiled
+        st.correct += o.correct
+        us = None
+        if o.correct and space is not None:
+            if _norm(t) not in space:
+                st.novel += 1
+            else:
+                us = space[_norm(t)]
+        measured.append(us)
+    if pb.best_space_us:
+        if measured[0]:
+            st.measured_frac_greedy.append(pb.best_space_us / measured[0])
+        ms = [u for u in measured[best_from:] if u]
+        if ms:
+            st.measured_frac_best_of_k.append(pb.best_space_us / min(ms))
+    if outs[0].correct and outs[0].us and pb.reference_us:
+        st.speedup_greedy.append(pb.reference_us / outs[0].us)
+    timed = [o.us for o in outs[best_from:] if o.correct and o.us]
+    if timed and pb.reference_us:
+        st.speedup_best_of_k.append(pb.reference_us / min(timed))
+    if timed and pb.best_space_us:
+        st.space_frac_best_of_k.append(pb.best_space_us / min(timed))
+
+
+def evaluate_nearest(table, problems, evaluator, *, k: int, space_sources=None, log=None) -> dict[str, KindStats]:
+    """Per-kind stats of the ``"nearest"`` provider (``table``: its entries) scored exactly as
+    the policy's samples are: its first proposal stands for "greedy", and best-of-k is over its
+    first ``k`` proposals (the first included)."""
+    from sparserl_compile.nearest import NearestProvider
+    from sparserl_compile.runtime import make_problem
+    from sparserl_compile.structure import fingerprint
+
+    prov = NearestProvider(table, k=k)
+    stats: dict[str, KindStats] = {}
+    for i, (kind, pb) in enumerate(problems):
+        m = pb.matrix
+        problem = make_problem(pb.op, pb.dtype, pb.n, m.indptr, m.indices, m.shape,
+                               fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+        texts = [c.source for c in prov.candidates(problem, k)]
+        outs = evaluator(pb, texts)
+        if log is not None:
+            log(f"[eval] {pb.label} {pb.op} n={pb.n} nearest {prov.last_neighbours}: "
+                f"correct {[o.correct for o in outs]}")
+        _score(stats.setdefault(kind, KindStats()), pb, outs, texts,
+               None if space_sources is None else space_sources[i], best_from=0)
     return stats
 
 
@@ -153,7 +189,8 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     from training.rl import make_evaluator, problems_from_records
     from training.sft import default_render
 
-    records = split(load_supervision(cfg.data)).held_out
+    both = split(load_supervision(cfg.data))
+    records = both.held_out
     if cfg.ops:
         records = [r for r in records if r.op in cfg.ops.split(",")]
     if cfg.max_records:
@@ -175,7 +212,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     evaluator = make_evaluator(cfg.evaluator, cfg.workers)
     report = {"held_out_records": len(records), "k": cfg.k, "variants": {}}
     try:
-        for pair in cfg.checkpoints.split(","):
+        for pair in filter(None, cfg.checkpoints.split(",")):
             name, _, path = pair.partition("=")
             model, tok = load_policy(path or name, resolve_device(cfg.device))
             modes = [(name, True)] + ([(name + "/unconstrained", False)] if cfg.ablate_unconstrained else [])
@@ -185,6 +222,15 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
                                      space_sources=space, log=log, diverse=cfg.diverse)
                 report["variants"][label] = {kind: s.summary() for kind, s in st.items()}
                 log(f"[eval] {label}: " + json.dumps(report["variants"][label]))
+        for name in filter(None, cfg.baselines.split(",")):
+            if name != "nearest":
+                raise ValueError(f"baselines={name!r}: the only baseline is 'nearest'")
+            from training.neighbours import entries_from_records
+
+            st = evaluate_nearest(entries_from_records(both.train), problems, evaluator, k=cfg.k,
+                                  space_sources=space, log=log)
+            report["variants"]["baseline/nearest"] = {kind: s.summary() for kind, s in st.items()}
+            log("[eval] baseline/nearest: " + json.dumps(report["variants"]["baseline/nearest"]))
     finally:
         if hasattr(evaluator, "close"):
             evaluator.close()

@@ -46,3 +46,29 @@ def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
                          max_new_tokens=12, constrained=True, diverse=True)["banded"]
     fmts = [s.split("format=")[1].split()[0] for s in seen[1:]]  # after the greedy sample
     assert st.samples == 4 and len(set(fmts)) == 3
+
+
+def test_nearest_baseline_is_scored_like_the_policy():
+    """The nearest provider's first proposal is its "greedy"; best-of-k covers its first k."""
+    import numpy as np
+
+    from sparserl_compile.nearest import Entry
+    from sparserl_compile.search import SearchProvider
+    from sparserl_compile.runtime import make_problem
+    from sparserl_compile.structure import features, fingerprint
+    from training.evaluate import evaluate_nearest
+
+    m = banded(64, 2)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    space_pts = SearchProvider().candidates(
+        make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape, fingerprint(m.indptr, m.indices, m.shape), "sm_90"), 0)
+    first, second = space_pts[3], space_pts[1]
+    f = np.asarray(features(m.indptr, m.indices, m.shape).as_vector(), np.float64)
+    table = [Entry("twin", "spmv", "f32", 1, f, ((first.family, first.params, 1.0), (second.family, second.params, 2.0)))]
+    measured = [{_norm(first.source): 20.0, _norm(second.source): 10.0}]
+    st = evaluate_nearest(table, [("banded", pb)], _all_correct, k=2, space_sources=measured)["banded"]
+    summ = st.summary()
+    assert summ["samples"] == 2 and summ["records"] == 1 and summ["greedy_correct_rate"] == 1.0
+    assert summ["measured_space_fraction_greedy_geomean"] == pytest.approx(0.5)  # first pick: 20 us
+    assert summ["measured_space_fraction_best_of_k_geomean"] == pytest.approx(1.0)  # second: 10 us
+    assert st.novel == 0
