@@ -46,6 +46,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -561,7 +562,7 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
     elif _config.on_miss == "reference":
         return ReferencePlan("not in the kernel cache (on_miss='reference')")
     if _config.on_miss == "background":
-        return PendingPlan(problem, x.device, key, _background_search(problem, key, store, fp, candidates))
+        return PendingPlan(problem, x.device, key, _background_search(problem, key, store, fp, candidates, x.device))
     entry = search_entry(problem, key, candidates=candidates)
     _put(store, entry, fp)
     return _entry_plan(entry, problem, x.device, key)
@@ -603,10 +604,11 @@ class PendingPlan:
 _bg_queue = None
 
 
-def _background_search(problem, key, store, fp, candidates=None):
+def _background_search(problem, key, store, fp, candidates=None, device=None):
     """Queue ``search_entry`` for ``problem`` on the one background thread; returns a Future.
     The thread is a daemon: a search still running when the process exits is abandoned (its
-    sandbox worker is closed at exit) and nothing half-done is cached."""
+    sandbox worker is closed at exit) and nothing half-done is cached. The search runs with
+    ``device`` current (a thread starts on CUDA device 0), so its sandbox follows the product's GPU."""
     global _bg_queue
     from concurrent.futures import Future
 
@@ -619,18 +621,19 @@ def _background_search(problem, key, store, fp, candidates=None):
                              daemon=True).start()
     fut: Future = Future()
     _counts["background"] += 1
-    _bg_queue.put((fut, problem, key, store, fp, candidates))
+    _bg_queue.put((fut, problem, key, store, fp, candidates, device))
     return fut
 
 
 def _background_worker(q) -> None:
     while True:
-        fut, problem, key, store, fp, candidates = q.get()
+        fut, problem, key, store, fp, candidates, device = q.get()
         if not fut.set_running_or_notify_cancel():
             continue
         try:
-            entry = search_entry(problem, key, candidates=candidates)
-            _put(store, entry, fp)
+            with torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext():
+                entry = search_entry(problem, key, candidates=candidates)
+                _put(store, entry, fp)
         except BaseException as e:  # noqa: BLE001 - handed to the product that resolves it
             fut.set_exception(e)
         else:
