@@ -302,6 +302,10 @@ def main(argv=None) -> int:
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--epochs", type=int, default=200, help="GCN training epochs for the accuracy check")
     p.add_argument("--json", help="write results to this JSON file")
+    p.add_argument("--provider", default=None,
+                   help="--bench: where new structures' candidates come from (search | nearest | policy; "
+                        "default the runtime's, search); 'nearest' times 4 instead of 27-60 per structure")
+    p.add_argument("--k", type=int, default=0, help="--bench: candidates per structure (0: the provider's default)")
     p.add_argument("--profile", action="store_true",
                    help="--bench: also keep torch.profiler tables of the sparserl forwards and the plans")
     args = p.parse_args(argv)
@@ -309,6 +313,8 @@ def main(argv=None) -> int:
         p.error("--device cuda: no CUDA device here; use --device cpu")
     if args.bench and not torch.cuda.is_available():
         p.error("--bench times GPU inference and needs a CUDA device")
+    if args.provider or args.k:
+        sr.configure(**({"provider": args.provider} if args.provider else {}), k=args.k)
     report = accuracy_check(args.dataset, args.device, args.epochs)
     results = {"accuracy": {**asdict(report), "accuracies_equal": report.accuracies_equal}}
     print(json.dumps(results["accuracy"], indent=1))

@@ -81,3 +81,16 @@ def test_cora_accuracy_through_sparserl_equals_torch_sparse(shared_matrices):
     assert report.same_predictions, report
     # on the CPU both run torch's CSR kernel on the same float32 values
     assert report.max_abs_logit_diff <= 1e-5, report
+
+
+def test_provider_and_k_configure_the_runtime(shared_matrices, capsys):
+    if not (shared_matrices / "cora_adj.npz").is_file():
+        pytest.skip(f"{shared_matrices} has no cora_adj.npz")
+    before = sr.get_config()
+    try:
+        assert gnn.main(["--dataset", "cora", "--device", "cpu", "--epochs", "1", "--provider", "nearest",
+                         "--k", "2"]) == 0
+        assert (sr.get_config().provider, sr.get_config().k) == ("nearest", 2)
+    finally:
+        sr.configure(provider=before.provider, k=before.k)
+    assert '"accuracies_equal": true' in capsys.readouterr().out
