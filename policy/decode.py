@@ -126,12 +126,15 @@ def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None):
 @torch.no_grad()
 def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
              k: int = 1, config: DecodeConfig = DecodeConfig(),
-             grammar_text: str | None = None, forced: list[list[int]] | None = None) -> list[Rollout]:
+             grammar_text: str | None = None, forced: list[list[int]] | None = None,
+             hint: str | None = None) -> list[Rollout]:
     """k completions for one matrix (see the module docstring).
 
     ``forced``: per sample, completion tokens to write first whatever the model prefers
     (``format_diverse`` forces each sample's format this way); their log-probabilities are
     still those of the (masked) distribution, and the grammar matcher consumes them.
+    ``hint``: the retrieval hint of the prompt (``policy/retrieval.py``; policies trained with
+    hints only).
     """
     import llguidance.torch as llt
 
@@ -142,7 +145,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     eos = tokenizer.eos_token_id
-    prompt = tokenizer.encode(prompt_text(op, dtype, n))
+    prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
     gen = None
     if config.seed is not None:
         gen = torch.Generator(device=device)
@@ -213,13 +216,13 @@ def header_prefix(op: str, fmt: str) -> str:
 
 @torch.no_grad()
 def rank_formats(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
-                 formats) -> list[tuple[str, float]]:
+                 formats, hint: str | None = None) -> list[tuple[str, float]]:
     """The model's log-probability of choosing each format (teacher-forced, one batched
     forward over ``prompt + header_prefix(op, fmt)``), most likely first. The prefix ends at a
     pre-tokenizer boundary (the next header text starts with a space), so its tokens are the
     ones the model would write."""
     device = next(model.parameters()).device
-    prompt = tokenizer.encode(prompt_text(op, dtype, n))
+    prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
     seqs = [tokenizer.encode(header_prefix(op, f)) for f in formats]
     L = len(prompt) + max(len(x) for x in seqs)
     ids = torch.full((len(seqs), L), tokenizer.pad_token_id, dtype=torch.long)
@@ -239,7 +242,7 @@ def rank_formats(model, tokenizer, structure: PreparedStructure, op: str, dtype:
 
 def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
                    k: int, formats, config: DecodeConfig = DecodeConfig(greedy=True),
-                   grammar_text: str | None = None) -> list[Rollout]:
+                   grammar_text: str | None = None, hint: str | None = None) -> list[Rollout]:
     """k samples that differ in their format: the model's k most likely formats
     (``rank_formats``), each forced as the sample's header prefix, the rest written by the
     model (greedy by default). After supervised training the policy puts nearly all its mass
@@ -256,10 +259,10 @@ def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
         formats = [f for f in formats if allowed(f)]
     if not formats:
         raise ValueError(f"no format of {op}/{dtype} is allowed by the grammar")
-    ranked = rank_formats(model, tokenizer, structure, op, dtype, n, formats)[:k]
+    ranked = rank_formats(model, tokenizer, structure, op, dtype, n, formats, hint)[:k]
     forced = [tokenizer.encode(header_prefix(op, f)) for f, _ in ranked]
     rolls = generate(model, tokenizer, structure, op, dtype, n, k=len(ranked), config=config,
-                     grammar_text=grammar_text, forced=forced)
+                     grammar_text=grammar_text, forced=forced, hint=hint)
     for r, (f, lp) in zip(rolls, ranked):
         r.extra.update(format=f, format_logprob=lp)
     return rolls

@@ -76,12 +76,13 @@ class PolicyConfig(LlamaConfig):
     model_type = "sparserl_policy"
 
     def __init__(self, n_slots: int = 16, n_freqs: int = 12, n_features: int = 39,
-                 sinusoidal: bool = True, max_points: int = 1024, **kwargs):
+                 sinusoidal: bool = True, max_points: int = 1024, retrieval: bool = False, **kwargs):
         self.n_slots = n_slots
         self.n_freqs = n_freqs
         self.n_features = n_features
         self.sinusoidal = sinusoidal
         self.max_points = max_points
+        self.retrieval = retrieval  # trained with retrieval hints in the prompt (policy/retrieval.py)
         kwargs.setdefault("pad_token_id", 0)
         kwargs.setdefault("eos_token_id", 1)
         kwargs.setdefault("bos_token_id", 2)

@@ -118,13 +118,19 @@ class PolicyProvider:
                               max_points=self.model.config.max_points)
         dtype = contract.TORCH_DTYPES.get(str(problem.dtype).replace("torch.", ""), str(problem.dtype))
         n = int(getattr(problem, "n", 1) or 1)
+        hint = None
+        if getattr(self.model.config, "retrieval", False):  # trained with hints: give it one
+            from policy.retrieval import default_entries, nearest_hint
+
+            hint = nearest_hint(s.features, problem.op, dtype, n, default_entries())
         if self.diverse:
             cfg = replace(self.decode, greedy=True)
             rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
                                    plausible_formats(problem.indptr, problem.indices,
-                                                     (problem.n_rows, problem.n_cols)), config=cfg)
+                                                     (problem.n_rows, problem.n_cols)), config=cfg, hint=hint)
         else:
-            rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode)
+            rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
+                             hint=hint)
         out = []
         for r in rolls:
             self.stats.sampled += 1

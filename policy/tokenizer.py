@@ -35,9 +35,12 @@ class TokenizerSpec:
     min_frequency: int = 2  # a pair must occur this often to be merged
 
 
-def prompt_text(op: str, dtype: str, n: int) -> str:
-    """The text part of the prompt (after the structure prefix), ending with ``<|kernel|>``."""
-    return f"{STRUCTURE}op={op} dtype={dtype} n={int(n)}{KERNEL}"
+def prompt_text(op: str, dtype: str, n: int, hint: str | None = None) -> str:
+    """The text part of the prompt (after the structure prefix), ending with ``<|kernel|>``;
+    ``hint``: the nearest measured matrix's winning kernel (``policy/retrieval.py``), for
+    policies trained with hints."""
+    near = f" near={hint}" if hint else ""
+    return f"{STRUCTURE}op={op} dtype={dtype} n={int(n)}{near}{KERNEL}"
 
 
 def train_tokenizer(texts: Iterable[str], spec: TokenizerSpec = TokenizerSpec()):

@@ -91,10 +91,12 @@ def _norm(src: str) -> str:
 
 
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
-                    constrained: bool, space_sources=None, log=None, diverse: bool = False) -> dict[str, KindStats]:
+                    constrained: bool, space_sources=None, log=None, diverse: bool = False,
+                    hint_entries=None) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
-    the variant failed), or None."""
+    the variant failed), or None. ``hint_entries``: a ``nearest`` table for a policy trained
+    with retrieval hints (``model.config.retrieval``)."""
     from policy.decode import DecodeConfig, generate
     from policy.encoder import prepare_structure
 
@@ -103,18 +105,23 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
         s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
-        greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1,
+        hint = None
+        if hint_entries is not None and getattr(model.config, "retrieval", False):
+            from policy.retrieval import nearest_hint
+
+            hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries)
+        greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint,
                           config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained))
         if diverse:
             from policy.decode import format_diverse
             from policy.provider import plausible_formats
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k,
-                                     plausible_formats(m.indptr, m.indices, m.shape),
+                                     plausible_formats(m.indptr, m.indices, m.shape), hint=hint,
                                      config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens,
                                                          constrained=constrained))
         else:
-            sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k,
+            sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint,
                                config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                                                    constrained=constrained, seed=i))
         texts = [r.text for r in greedy + sampled]
@@ -210,6 +217,15 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             srcs[key] = v.us if old is None else (old if v.us is None else min(old, v.us))
         space.append(srcs)
     evaluator = make_evaluator(cfg.evaluator, cfg.workers)
+    tables: list = []
+
+    def train_entries():  # the training split as a nearest table (hints, the nearest baseline)
+        if not tables:
+            from training.neighbours import entries_from_records
+
+            tables.append(entries_from_records(both.train))
+        return tables[0]
+
     report = {"held_out_records": len(records), "k": cfg.k, "variants": {}}
     try:
         for pair in filter(None, cfg.checkpoints.split(",")):
@@ -219,15 +235,14 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             for label, constrained in modes:
                 st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,
                                      max_new_tokens=cfg.max_new_tokens, constrained=constrained,
-                                     space_sources=space, log=log, diverse=cfg.diverse)
+                                     space_sources=space, log=log, diverse=cfg.diverse,
+                                     hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None)
                 report["variants"][label] = {kind: s.summary() for kind, s in st.items()}
                 log(f"[eval] {label}: " + json.dumps(report["variants"][label]))
         for name in filter(None, cfg.baselines.split(",")):
             if name != "nearest":
                 raise ValueError(f"baselines={name!r}: the only baseline is 'nearest'")
-            from training.neighbours import entries_from_records
-
-            st = evaluate_nearest(entries_from_records(both.train), problems, evaluator, k=cfg.k,
+            st = evaluate_nearest(train_entries(), problems, evaluator, k=cfg.k,
                                   space_sources=space, log=log)
             report["variants"]["baseline/nearest"] = {kind: s.summary() for kind, s in st.items()}
             log("[eval] baseline/nearest: " + json.dumps(report["variants"]["baseline/nearest"]))

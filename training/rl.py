@@ -127,7 +127,11 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     evaluator = evaluator or make_evaluator(cfg.evaluator, cfg.workers)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
-    structs = {}
+    structs, hints, hint_entries = {}, {}, None
+    if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
+        from training.neighbours import entries_from_records
+
+        hint_entries = entries_from_records(split(load_supervision(cfg.data)).train)
     res = RLResult(str(out), state.step, state.step)
     t0 = time.perf_counter()
     for step in range(state.step, cfg.steps):
@@ -140,9 +144,14 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             if pi not in structs:
                 m = pb.matrix
                 structs[pi] = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+                if hint_entries is not None:  # from the other matrices, as in SFT
+                    from policy.retrieval import nearest_hint
+
+                    hints[pi] = nearest_hint(structs[pi].features, pb.op, pb.dtype, pb.n, hint_entries,
+                                             exclude=pb.label)
             dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               constrained=cfg.constrained, seed=cfg.seed * 7919 + step * 31 + g)
-            rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc)
+            rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hints.get(pi))
             outcomes = evaluator(pb, [r.text for r in rs])
             rolls += rs
             sts += [structs[pi]] * len(rs)

@@ -35,6 +35,8 @@ class SFTConfig:
     save_every: int = opt(200, "checkpoint every this many steps")
     device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
     time_budget_s: float = opt(0.0, "cap the steps so this run takes about this long (0 = no cap)")
+    retrieval: bool = opt(False, "prompts carry a retrieval hint: the winner of the nearest other training "
+                                 "matrix (policy/retrieval.py); the checkpoint is marked config.retrieval")
 
     @classmethod
     def tiny(cls, init: str, data: str, out_dir: str) -> "SFTConfig":
@@ -60,10 +62,13 @@ def ranked_variants(record, top: int):
     return ok[:max(1, top)]
 
 
-def build_examples(records, tokenizer, max_points: int, render=default_render, log=print, top: int = 1):
+def build_examples(records, tokenizer, max_points: int, render=default_render, log=print, top: int = 1,
+                   hint_entries=None):
     """``LMExample``s for records (matrices loaded once each): one per distinct rendered source
     among each record's ``top`` fastest verified variants. Records without a verified variant
-    or whose fastest variant fails to render are skipped and counted."""
+    or whose fastest variant fails to render are skipped and counted. ``hint_entries``: a
+    ``nearest`` table; each prompt then carries the winner of the nearest entry of *another*
+    matrix (``policy.retrieval.nearest_hint(..., exclude=label)``)."""
     from policy.decode import completion_ids
     from policy.encoder import prepare_structure
     from policy.tokenizer import prompt_text
@@ -80,6 +85,11 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             m = r.matrix.load()
             cache[r.matrix] = (m, prepare_structure(m.indptr, m.indices, m.shape, max_points=max_points))
         m, s = cache[r.matrix]
+        hint = None
+        if hint_entries is not None:
+            from policy.retrieval import nearest_hint
+
+            hint = nearest_hint(s.features, r.op, r.dtype, r.n, hint_entries, exclude=r.matrix.label)
         seen: set[str] = set()
         for rank, v in enumerate(variants):
             try:
@@ -91,7 +101,7 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             if src in seen:
                 continue
             seen.add(src)
-            out.append(LMExample(tokenizer.encode(prompt_text(r.op, r.dtype, r.n)),
+            out.append(LMExample(tokenizer.encode(prompt_text(r.op, r.dtype, r.n, hint)),
                                  completion_ids(tokenizer, src), s))
     return out, skipped
 
@@ -118,8 +128,15 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     model, tok = load_policy(src)
     parts = split(load_supervision(cfg.data))
     log(f"[sft] {cfg.data}: {parts.summary()}")
-    train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log, cfg.top_variants)
-    held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log)
+    entries = None
+    if cfg.retrieval or getattr(model.config, "retrieval", False):
+        from training.neighbours import entries_from_records
+
+        entries = entries_from_records(parts.train)
+        model.config.retrieval = True  # saved with the checkpoint: the provider and eval give hints
+    train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log, cfg.top_variants,
+                                   hint_entries=entries)
+    held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log, hint_entries=entries)
     log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
     if not train:
         raise ValueError(f"{cfg.data}: no training examples (every record held out or without a verified variant)")

@@ -1,0 +1,45 @@
+"""Retrieval hints: the kernel that won on the most alike measured matrix, named in the prompt.
+
+A policy trained with hints (``SFTConfig.retrieval``; ``model.config.retrieval`` is then True)
+reads ``near=<family>[k=v]...`` in its prompt (``tokenizer.prompt_text``): the fastest variant
+of the nearest entry of a ``sparserl_compile.nearest`` table (same op and dtype; distance of
+structure features and widths). The model still writes the whole kernel and may choose another
+one; the hint is evidence, as a retrieved document is for a retrieval-augmented LM.
+
+Where the table comes from, by use:
+
+* SFT: the training split's own records, each record's hint taken from the *other* matrices
+  (``exclude`` its own label), so training hints are as informative as they will be on an
+  unseen matrix, never the answer itself;
+* ``sparserl eval``: the training split (the held-out matrices are not in it);
+* the runtime (``PolicyProvider``): the table the ``"nearest"`` provider ships.
+"""
+
+from __future__ import annotations
+
+
+def hint_name(family: str, params) -> str:
+    """A kernel-space point as the prompt names it (``contract.Candidate.name``'s spelling)."""
+    return family + "".join(f"[{k}={v}]" for k, v in params)
+
+
+def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | None = None) -> str | None:
+    """The hint for a problem: the nearest other entry's winner, or None if no entry fits."""
+    from sparserl_compile.nearest import proposals
+
+    pool = [e for e in entries if e.label != exclude] if exclude is not None else entries
+    keys = proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))
+    return hint_name(*keys[0]) if keys else None
+
+
+_default_entries = None
+
+
+def default_entries():
+    """The shipped ``"nearest"`` table (loaded once)."""
+    global _default_entries
+    if _default_entries is None:
+        from sparserl_compile.nearest import load_table
+
+        _default_entries = load_table()
+    return _default_entries
