@@ -1,0 +1,103 @@
+"""Retrieval hints: the prompt, the nearest other matrix's winner, and who passes them."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from policy import retrieval
+from policy.tokenizer import KERNEL, STRUCTURE, prompt_text
+from sparserl_compile.nearest import Entry
+
+
+def entry(label, feats, family, params, op="spmv", n=1):
+    return Entry(label, op, "f32", n, np.asarray(feats, np.float64), ((family, tuple(sorted(params.items())), 1.0),))
+
+
+def test_prompt_names_the_hint_only_when_given():
+    assert prompt_text("spmv", "f32", 1) == f"{STRUCTURE}op=spmv dtype=f32 n=1{KERNEL}"
+    assert prompt_text("spmm", "f32", 32, "csr_vector[block=128][tpr=8]") == \
+        f"{STRUCTURE}op=spmm dtype=f32 n=32 near=csr_vector[block=128][tpr=8]{KERNEL}"
+
+
+def test_nearest_hint_skips_the_matrix_itself_and_other_ops():
+    table = [entry("self", [1.0, 1.0], "csr_scalar", {"block": 64}),
+             entry("other", [1.5, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
+             entry("far", [9.0, 9.0], "ell", {}),
+             entry("spmm", [1.0, 1.0], "csr_rowgroup", {"g": 8}, op="spmm", n=32)]
+    assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f32", 1, table) == "csr_scalar[block=64]"
+    assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f32", 1, table, exclude="self") == \
+        "csr_vector[block=128][tpr=8]"
+    assert retrieval.nearest_hint([1.0, 1.0], "spmm", "f32", 32, table) == "csr_rowgroup[g=8]"
+    assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f16", 1, table) is None
+
+
+def test_sft_examples_carry_hints_from_other_matrices(tiny_tok):
+    from training import data
+    from training.neighbours import entries_from_records
+    from training.sft import build_examples
+
+    def rec(n, family):
+        return data.SupervisionRecord(data.MatrixRef("generated", "banded", (("half_bandwidth", 1), ("n", n))),
+                                      "spmv", "f32", 1, (data.Variant(family, (("block", 128),), 1.0),))
+
+    recs = [rec(40, "csr_scalar"), rec(48, "csr_vector_absent")]
+    entries = entries_from_records(recs)
+    rendered = []
+
+    def render(family, op, dtype, params, m):
+        rendered.append(family)
+        return "// kernel\n"
+
+    ex, skipped = build_examples(recs, tiny_tok, 64, render=render, log=lambda *_: None, hint_entries=entries)
+    assert skipped == 0 and len(ex) == 2
+    prompts = [tiny_tok.decode(e.prompt_ids) for e in ex]
+    # each record's hint is the *other* matrix's winner, never its own answer
+    assert "near=csr_vector_absent[block=128]" in prompts[0] and "near=csr_scalar[block=128]" in prompts[1]
+    plain, _ = build_examples(recs, tiny_tok, 64, render=render, log=lambda *_: None)
+    assert all("near=" not in tiny_tok.decode(e.prompt_ids) for e in plain)
+
+
+def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkeypatch):
+    from policy import provider as prov_mod
+    from policy.decode import DecodeConfig
+    from sparserl_compile.matrices import banded
+
+    seen = []
+    real = prov_mod.generate
+
+    def spy(*a, hint=None, **kw):
+        seen.append(hint)
+        return real(*a, hint=hint, **kw)
+
+    monkeypatch.setattr(prov_mod, "generate", spy)
+    m = banded(32, 1)
+    feats = prov_mod.prepare_structure(m.indptr, m.indices, m.shape).features
+    monkeypatch.setattr(retrieval, "default_entries", lambda: [entry("t", feats, "csr_scalar", {"block": 256})])
+
+    class P:
+        op, dtype, n = "spmv", "f32", 1
+        n_rows, n_cols, nnz = m.shape[0], m.shape[1], m.nnz
+        indptr, indices, fingerprint, arch = m.indptr, m.indices, "x", "cpu"
+
+    plain = prov_mod.PolicyProvider(model=tiny_model, tokenizer=tiny_tok, decode=DecodeConfig(max_new_tokens=4))
+    plain.candidates(P(), 1)
+    rag_model = copy.deepcopy(tiny_model)
+    rag_model.config.retrieval = True
+    prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok, decode=DecodeConfig(max_new_tokens=4)).candidates(P(), 1)
+    assert seen == [None, "csr_scalar[block=256]"]
+
+
+def test_retrieval_flag_round_trips_through_a_checkpoint(tiny_model, tiny_tok, tmp_path):
+    from policy.model import load_policy, save_policy
+
+    m = copy.deepcopy(tiny_model)
+    m.config.retrieval = True
+    save_policy(m, tiny_tok, tmp_path)
+    back, _ = load_policy(tmp_path, "cpu")
+    assert back.config.retrieval is True
+    save_policy(tiny_model, tiny_tok, tmp_path / "plain")
+    assert load_policy(tmp_path / "plain", "cpu")[0].config.retrieval is False
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
