@@ -134,40 +134,51 @@ def _worker(rank: int, ws: int, init_file: str, real: str | None) -> None:
     try:
         for k, v in MULTICAST_OFF_ENV.items():
             assert os.environ[k] == v
-        for name, A, col_ranges in _cases(ws, real):
-            A = A.astype(np.float32)
-            D = DistributedSparseMatrix.from_scipy(A, col_ranges=col_ranges)
-            p = D.plan
-            # the plan is what the block needs: every outside column, nothing else
-            cols = np.unique(A[p.rows.start:p.rows.stop].indices)
-            outside = cols[(cols < p.cols.start) | (cols >= p.cols.stop)]
-            np.testing.assert_array_equal(p.halo_cols, outside)
-            rng = np.random.default_rng(7)  # same X on every rank
-            A64 = A.astype(np.float64)
-            for X in (rng.standard_normal((A.shape[1], 5)), rng.standard_normal(A.shape[1])):
-                X32 = torch.from_numpy(X.astype(np.float32))
-                y = D.gather(D @ D.local_rows(X32))
-                want = A64 @ X.astype(np.float32).astype(np.float64)
-                scale = abs(A64) @ abs(X)
-                err = np.abs(y.numpy().astype(np.float64) - want)
-                assert y.shape == want.shape and np.all(err <= 1e-5 * scale + 1e-6), (name, rank, err.max())
-            # gradient w.r.t. this rank's rows of X is (A^T G) on those rows
-            G = rng.standard_normal((A.shape[0], 4))
-            X = rng.standard_normal((A.shape[1], 4))
-            x_local = D.local_rows(torch.from_numpy(X.astype(np.float32))).clone().requires_grad_(True)
-            y_local = D @ x_local
-            (y_local * torch.from_numpy(G[p.rows.start:p.rows.stop].astype(np.float32))).sum().backward()
-            want_grad = (A64.T @ G)[p.cols.start:p.cols.stop]
-            np.testing.assert_allclose(x_local.grad.numpy(), want_grad, rtol=1e-4, atol=1e-4)
-            s = D.stats
-            assert s.calls == 3 and 0.0 <= s.comm_share <= 1.0
-            assert s.rows_received == 3 * p.n_halo and s.bytes_received == p.n_halo * 4 * (5 + 1 + 4)
-            if name == "stencil2d":  # a 2-D grid split in row blocks always has a halo
-                assert p.n_halo > 0 and p.any_exchange
+        _check_cases(rank, ws, real)
     finally:
+        import gc
+
         import torch.distributed as dist
 
+        # tear down only once every object holding the group is gone and both ranks are done:
+        # a gloo group destroyed while its peer is still connected, or freed late at
+        # interpreter exit, aborts now and then ("terminate called without an active exception")
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def _check_cases(rank: int, ws: int, real: str | None) -> None:
+    for name, A, col_ranges in _cases(ws, real):
+        A = A.astype(np.float32)
+        D = DistributedSparseMatrix.from_scipy(A, col_ranges=col_ranges)
+        p = D.plan
+        # the plan is what the block needs: every outside column, nothing else
+        cols = np.unique(A[p.rows.start:p.rows.stop].indices)
+        outside = cols[(cols < p.cols.start) | (cols >= p.cols.stop)]
+        np.testing.assert_array_equal(p.halo_cols, outside)
+        rng = np.random.default_rng(7)  # same X on every rank
+        A64 = A.astype(np.float64)
+        for X in (rng.standard_normal((A.shape[1], 5)), rng.standard_normal(A.shape[1])):
+            X32 = torch.from_numpy(X.astype(np.float32))
+            y = D.gather(D @ D.local_rows(X32))
+            want = A64 @ X.astype(np.float32).astype(np.float64)
+            scale = abs(A64) @ abs(X)
+            err = np.abs(y.numpy().astype(np.float64) - want)
+            assert y.shape == want.shape and np.all(err <= 1e-5 * scale + 1e-6), (name, rank, err.max())
+        # gradient w.r.t. this rank's rows of X is (A^T G) on those rows
+        G = rng.standard_normal((A.shape[0], 4))
+        X = rng.standard_normal((A.shape[1], 4))
+        x_local = D.local_rows(torch.from_numpy(X.astype(np.float32))).clone().requires_grad_(True)
+        y_local = D @ x_local
+        (y_local * torch.from_numpy(G[p.rows.start:p.rows.stop].astype(np.float32))).sum().backward()
+        want_grad = (A64.T @ G)[p.cols.start:p.cols.stop]
+        np.testing.assert_allclose(x_local.grad.numpy(), want_grad, rtol=1e-4, atol=1e-4)
+        s = D.stats
+        assert s.calls == 3 and 0.0 <= s.comm_share <= 1.0
+        assert s.rows_received == 3 * p.n_halo and s.bytes_received == p.n_halo * 4 * (5 + 1 + 4)
+        if name == "stencil2d":  # a 2-D grid split in row blocks always has a halo
+            assert p.n_halo > 0 and p.any_exchange
 
 
 @pytest.mark.parametrize("ws", [2, 3])
