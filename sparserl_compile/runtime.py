@@ -343,6 +343,9 @@ def kernels_possible(device: torch.device) -> bool:
 def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
     """``A @ x`` for ``op`` in ("spmv", "spmm"), through the plan table (see module doc)."""
     _counts["calls"] += 1
+    if x.numel() == 0:  # an empty dense operand (e.g. a batch of none): zeros, and no plan
+        _counts["reference_calls"] += 1  # for the width bucket it shares with real calls
+        return reference_product(crow, col, val, x, n_rows, n_cols)
     n = 1 if x.dim() == 1 else int(x.shape[1])
     key = (fp, op, width_bucket(n), val.dtype, device_arch(x.device))
     plan = _table.get(key)

@@ -339,6 +339,16 @@ def test_on_miss_background_failure_falls_back_and_logs_once(gated_search, caplo
     assert len([r for r in caplog.records if "sandbox worker died" in r.getMessage()]) == 1
 
 
+def test_an_empty_dense_operand_neither_launches_nor_spoils_the_plan(kernels_on_cpu):
+    m = matrix()
+    a = S.sparsify(m)
+    k = FakeKernel(fail=True)  # a launch would fail, and a failure replaces the plan for good
+    key = install_kernel_plan(a, 1, k)
+    y = a @ torch.empty(20, 0)  # width 0 shares the width-1 bucket
+    assert y.shape == (30, 0) and k.launches == 0
+    assert runtime.plans()[key].kind == "kernel" and runtime.stats().fallbacks == 0
+
+
 @pytest.mark.gpu
 def test_cuda_reference_and_plan_key():
     m = matrix(200, 150, seed=2)
