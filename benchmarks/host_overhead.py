@@ -56,9 +56,9 @@ def linear_rows(device: str, noop: bool) -> None:
         x = torch.randn(tokens, 1, wd.shape[1], device=device)
         F.linear(x, ws)  # plan it (on the GPU: search, verify, cache)
         if noop:  # CPU: every plan of this weight launches nothing (the Python path alone)
-            for key, plan in list(runtime._table.items()):
+            for key in list(runtime._table):
                 if key[0] == ws.fingerprint:
-                    runtime._table[key] = _noop_plan(ws, plan)
+                    runtime._table[key] = _noop_plan(ws, "spmm", key[2])
         rows = [("sparserl F.linear", lambda: F.linear(x, ws)), ("dense F.linear", lambda: F.linear(x, wd))]
         if device == "cuda":
             x2 = x.reshape(tokens, -1)
@@ -70,12 +70,10 @@ def linear_rows(device: str, noop: bool) -> None:
             print(f"  {tokens:2d} token(s) {name:22s}: {us:7.1f} us host per call")
 
 
-def _noop_plan(ws, plan):
-    if plan.kind == "kernel":
-        plan.kernel, plan._bound = _NoopKernel(), None
-        return plan
-    cand = next(c for c in kernels.space("spmm", "f32", n=16) if c.header.format == "csr")
-    fd = formats.convert(ws.crow.numpy(), ws.col.numpy(), (ws.n_rows, ws.n_cols), "csr")
+def _noop_plan(a, op: str, n: int) -> runtime.KernelPlan:
+    """A checked CSR kernel plan for ``a`` (CPU tensors) whose launch does nothing."""
+    cand = next(c for c in kernels.space(op, "f32", n=n) if c.header.format == "csr")
+    fd = formats.convert(a.crow.numpy(), a.col.numpy(), (a.n_rows, a.n_cols), "csr")
     p = runtime.KernelPlan(cand.header, _NoopKernel(), fd, formats.to_device(fd, "cpu"), cand.source)
     p.checked = True
     return p
@@ -85,11 +83,7 @@ def cpu(side: int) -> None:
     torch.set_num_threads(1)
     m = matrices.stencil2d(side)
     a = S.sparsify(m)
-    cand = next(c for c in kernels.space("spmv", "f32") if c.header.format == "csr")
-    fd = formats.convert(m.indptr, m.indices, m.shape, "csr")
-    plan = runtime.KernelPlan(cand.header, _NoopKernel(), fd, formats.to_device(fd, "cpu"), cand.source)
-    plan.checked = True
-    runtime._table[(a.fingerprint, "spmv", 1, a.val.dtype, "cpu")] = plan
+    runtime._table[(a.fingerprint, "spmv", 1, a.val.dtype, "cpu")] = _noop_plan(a, "spmv", 1)
     x = torch.randn(m.shape[1])
     native = torch.sparse_csr_tensor(a.crow, a.col, a.val, m.shape)
     print(f"stencil2d({side}), {m.nnz} nonzeros, CPU, one thread")

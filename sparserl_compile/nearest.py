@@ -68,10 +68,21 @@ def point_key(family: str | None, params) -> tuple:
     return (family, tuple(sorted(dict(params).items())))
 
 
-def proposals(entries: list[Entry], features, op: str, dtype: str, n: int) -> list[tuple]:
-    """Point keys in the order the module docstring gives (nearest entries' winners first)."""
+def nearest_entries(entries: list[Entry], features, op: str, dtype: str, n: int) -> list[Entry]:
+    """The entries of this op and dtype, nearest first (``distance``)."""
     alike = [e for e in entries if e.op == op and e.dtype == dtype]
     alike.sort(key=lambda e: distance(features, n, e.features, e.n))
+    return alike
+
+
+def proposals(entries: list[Entry], features, op: str, dtype: str, n: int) -> list[tuple]:
+    """Point keys in the order the module docstring gives (nearest entries' winners first)."""
+    return winners(nearest_entries(entries, features, op, dtype, n))
+
+
+def winners(alike: list[Entry]) -> list[tuple]:
+    """Point keys of entries given nearest first: every entry's fastest, then every entry's
+    second fastest, and so on, without repeats."""
     out, seen = [], set()
     depth = max((len(e.ranked) for e in alike), default=0)
     for d in range(depth):
@@ -136,11 +147,9 @@ class NearestProvider:
         n = 1 if problem.op == "spmv" else int(problem.n)
         space = SearchProvider().candidates(problem, 0)
         by_key = {point_key(c.family, c.params): c for c in space}
-        picked = [by_key[key] for key in proposals(self.entries, feats, problem.op, problem.dtype, n)
-                  if key in by_key][:k]
-        alike = sorted((e for e in self.entries if e.op == problem.op and e.dtype == problem.dtype),
-                       key=lambda e: distance(feats, n, e.features, e.n))
+        alike = nearest_entries(self.entries, feats, problem.op, problem.dtype, n)
         self.last_neighbours = [e.label for e in alike[:3]]
+        picked = [by_key[key] for key in winners(alike) if key in by_key][:k]
         for c in space:  # too few matched: the search's own order fills the rest
             if len(picked) >= k:
                 break
@@ -149,5 +158,5 @@ class NearestProvider:
         return picked
 
 
-__all__ = ["NearestProvider", "Entry", "distance", "proposals", "load_table", "save_table", "TABLE",
-           "point_key", "DEFAULT_K"]
+__all__ = ["NearestProvider", "Entry", "distance", "nearest_entries", "proposals", "winners", "load_table",
+           "save_table", "TABLE", "point_key", "DEFAULT_K"]

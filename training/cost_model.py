@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sparserl_compile.nearest import signed_log
+
 DEFAULT_PATH = Path(__file__).resolve().parent / "data" / "cost_model.json"
 
 
@@ -33,10 +35,6 @@ class FitReport:
     note: str = ""
 
 
-def _feat(x: np.ndarray) -> np.ndarray:
-    return np.sign(x) * np.log1p(np.abs(x))
-
-
 class CostModel:
     def __init__(self, families: list[str], params: list[str], weights: np.ndarray | None = None,
                  mean: np.ndarray | None = None, std: np.ndarray | None = None):
@@ -46,7 +44,7 @@ class CostModel:
     def row(self, features: np.ndarray, family: str, params: dict, n: int) -> np.ndarray:
         oh = np.array([float(family == f) for f in self.families])
         pv = np.array([math.log2(1 + abs(float(params.get(p, 0)))) for p in self.params])
-        return np.concatenate([_feat(np.asarray(features, np.float64)), oh, pv, [math.log2(max(n, 1)), 1.0]])
+        return np.concatenate([signed_log(features), oh, pv, [math.log2(max(n, 1)), 1.0]])
 
     @classmethod
     def fit(cls, rows: list[tuple[np.ndarray, str, dict, int, float, bool]], ridge: float = 1e-2):

@@ -55,6 +55,11 @@ class EvalConfig:
                                "(policy.decode.format_diverse), instead of k temperature samples")
 
 
+def geomean(xs) -> float | None:
+    """Geometric mean of positive numbers (None for none)."""
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
 @dataclass
 class KindStats:
     samples: int = 0
@@ -70,19 +75,18 @@ class KindStats:
     records: int = 0
 
     def summary(self) -> dict:
-        g = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None  # noqa: E731
         return {"samples": self.samples,
                 "compile_rate": self.compiled / self.samples if self.samples else None,
                 "correct_rate": self.correct / self.samples if self.samples else None,
                 "novel_rate": self.novel / self.correct if self.correct else None,
-                "speedup_greedy_geomean": g(self.speedup_greedy),
-                "speedup_best_of_k_geomean": g(self.speedup_best_of_k),
-                "space_best_fraction_geomean": g(self.space_frac_best_of_k),
+                "speedup_greedy_geomean": geomean(self.speedup_greedy),
+                "speedup_best_of_k_geomean": geomean(self.speedup_best_of_k),
+                "space_best_fraction_geomean": geomean(self.space_frac_best_of_k),
                 "records": self.records,
                 "greedy_correct_rate": self.greedy_correct / self.records if self.records else None,
-                "measured_space_fraction_greedy_geomean": g(self.measured_frac_greedy),
+                "measured_space_fraction_greedy_geomean": geomean(self.measured_frac_greedy),
                 "measured_space_fraction_greedy_n": len(self.measured_frac_greedy),
-                "measured_space_fraction_best_of_k_geomean": g(self.measured_frac_best_of_k),
+                "measured_space_fraction_best_of_k_geomean": geomean(self.measured_frac_best_of_k),
                 "measured_space_fraction_best_of_k_n": len(self.measured_frac_best_of_k)}
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import defaultdict
 
 from training import data
+from training.evaluate import geomean
 
 DEFAULT_DATA = "training/data/h200_supervision_2026-12-02.jsonl.gz"
 KS = (1, 2, 4, 8)
@@ -48,10 +48,6 @@ def entries_from_records(records, feats: dict | None = None):
         out.append(Entry(r.matrix.label, r.op, r.dtype, r.n, feats[r.matrix],
                          tuple((v.family, tuple(sorted(v.params)), float(v.us)) for v in ok)))
     return out
-
-
-def _geomean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def best_of_k(record, ranked_keys, k: int) -> float | None:
@@ -87,7 +83,7 @@ def offline_eval(train, held_out, ks=KS) -> dict:
             key = point_key(v.family, v.params)
             fr = [f for t in train if t.op == r.op for f in [best_of_k(t, [key], 1)] if f is not None]
             if len(fr) >= 3:
-                single[key] = _geomean(fr)
+                single[key] = geomean(fr)
         orders["best_single_point"] = sorted(single, key=single.get, reverse=True)
         for name, order in orders.items():
             for k in ks:
@@ -101,8 +97,8 @@ def offline_eval(train, held_out, ks=KS) -> dict:
         "records": len(ev), "table_entries": len(table),
         "cost_model_fit": {"median_rel_err": fit.median_rel_err, "p90_rel_err": fit.p90_rel_err,
                            "note": "fitted on the training split; its held-out rows are the test set"},
-        "fraction_of_space_best": {m: {str(k): _geomean(v) for k, v in ks_.items()} for m, ks_ in methods.items()},
-        "greedy_by_kind": {kind: {m: _geomean(v) for m, v in ms.items()} for kind, ms in sorted(by_kind.items())},
+        "fraction_of_space_best": {m: {str(k): geomean(v) for k, v in ks_.items()} for m, ks_ in methods.items()},
+        "greedy_by_kind": {kind: {m: geomean(v) for m, v in ms.items()} for kind, ms in sorted(by_kind.items())},
     }
 
 
