@@ -95,6 +95,48 @@ GENERATED: tuple[MatrixSpec, ...] = (
 )
 
 
+#: a wider, smaller grid of generated matrices (1e4 to ~3e6 nonzeros, every generator, shapes and
+#: densities the scale-up suite lacks: rectangular, very short and long rows, skewed R-MAT, random
+#: geometric), measured for the policy's supervision data; about one in five is held out
+#: (``training/data.py:is_held_out``)
+GRID: tuple[MatrixSpec, ...] = (
+    _g("g_stencil2d_50", "stencil", "stencil2d", 12_300, n=50, seed=1),
+    _g("g_stencil2d_150", "stencil", "stencil2d", 111_400, n=150, seed=1),
+    _g("g_stencil2d_400", "stencil", "stencil2d", 798_400, n=400, seed=1),
+    _g("g_stencil3d_12", "stencil", "stencil3d", 11_200, n=12, seed=1),
+    _g("g_stencil3d_30", "stencil", "stencil3d", 183_600, n=30, seed=1),
+    _g("g_stencil3d_70", "stencil", "stencil3d", 2_381_000, n=70, seed=1),
+    _g("g_banded_50k_b1", "banded", "banded", 150_000, n=50_000, half_bandwidth=1, seed=1),
+    _g("g_banded_50k_b4_half", "banded", "banded", 225_000, n=50_000, half_bandwidth=4, fill=0.5, seed=1),
+    _g("g_banded_20k_b16", "banded", "banded", 660_000, n=20_000, half_bandwidth=16, seed=1),
+    _g("g_banded_300k_b3", "banded", "banded", 2_100_000, n=300_000, half_bandwidth=3, seed=1),
+    _g("g_blockdiag_5000x4", "block", "block_diagonal", 80_000, n_blocks=5000, block=4, seed=1),
+    _g("g_blockdiag_2000x8_half", "block", "block_diagonal", 64_000, n_blocks=2000, block=8, density=0.5, seed=1),
+    _g("g_blockdiag_400x64", "block", "block_diagonal", 1_638_400, n_blocks=400, block=64, seed=1),
+    _g("g_blockrandom_2x2", "block", "block_random", 320_000, n_brows=20_000, n_bcols=20_000, R=2, C=2,
+       blocks_per_row=4, seed=1),
+    _g("g_blockrandom_8x8", "block", "block_random", 768_000, n_brows=4_000, n_bcols=4_000, R=8, C=8,
+       blocks_per_row=3, seed=1),
+    _g("g_blockrandom_4x4_wide", "block", "block_random", 800_000, n_brows=10_000, n_bcols=100_000, R=4, C=4,
+       blocks_per_row=5, seed=1),
+    _g("g_uniform_50k_d2", "random", "uniform_random", 100_000, n_rows=50_000, n_cols=50_000, per_row=2, seed=1),
+    _g("g_uniform_20k_d32", "random", "uniform_random", 640_000, n_rows=20_000, n_cols=20_000, per_row=32, seed=1),
+    _g("g_uniform_tall", "random", "uniform_random", 800_000, n_rows=200_000, n_cols=5_000, per_row=4, seed=1),
+    _g("g_uniform_wide", "random", "uniform_random", 640_000, n_rows=5_000, n_cols=500_000, per_row=128, seed=1),
+    _g("g_uniform_100k_d24", "random", "uniform_random", 2_400_000, n_rows=100_000, n_cols=100_000, per_row=24,
+       seed=1),
+    _g("g_rmat_s12_e16", "powerlaw", "rmat", 53_000, scale=12, edge_factor=16, seed=1),
+    _g("g_rmat_s16_e4", "powerlaw", "rmat", 260_000, scale=16, edge_factor=4, seed=1),
+    _g("g_rmat_s15_e32_skew", "powerlaw", "rmat", 590_000, scale=15, edge_factor=32, a=0.7, b=0.1, c=0.1,
+       seed=1),
+    _g("g_rmat_s17_e8", "powerlaw", "rmat", 1_000_000, scale=17, edge_factor=8, seed=1),
+    _g("g_rmat_s19_e4", "powerlaw", "rmat", 2_000_000, scale=19, edge_factor=4, seed=1),
+    _g("g_rgg_20k_d8", "geometric", "random_geometric", 160_000, n=20_000, avg_degree=8, seed=1),
+    _g("g_rgg_100k_d40", "geometric", "random_geometric", 4_000_000, n=100_000, avg_degree=40, seed=1),
+    _g("g_rgg_200k_d12", "geometric", "random_geometric", 2_400_000, n=200_000, avg_degree=12, seed=1),
+)
+
+
 def shared_specs() -> list[MatrixSpec]:
     from sparserl_compile import matrices
 
@@ -107,12 +149,14 @@ def shared_specs() -> list[MatrixSpec]:
 
 def suite_specs(which: str, *, quick: bool = False, max_nnz: int | None = None,
                 names: list[str] | None = None) -> list[MatrixSpec]:
-    """Matrices of ``which`` ("generated" | "shared" | "all"), smallest first."""
-    if which not in ("generated", "shared", "all"):
-        raise ValueError(f"--suite {which!r}: use generated, shared or all")
+    """Matrices of ``which`` ("generated" | "grid" | "shared" | "all"), smallest first."""
+    if which not in ("generated", "grid", "shared", "all"):
+        raise ValueError(f"--suite {which!r}: use generated, grid, shared or all")
     specs = []
     if which in ("generated", "all"):
         specs += list(GENERATED)
+    if which in ("grid", "all"):
+        specs += list(GRID)
     if which in ("shared", "all"):
         specs += shared_specs()
     if quick:
@@ -359,7 +403,8 @@ def _summary_line(r: dict) -> str:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark the kernel space against torch.sparse; "
                                             "writes results JSON and the policy's supervision data")
-    p.add_argument("--suite", default="all", choices=("generated", "shared", "all"))
+    p.add_argument("--suite", default="all", choices=("generated", "grid", "shared", "all"),
+                   help="generated: the scale-up suite; grid: the wider small grid (supervision data)")
     p.add_argument("--quick", action="store_true", help="a small subset (a few minutes on an H200)")
     p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
     p.add_argument("--widths", default="8,32,128", help="SpMM dense widths N")
