@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bench", action="store_true", help="time inference (needs a GPU)")
     p.add_argument("--graphs", default="cora,citeseer,rmat:18:8,rgg:1000000:10")
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--hidden", default="128", help="hidden size(s), a comma list, e.g. 64,256 (--bench)")
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--epochs", type=int, default=200, help="GCN training epochs for the accuracy check")
     p.add_argument("--json", help="write results to this JSON file")
@@ -309,6 +309,12 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="--bench: also keep torch.profiler tables of the sparserl forwards and the plans")
     args = p.parse_args(argv)
+    try:
+        hiddens = [int(h) for h in str(args.hidden).split(",") if h.strip()]
+    except ValueError:
+        p.error(f"--hidden {args.hidden!r}: give sizes as integers, e.g. 64,256")
+    if not hiddens or min(hiddens) < 1:
+        p.error(f"--hidden {args.hidden!r}: give at least one positive size")
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here; use --device cpu")
     if args.bench and not torch.cuda.is_available():
@@ -323,11 +329,13 @@ def main(argv=None) -> int:
     if args.bench:
         rows = []
         for g in args.graphs.split(","):
-            t0 = time.time()
-            rows.extend(bench_graph(g, args.hidden, args.features, args.profile))
-            print(f"# {g}: {time.time() - t0:.1f}s", file=sys.stderr)
-        results["bench"] = rows
-        keys = ["graph", "model", "nnz", "torch_sparse_eager_us", "torch_compile_default_us",
+            for hidden in hiddens:
+                t0 = time.time()
+                rows.extend(bench_graph(g, hidden, args.features, args.profile))
+                print(f"# {g} hidden {hidden}: {time.time() - t0:.1f}s", file=sys.stderr)
+                results["bench"] = rows
+                _write(args.json, results)  # as it goes: a run cut short keeps what it measured
+        keys = ["graph", "model", "hidden", "nnz", "torch_sparse_eager_us", "torch_compile_default_us",
                 "pyg_us", "sparserl_eager_us", "sparserl_compiled_us", "sparserl_compiled_cudagraphs_us"]
         print(" | ".join(keys))
         for r in rows:
@@ -335,10 +343,14 @@ def main(argv=None) -> int:
         for r in rows if args.profile else ():
             print(f"\n## {r['graph']} {r['model']}: plans {r.get('plans')}")
             print(r.get("sparserl_compiled_profile", ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _write(args.json, results)
     return 0 if report.accuracies_equal else 1
+
+
+def _write(path: str | None, results: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
