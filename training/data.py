@@ -3,7 +3,8 @@
 Two JSON-lines formats are read (plain or ``.gz``), line by line, and may be mixed:
 
 1. The H200 benchmark's per-variant lines (``sparserl_compile/suite.py``; the real file is
-   ``training/data/h200_supervision_2026-12-02.jsonl.gz``), one line per (matrix, op, n,
+   ``training/data/h200_supervision_2026-12-02.jsonl.gz`` and
+   ``h200_grid_supervision_2026-12-03.jsonl.gz`` beside it), one line per (matrix, op, n,
    kernel variant)::
 
     {"matrix": {"source": "generated", "generator": "stencil2d", "args": {"n": 100, "seed": 0}, "seed": 0}
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -182,10 +184,20 @@ def _read_lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def load_supervision(path: str | Path) -> list[SupervisionRecord]:
-    """Read a supervision file (JSON lines, optionally gzipped, either format of the module
-    docstring); errors name the line. Grouped records come first, then the grouped
+#: the H200 supervision files every stage reads by default (the scale-up and shared suite of
+#: 2026-12-02, the generated grid of 2026-12-03); ``--data`` takes such a comma list
+DEFAULT_SUPERVISION = ("training/data/h200_supervision_2026-12-02.jsonl.gz,"
+                       "training/data/h200_grid_supervision_2026-12-03.jsonl.gz")
+
+
+def load_supervision(path: str | Path | Sequence[str | Path]) -> list[SupervisionRecord]:
+    """Read supervision files (JSON lines, optionally gzipped, either format of the module
+    docstring): one path, a comma list of paths or a sequence of them, records in file order;
+    errors name the file and line. Within a file grouped records come first, then the grouped
     per-variant lines."""
+    if isinstance(path, (list, tuple)) or (isinstance(path, str) and "," in path):
+        parts = [p for p in (path.split(",") if isinstance(path, str) else path) if str(p).strip()]
+        return [r for p in parts for r in load_supervision(Path(str(p).strip()))]
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"supervision file {path} does not exist (see docs/training.md, 'Data')")

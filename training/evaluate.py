@@ -33,12 +33,13 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from training.config import opt, resolve_device
+from training.data import DEFAULT_SUPERVISION
 
 
 @dataclass
 class EvalConfig:
     checkpoints: str = opt("policy=runs/rl", "comma-separated name=folder pairs to compare (e.g. rl=runs/rl,no_rl=runs/sft)")
-    data: str = opt("training/data/h200_supervision_2026-12-02.jsonl.gz", "supervision file; only its held-out split is used")
+    data: str = opt(DEFAULT_SUPERVISION, "supervision file(s), a comma list; only the held-out split is used")
     evaluator: str = opt("cpu", "'gpu', 'cpu' or 'header'")
     k: int = opt(8, "samples for best-of-k")
     temperature: float = opt(0.8, "sampling temperature for best-of-k")

@@ -24,7 +24,7 @@ from collections import defaultdict
 from training import data
 from training.evaluate import geomean
 
-DEFAULT_DATA = "training/data/h200_supervision_2026-12-02.jsonl.gz"
+DEFAULT_DATA = data.DEFAULT_SUPERVISION
 KS = (1, 2, 4, 8)
 RIDGE = 300.0  # the cost model's own default (python -m training.cost_model)
 
@@ -110,13 +110,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(TABLE), help="table file to write")
     p.add_argument("--eval", action="store_true", help="measure best-of-k on the held-out split")
     p.add_argument("--json", help="write the --eval report here")
+    p.add_argument("--eval-data", default=None,
+                   help="--eval on the held-out split of these file(s) instead of --data's (e.g. an older "
+                        "file, to compare with figures measured on it)")
     args = p.parse_args(argv)
     s = data.split(data.load_supervision(args.data))
     print(s.summary())
     path = save_table(entries_from_records(s.train), args.out, source=f"{args.data} (training split)")
     print(f"table: {path}")
     if args.eval:
-        rep = offline_eval(s.train, s.held_out)
+        held_out = data.split(data.load_supervision(args.eval_data)).held_out if args.eval_data else s.held_out
+        rep = offline_eval(s.train, held_out)
         print(json.dumps(rep, indent=1))
         if args.json:
             with open(args.json, "w") as f:

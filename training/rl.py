@@ -19,12 +19,13 @@ import numpy as np
 import torch
 
 from training.config import opt, resolve_device, save_config
+from training.data import DEFAULT_SUPERVISION
 
 
 @dataclass
 class RLConfig:
     init: str = opt("runs/sft", "checkpoint to start from and to stay close to (stage 2 output)")
-    data: str = opt("training/data/h200_supervision_2026-12-02.jsonl.gz", "supervision file naming the training problems")
+    data: str = opt(DEFAULT_SUPERVISION, "supervision file(s), a comma list, naming the training problems")
     out_dir: str = opt("runs/rl", "output checkpoint folder (resumed if it holds an RL state)")
     steps: int = opt(200, "policy updates")
     problems_per_step: int = opt(2, "matrices per update")

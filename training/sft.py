@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from training.config import opt, resolve_device, save_config
+from training.data import DEFAULT_SUPERVISION
 
 
 @dataclass
 class SFTConfig:
     init: str = opt("runs/pretrain", "checkpoint to start from (stage 1 output)")
-    data: str = opt("training/data/h200_supervision_2026-12-02.jsonl.gz", "supervision JSON-lines file (training/data.py)")
+    data: str = opt(DEFAULT_SUPERVISION, "supervision JSON-lines file(s), a comma list (training/data.py)")
     out_dir: str = opt("runs/sft", "output checkpoint folder (resumed if it holds an SFT state)")
     steps: int = opt(1000, "optimizer steps")
     batch_size: int = opt(8, "examples per step")
