@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from training.config import opt, resolve_device
 from training.data import DEFAULT_SUPERVISION
@@ -91,17 +91,31 @@ class KindStats:
                 "measured_space_fraction_best_of_k_n": len(self.measured_frac_best_of_k)}
 
 
+def overall(stats: dict[str, KindStats]) -> KindStats:
+    """All kinds' stats pooled into one (the report's ``"all"`` row)."""
+    out = KindStats()
+    for st in stats.values():
+        for f in fields(KindStats):
+            setattr(out, f.name, getattr(out, f.name) + getattr(st, f.name))
+    return out
+
+
+def _summaries(stats: dict[str, KindStats]) -> dict:
+    return {"all": overall(stats).summary(), **{kind: s.summary() for kind, s in stats.items()}}
+
+
 def _norm(src: str) -> str:
     return re.sub(r"\s+", "", src)
 
 
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
                     constrained: bool, space_sources=None, log=None, diverse: bool = False,
-                    hint_entries=None) -> dict[str, KindStats]:
+                    hint_entries=None, progress=None) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
     the variant failed), or None. ``hint_entries``: a ``nearest`` table for a policy trained
-    with retrieval hints (``model.config.retrieval``)."""
+    with retrieval hints (``model.config.retrieval``). ``progress(stats)`` is called after
+    every record."""
     from policy.decode import DecodeConfig, generate
     from policy.encoder import prepare_structure
 
@@ -135,6 +149,8 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             log(f"[eval] {pb.label} {pb.op} n={pb.n} constrained={constrained}: "
                 f"compiled {[o.compiled for o in outs]} correct {[o.correct for o in outs]}")
         _score(st, pb, outs, texts, None if space_sources is None else space_sources[i], best_from=1)
+        if progress is not None:
+            progress(stats)
     return stats
 
 
@@ -231,7 +247,19 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             tables.append(entries_from_records(both.train))
         return tables[0]
 
-    report = {"held_out_records": len(records), "k": cfg.k, "variants": {}}
+    report = {"held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
+              "in_progress": None, "variants": {}}
+
+    def save():  # after every record: a run cut short keeps what it measured
+        if cfg.out:
+            with open(cfg.out, "w") as f:
+                json.dump(report, f, indent=1)
+
+    def partial(label, stats):  # a variant's figures so far; "in_progress" names it until it ends
+        report["variants"][label] = _summaries(stats)
+        report["in_progress"] = label
+        save()
+
     try:
         for pair in filter(None, cfg.checkpoints.split(",")):
             name, _, path = pair.partition("=")
@@ -241,22 +269,24 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
                 st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,
                                      max_new_tokens=cfg.max_new_tokens, constrained=constrained,
                                      space_sources=space, log=log, diverse=cfg.diverse,
-                                     hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None)
-                report["variants"][label] = {kind: s.summary() for kind, s in st.items()}
+                                     hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None,
+                                     progress=lambda st_, label=label: partial(label, st_))
+                report["variants"][label] = _summaries(st)
+                report["in_progress"] = None
                 log(f"[eval] {label}: " + json.dumps(report["variants"][label]))
+                save()
         for name in filter(None, cfg.baselines.split(",")):
             if name != "nearest":
                 raise ValueError(f"baselines={name!r}: the only baseline is 'nearest'")
             st = evaluate_nearest(train_entries(), problems, evaluator, k=cfg.k,
                                   space_sources=space, log=log)
-            report["variants"]["baseline/nearest"] = {kind: s.summary() for kind, s in st.items()}
+            report["variants"]["baseline/nearest"] = _summaries(st)
             log("[eval] baseline/nearest: " + json.dumps(report["variants"]["baseline/nearest"]))
+            save()
     finally:
         if hasattr(evaluator, "close"):
             evaluator.close()
-    if cfg.out:
-        with open(cfg.out, "w") as f:
-            json.dump(report, f, indent=1)
+    save()
     return report
 
 

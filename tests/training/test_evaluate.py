@@ -72,3 +72,43 @@ def test_nearest_baseline_is_scored_like_the_policy():
     assert summ["measured_space_fraction_greedy_geomean"] == pytest.approx(0.5)  # first pick: 20 us
     assert summ["measured_space_fraction_best_of_k_geomean"] == pytest.approx(1.0)  # second: 10 us
     assert st.novel == 0
+
+
+def test_overall_pools_every_kind():
+    from training.evaluate import KindStats, _summaries, overall
+
+    a = KindStats(samples=4, compiled=4, correct=3, records=1, greedy_correct=1, measured_frac_greedy=[0.5])
+    b = KindStats(samples=2, compiled=1, correct=1, records=1, measured_frac_greedy=[0.125])
+    tot = overall({"x": a, "y": b})
+    assert (tot.samples, tot.compiled, tot.correct, tot.records, tot.greedy_correct) == (6, 5, 4, 2, 1)
+    s = _summaries({"x": a, "y": b})
+    assert list(s) == ["all", "x", "y"]
+    assert s["all"]["measured_space_fraction_greedy_geomean"] == pytest.approx(0.25)
+    assert a.measured_frac_greedy == [0.5]  # the kinds' own lists are not touched
+
+
+def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features):
+    """``sparserl eval`` end to end on the CPU (header evaluator): every held-out record is
+    scored per kind and pooled, the nearest baseline beside it, and the JSON is on disk."""
+    import json
+
+    from policy.model import PolicyHParams, build_policy, save_policy
+    from policy_fixtures import structure_dependent_supervision
+    from training.data import load_supervision, split
+    from training.evaluate import EvalConfig, run_eval
+
+    ckpt = tmp_path / "ckpt"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, ckpt)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    held = split(load_supervision(data)).held_out
+    assert held  # the fixture's seeds put some matrices in the held-out split
+    out = tmp_path / "eval.json"
+    rep = run_eval(EvalConfig(checkpoints=f"tiny={ckpt}", data=str(data), evaluator="header", k=2,
+                              max_new_tokens=24, ablate_unconstrained=False, out=str(out), device="cpu",
+                              baselines="nearest"), log=lambda *a: None)
+    assert json.loads(out.read_text()) == rep and rep["in_progress"] is None
+    assert set(rep["variants"]) == {"tiny", "baseline/nearest"}
+    for v in rep["variants"].values():
+        assert v["all"]["records"] == len(held) == sum(s["records"] for kind, s in v.items() if kind != "all")
+    assert rep["variants"]["tiny"]["all"]["samples"] == 3 * len(held)  # greedy + k=2
