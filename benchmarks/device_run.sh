@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   [GNN="..."] [LLM="..."] [EVAL="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -18,10 +18,15 @@ echo "== install"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 \
   || { echo "pip install failed:"; tail -30 "$LOGS/install.log"; }
 
+# wheels the image lacks (e.g. llguidance for constrained decoding), carried in .whl/
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps .whl/*.whl >>"$LOGS/install.log" 2>&1 || echo "carried wheels failed to install"
+fi
+
 echo "== versions"
 python3 - <<'EOF' 2>&1 | tee "$LOGS/versions.log"
 import importlib.metadata as md, torch
-for d in ("torch", "cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc", "cupy-cuda13x", "numpy", "scipy", "sparserl"):
+for d in ("torch", "cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc", "cupy-cuda13x", "numpy", "scipy", "transformers", "llguidance", "sparserl"):
     try: print(f"{d:20s} {md.version(d)}")
     except md.PackageNotFoundError: print(f"{d:20s} -")
 print("cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
@@ -63,6 +68,17 @@ if [ -n "${LLM:-}" ]; then
   APP_RC="$APP_RC llm=$?"
   grep -v "^ *warn\|UserWarning" "$LOGS/llm.log" | tail -40
 fi
+
+# The policy's held-out evaluation (optional): EVAL="args of sparserl eval" (JSON to $OUT/bench/eval*.json);
+# EVAL2 runs a second one after it (e.g. another checkpoint), each cut at EVAL_TIMEOUT seconds
+for i in "" 2; do
+  v="EVAL$i"; args="${!v:-}"
+  [ -n "$args" ] || continue
+  echo "== sparserl eval $args"
+  timeout "${EVAL_TIMEOUT:-300}" python3 -m sparserl_compile.cli eval $args --out "$BENCH_DIR/eval$i.json" >"$LOGS/eval$i.log" 2>&1
+  APP_RC="$APP_RC eval$i=$?"
+  grep -v "^ *warn\|Warning\|Loading weights" "$LOGS/eval$i.log" | tail -40
+done
 
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then
