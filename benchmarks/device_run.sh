@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -79,6 +79,14 @@ for i in "" 2; do
   APP_RC="$APP_RC eval$i=$?"
   grep -v "^ *warn\|Warning\|Loading weights" "$LOGS/eval$i.log" | tail -40
 done
+
+# Cold start per provider (optional): COLD="args of benchmarks/cold_start.py" (JSON to $OUT/bench/cold_start.json)
+if [ -n "${COLD:-}" ]; then
+  echo "== cold_start.py $COLD"
+  timeout "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_start.py $COLD --json "$BENCH_DIR/cold_start.json" >"$LOGS/cold.log" 2>&1
+  APP_RC="$APP_RC cold=$?"
+  grep -v "Warning\|warn\|Loading weights\|sparse_csr_tensor" "$LOGS/cold.log" | tail -60
+fi
 
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then

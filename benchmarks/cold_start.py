@@ -1,0 +1,162 @@
+"""Cold start (GPU): the first product on a structure the process has not seen, per provider.
+
+For each provider and each matrix (generated, up to ~10^6 nonzeros, none of them in the
+supervision data), the runtime's plan table is cleared and the disk cache is off, so the first
+``A @ x`` asks the provider for candidates, compiles them (NVRTC), verifies them in the sandbox
+worker against cuSPARSE, times them and keeps the winner or cuSPARSE. Measured per product:
+
+* ``first_call_s``: wall time of that first call (synchronized), everything included;
+* ``propose_s``: the part spent in the provider's ``candidates`` (for the policy: encoding the
+  structure and decoding k kernels);
+* ``steady_us`` / ``torch_us``: the median time of later calls and of torch.sparse on the same
+  product, and which plan the runtime kept.
+
+One-time process costs (sandbox worker start, CUDA context in the worker, loading the policy)
+are paid by a warm-up product on a small unrelated matrix first, so the figures are what a
+serving process pays per new structure, the quantity of the policy issue's "cold start" target.
+
+    python benchmarks/cold_start.py [--providers nearest:4,policy:4,search:0] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+import sparserl_compile as sr
+from sparserl_compile import matrices, providers, runtime
+
+#: (label, generator, kwargs): structures none of the supervision files holds (other seeds/sizes)
+MATRICES = (
+    ("stencil2d_250", "stencil2d", {"n": 250, "seed": 7}),
+    ("banded_100k_b5", "banded", {"n": 100_000, "half_bandwidth": 5, "seed": 7}),
+    ("uniform_100k_d8", "uniform_random", {"n_rows": 100_000, "n_cols": 100_000, "per_row": 8, "seed": 7}),
+    ("rmat_s16_e12", "rmat", {"scale": 16, "edge_factor": 12, "seed": 7}),
+    ("rgg_60k_d14", "random_geometric", {"n": 60_000, "avg_degree": 14, "seed": 7}),
+)
+
+
+class TimedProvider:
+    """Delegates to a provider and adds up the wall time of its ``candidates`` calls."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.seconds = inner, inner.name, 0.0
+        self.checkpoint_hash = getattr(inner, "checkpoint_hash", None)
+
+    def candidates(self, problem, k):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.candidates(problem, k)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _median_us(fn, dev: torch.device, reps: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    _sync(dev)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(ts))
+
+
+def _make_provider(spec: str):
+    name, _, arg = spec.partition("@")
+    if name == "policy" and arg:
+        from policy.provider import PolicyProvider
+
+        return PolicyProvider(checkpoint=arg)
+    return providers.resolve(name)
+
+
+def run(provider_specs: list[str], widths: list[int], device: str = "cuda", mats=MATRICES,
+        on_row=None) -> list[dict]:
+    """The rows (one per provider, matrix and width); ``on_row(rows)`` after each one."""
+    dev = torch.device(device)
+    rows = []
+    for spec in provider_specs:
+        pspec, _, k = spec.rpartition(":")
+        t0 = time.perf_counter()
+        prov = TimedProvider(_make_provider(pspec))
+        load_s = time.perf_counter() - t0
+        sr.configure(provider=prov, k=int(k), cache=False, on_miss="search")
+        warm = sr.sparsify(matrices.stencil2d(40, seed=3)).to(dev)  # worker, contexts, NVRTC: paid once
+        t0 = time.perf_counter()
+        warm @ torch.randn(warm.shape[1], device=dev)
+        _sync(dev)
+        warm_s = time.perf_counter() - t0
+        print(f"[cold] {pspec} k={k}: provider built in {load_s:.2f}s, warm-up product {warm_s:.2f}s", flush=True)
+        for label, gen, kw in mats:
+            m = matrices.generate(gen, **kw)
+            a = sr.sparsify(m).to(dev)
+            native = torch.sparse_csr_tensor(torch.from_numpy(m.indptr.astype(np.int32)),
+                                             torch.from_numpy(m.indices.astype(np.int32)),
+                                             torch.from_numpy(m.data.astype(np.float32)), m.shape).to(dev)
+            for n in widths:
+                x = torch.randn(m.shape[1], device=dev) if n == 1 else torch.randn(m.shape[1], n, device=dev)
+                runtime.clear()
+                prov.seconds = 0.0
+                _sync(dev)
+                t0 = time.perf_counter()
+                y = a @ x
+                _sync(dev)
+                first = time.perf_counter() - t0
+                ref = native @ x if n > 1 else torch.mv(native, x)
+                err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                plan = next(iter(runtime.plans().values()), None)
+                row = {"provider": pspec, "k": int(k), "matrix": label, "nnz": int(m.nnz), "n": n,
+                       "first_call_s": first, "propose_s": prov.seconds,
+                       "steady_us": _median_us(lambda: a @ x, dev),
+                       "torch_us": _median_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
+                       "plan": getattr(getattr(plan, "header", None), "format", None) or repr(plan)[:60],
+                       "rel_err": err}
+                rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
+                print(f"  {label:18s} n={n:<4d} first {first:6.2f}s (propose {prov.seconds:5.2f}s)  "
+                      f"steady {row['steady_us']:8.1f}us  torch {row['torch_us']:8.1f}us  {row['plan']}",
+                      flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--providers", default="nearest:4,policy:4,search:0",
+                   help="comma list of NAME[@CHECKPOINT]:K (K=0: the provider's default)")
+    p.add_argument("--widths", default="1,32", help="dense widths (1 = SpMV)")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run of the script: CPU tensors take the reference)")
+    a = p.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("cold start is measured on a GPU (--device cpu only smoke-tests the script)")
+    device_name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
+
+    def save(rows):  # after every row: a run cut short keeps what it measured
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"rows": rows, "device": device_name, "torch": torch.__version__}, f, indent=1)
+
+    rows = run([s for s in a.providers.split(",") if s], [int(w) for w in a.widths.split(",")], a.device,
+               on_row=save)
+    for prov in dict.fromkeys(r["provider"] for r in rows):
+        fs = sorted(r["first_call_s"] for r in rows if r["provider"] == prov)
+        print(f"[cold] {prov}: median first call {fs[len(fs) // 2]:.2f}s, max {fs[-1]:.2f}s over {len(fs)} products")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
