@@ -29,8 +29,10 @@ KS = (1, 2, 4, 8)
 RIDGE = 300.0  # the cost model's own default (python -m training.cost_model)
 
 
-def entries_from_records(records, feats: dict | None = None):
-    """Table entries (``nearest.Entry``) from supervision records (matrices loaded once each)."""
+def entries_from_records(records, feats: dict | None = None, loaded: dict | None = None):
+    """Table entries (``nearest.Entry``) from supervision records (matrices loaded once each;
+    ``loaded``, MatrixRef -> CSR, is used and filled so a caller that needs the matrices too
+    loads each once)."""
     import numpy as np
 
     from sparserl_compile.nearest import Entry
@@ -43,7 +45,10 @@ def entries_from_records(records, feats: dict | None = None):
         if not ok:
             continue
         if r.matrix not in feats:
-            m = r.matrix.load()
+            if loaded is None:
+                m = r.matrix.load()
+            else:
+                m = loaded[r.matrix] if r.matrix in loaded else loaded.setdefault(r.matrix, r.matrix.load())
             feats[r.matrix] = np.asarray(features(m.indptr, m.indices, m.shape).as_vector(), np.float64)
         out.append(Entry(r.matrix.label, r.op, r.dtype, r.n, feats[r.matrix],
                          tuple((v.family, tuple(sorted(v.params)), float(v.us)) for v in ok)))

@@ -55,10 +55,12 @@ class RLResult:
     stats: list[dict] = field(default_factory=list)
 
 
-def problems_from_records(records) -> list:
+def problems_from_records(records, loaded: dict | None = None) -> list:
+    """``RLProblem``s for records (matrices loaded once each; ``loaded``, MatrixRef -> CSR, is
+    used and filled)."""
     from training.rewards import RLProblem
 
-    out, cache = [], {}
+    out, cache = [], ({} if loaded is None else loaded)
     for r in records:
         if r.matrix not in cache:
             cache[r.matrix] = r.matrix.load()
@@ -118,8 +120,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     ref_model.to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     state = load_state(out, optim) if resume else TrainerState("rl")
+    train_records, loaded = None, {}
     if problems is None:
-        problems = problems_from_records(split(load_supervision(cfg.data)).train)
+        train_records = split(load_supervision(cfg.data)).train
+        problems = problems_from_records(train_records, loaded)
     if not problems:
         raise ValueError("RL needs at least one training problem")
     n_pick = min(cfg.problems_per_step, len(problems))
@@ -132,7 +136,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
         from training.neighbours import entries_from_records
 
-        hint_entries = entries_from_records(split(load_supervision(cfg.data)).train)
+        if train_records is None:
+            train_records = split(load_supervision(cfg.data)).train
+        hint_entries = entries_from_records(train_records, loaded=loaded)
+    loaded.clear()  # the problems keep their own references
     res = RLResult(str(out), state.step, state.step)
     t0 = time.perf_counter()
     for step in range(state.step, cfg.steps):

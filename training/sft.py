@@ -64,12 +64,13 @@ def ranked_variants(record, top: int):
 
 
 def build_examples(records, tokenizer, max_points: int, render=default_render, log=print, top: int = 1,
-                   hint_entries=None):
+                   hint_entries=None, loaded: dict | None = None):
     """``LMExample``s for records (matrices loaded once each): one per distinct rendered source
     among each record's ``top`` fastest verified variants. Records without a verified variant
     or whose fastest variant fails to render are skipped and counted. ``hint_entries``: a
     ``nearest`` table; each prompt then carries the winner of the nearest entry of *another*
-    matrix (``policy.retrieval.nearest_hint(..., exclude=label)``)."""
+    matrix (``policy.retrieval.nearest_hint(..., exclude=label)``). ``loaded``: matrices
+    already loaded (MatrixRef -> CSR), e.g. by ``entries_from_records``."""
     from policy.decode import completion_ids
     from policy.encoder import prepare_structure
     from policy.tokenizer import prompt_text
@@ -83,7 +84,7 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             skipped += 1
             continue
         if r.matrix not in cache:
-            m = r.matrix.load()
+            m = loaded[r.matrix] if loaded is not None and r.matrix in loaded else r.matrix.load()
             cache[r.matrix] = (m, prepare_structure(m.indptr, m.indices, m.shape, max_points=max_points))
         m, s = cache[r.matrix]
         hint = None
@@ -129,14 +130,15 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     model, tok = load_policy(src)
     parts = split(load_supervision(cfg.data))
     log(f"[sft] {cfg.data}: {parts.summary()}")
-    entries = None
+    entries, loaded = None, {}
     if cfg.retrieval or getattr(model.config, "retrieval", False):
         from training.neighbours import entries_from_records
 
-        entries = entries_from_records(parts.train)
+        entries = entries_from_records(parts.train, loaded=loaded)
         model.config.retrieval = True  # saved with the checkpoint: the provider and eval give hints
     train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log, cfg.top_variants,
-                                   hint_entries=entries)
+                                   hint_entries=entries, loaded=loaded)
+    loaded.clear()
     held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log, hint_entries=entries)
     log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
     if not train:

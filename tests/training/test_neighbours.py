@@ -39,3 +39,19 @@ def test_offline_eval_reads_fractions_off_the_measurements():
     assert (near["1"], near["2"], near["3"]) == (pytest.approx(0.5), pytest.approx(0.5), pytest.approx(1.0))
     # the single best point needs 3 training records of the op to be ranked: none here
     assert set(rep["fraction_of_space_best"]) == {"nearest", "cost_model"}
+
+
+def test_table_and_rl_problems_share_one_load_per_matrix(monkeypatch):
+    from training.rl import problems_from_records
+
+    loads = []
+    real = data.MatrixRef.load
+    monkeypatch.setattr(data.MatrixRef, "load", lambda self: loads.append(self) or real(self))
+    a = rec("stencil2d", {"n": 8}, [("a", {}, 1.0)])
+    b = rec("stencil2d", {"n": 8}, [("a", {}, 2.0)], op="spmm", n=8)  # the same matrix, another op
+    c = rec("banded", {"n": 32, "half_bandwidth": 1}, [("a", {}, 1.0)])
+    loaded: dict = {}
+    entries = neighbours.entries_from_records([a, b, c], loaded=loaded)
+    probs = problems_from_records([a, b, c], loaded)
+    assert len(entries) == len(probs) == 3 and len(loads) == 2  # two matrices, each loaded once
+    assert probs[0].matrix is probs[1].matrix is loaded[a.matrix]
