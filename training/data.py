@@ -33,8 +33,11 @@ Two JSON-lines formats are read (plain or ``.gz``), line by line, and may be mix
 
 The held-out split (``is_held_out``) is deterministic and never trained on by any stage:
 
-- shared matrices: within each ``kind`` of ``MANIFEST.json``, names sorted, every fourth one
-  (positions 3, 7, 11, ...) is held out -- every kind with four or more matrices contributes;
+- shared matrices: the fixed list ``SHARED_HELD_OUT``, chosen once by the rule "within each
+  ``kind`` of the full ``MANIFEST.json``, names sorted, every fourth one (positions 3, 7, 11,
+  ...)" (``shared_held_out_by_rule`` recomputes it; a test checks they agree). The list is
+  frozen so that a partial copy of the matrices (a trimmed carry to the device, say) cannot
+  move matrices between the splits;
 - generated matrices: held out when BLAKE2b of ``generator`` + sorted ``kwargs`` (seed
   included) is 0 mod 5, i.e. about one in five, independently of the order of the file.
 """
@@ -223,10 +226,15 @@ def _shared_kinds() -> dict[str, str]:
     return {m.name: m.kind for m in shared_manifest()}
 
 
-@lru_cache(maxsize=1)
-def _shared_held_out() -> frozenset[str]:
+#: the shared matrices no stage trains on (see the module docstring for how they were chosen)
+SHARED_HELD_OUT = frozenset({"bcsstk25", "cora_features", "fe_body", "hep-th", "rajat01", "shuttle_eddy", "uk"})
+
+
+def shared_held_out_by_rule(kinds: dict[str, str] | None = None) -> frozenset[str]:
+    """The rule behind ``SHARED_HELD_OUT`` applied to a manifest's name -> kind map (default:
+    the shared folder's): per kind, names sorted, positions 3, 7, 11, ..."""
     by_kind: dict[str, list[str]] = {}
-    for name, kind in _shared_kinds().items():
+    for name, kind in (_shared_kinds() if kinds is None else kinds).items():
         by_kind.setdefault(kind, []).append(name)
     return frozenset(n for names in by_kind.values() for i, n in enumerate(sorted(names)) if i % 4 == 3)
 
@@ -234,7 +242,7 @@ def _shared_held_out() -> frozenset[str]:
 def is_held_out(ref: MatrixRef) -> bool:
     """Whether ``ref`` belongs to the evaluation split (see the module docstring)."""
     if ref.source == "shared":
-        return str(ref.name) in _shared_held_out()
+        return str(ref.name) in SHARED_HELD_OUT
     key = json.dumps([ref.generator, sorted((k, v) for k, v in ref.kwargs)], default=str)
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % 5 == 0
 

@@ -47,6 +47,20 @@ def test_shared_split_holds_out_per_kind(shared_matrices):
     assert held.isdisjoint({r.matrix.name for r in s.train})
     for kind, names in kinds.items():
         assert (len(names) >= 4) == bool(held & set(names)), kind
+    from training.data import SHARED_HELD_OUT, shared_held_out_by_rule
+
+    assert held == SHARED_HELD_OUT == shared_held_out_by_rule()  # the frozen list is the rule's
+
+
+def test_shared_split_does_not_move_with_a_partial_manifest():
+    from training.data import SHARED_HELD_OUT, shared_held_out_by_rule
+
+    full = {"a1": "k", "a2": "k", "a3": "k", "hep-th": "k", "zz": "k"}
+    assert shared_held_out_by_rule(full) == {"hep-th"}
+    trimmed = {n: k for n, k in full.items() if n != "a2"}
+    assert shared_held_out_by_rule(trimmed) == {"zz"}  # the rule alone would move both matrices
+    assert is_held_out(MatrixRef("shared", name="hep-th")) and "hep-th" in SHARED_HELD_OUT
+    assert not is_held_out(MatrixRef("shared", name="bcsstk13"))
 
 
 # --- the H200 benchmark suite's per-variant lines (format 1) ---------------------------------
