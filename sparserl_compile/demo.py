@@ -4,7 +4,7 @@ For a handful of generated matrices (a 2D stencil, a band, block-diagonal, unifo
 an R-MAT power-law graph) and both products (SpMV, SpMM), it does what the runtime does on a
 miss and shows every step in one table:
 
-1. the provider proposes candidate kernels (the runtime's default, the kernel-space search;
+1. the provider proposes candidate kernels (the runtime's default, the nearest-neighbour proposals;
    ``--provider policy`` asks the bundled policy instead);
 2. ``select.choose`` compiles each with NVRTC and verifies it in a killable sandbox worker --
    on a GPU against cuSPARSE and float64 and timed side by side with cuSPARSE; without a GPU
@@ -50,7 +50,7 @@ class DemoRow:
 
 
 def _provider(name: str | None):
-    """The named provider, else the runtime's default (the kernel-space search).
+    """The named provider, else the runtime's default (the nearest-neighbour proposals).
 
     The bundled policy checkpoint is a small CPU-trained model that still writes few valid
     kernels (docs/training.md); ``--provider policy`` shows it.
@@ -155,7 +155,7 @@ def _cmd(args) -> int:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("demo", help="the main job on generated matrices (works without a GPU)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's, i.e. search)")
+    p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's, i.e. nearest)")
     p.add_argument("--n", type=int, default=16, help="SpMM dense width")
     p.add_argument("--k", type=int, default=4, help="policy samples per product")
     p.add_argument("--quick", action="store_true", help="two matrices only")

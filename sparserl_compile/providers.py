@@ -11,10 +11,13 @@ Providers, by name for ``set_provider``:
 * ``"reference"`` (``ReferenceProvider``): proposes nothing, so every call uses the reference
   (torch.sparse / cuSPARSE). What a machine without the search installed gets.
 * ``"search"``: ``sparserl_compile.search.SearchProvider``, the hand-written kernel families
-  searched by heuristics. The default (``DEFAULT_PROVIDER``) until a trained policy ships.
+  searched by heuristics: every pruned point (27-60) is compiled, verified and timed.
 * ``"policy"``: ``policy.provider.PolicyProvider``, the trained language model.
 * ``"nearest"``: ``sparserl_compile.nearest.NearestProvider``, the winners of the most alike
-  matrices measured on the H200 (a few candidates instead of the whole space).
+  matrices measured on the H200 (a few candidates instead of the whole space; the search's own
+  order fills in where the table has nothing alike). The default (``DEFAULT_PROVIDER``): on the
+  H200 its 4-8 candidates reach 0.99 of the whole space's best on held-out matrices with an
+  eighth of the search's first-use time on SpMM (docs/benchmarks.md, "Cold start").
 
 The last three are imported lazily on first use, so ``import sparserl_compile`` never imports
 the policy (transformers) or the search. Any object with a ``name`` and a
@@ -97,9 +100,10 @@ class ReferenceProvider:
 
 
 _lock = threading.Lock()
-#: the default provider, resolved on first use: the kernel-space search until a policy
-#: checkpoint ships (then "policy"); "reference" where the search cannot be imported
-DEFAULT_PROVIDER = "search"
+#: the default provider, resolved on first use: the nearest-neighbour proposals (measured best
+#: quality for first-use time; the policy is opt-in until it beats them, docs/training.md);
+#: "reference" where it cannot be imported
+DEFAULT_PROVIDER = "nearest"
 _active: Provider | None = None
 
 

@@ -76,7 +76,7 @@ ON_MISS = {
 class RuntimeConfig:
     """How misses are served. Change with ``configure(**fields)``."""
 
-    provider: str = "search"  # name of the active provider (set through configure/set_provider)
+    provider: str = providers.DEFAULT_PROVIDER  # name of the active provider (configure/set_provider)
     k: int = 0  # candidates asked from the provider per miss (0: the provider's own default)
     cache: bool = True  # read and write the on-disk kernel cache
     kernels: bool = True  # False: every product uses the reference (torch.sparse / cuSPARSE)
