@@ -12,7 +12,7 @@ OUT="${OUT:-$(pwd)/device_out}"
 RUNS="${RUNS:-/tmp/sr_runs}"
 SIZE="${SIZE:-default}"
 PT_S="${PT_S:-90}"; SFT_S="${SFT_S:-100}"; RL_S="${RL_S:-130}"
-DATA="${DATA:-training/data/h200_supervision_2026-12-02.jsonl.gz,training/data/h200_grid_supervision_2026-12-03.jsonl.gz}"
+DATA="${DATA:-$(python3 -c "from training.data import DEFAULT_SUPERVISION as d; print(d)")}"  # the stages' default files
 LOGS="$OUT/logs"; mkdir -p "$LOGS" "$RUNS"
 
 if ls .whl/*.whl >/dev/null 2>&1; then

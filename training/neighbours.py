@@ -48,7 +48,9 @@ def entries_from_records(records, feats: dict | None = None, loaded: dict | None
             if loaded is None:
                 m = r.matrix.load()
             else:
-                m = loaded[r.matrix] if r.matrix in loaded else loaded.setdefault(r.matrix, r.matrix.load())
+                if r.matrix not in loaded:
+                    loaded[r.matrix] = r.matrix.load()
+                m = loaded[r.matrix]
             feats[r.matrix] = np.asarray(features(m.indptr, m.indices, m.shape).as_vector(), np.float64)
         out.append(Entry(r.matrix.label, r.op, r.dtype, r.n, feats[r.matrix],
                          tuple((v.family, tuple(sorted(v.params)), float(v.us)) for v in ok)))
