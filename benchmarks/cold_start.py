@@ -9,11 +9,16 @@ worker against cuSPARSE, times them and keeps the winner or cuSPARSE. Measured p
 * ``propose_s``: the part spent in the provider's ``candidates`` (for the policy: encoding the
   structure and decoding k kernels);
 * ``steady_us`` / ``torch_us``: the median time of later calls and of torch.sparse on the same
-  product, and which plan the runtime kept.
+  product, and which plan the runtime kept;
+* ``select_s``, ``reference_wall_s`` and ``candidates`` (each one's worker wall time and its
+  phases: prepare = static checks + format conversion + NVRTC + upload, values, runs,
+  cusparse, time, graph): where the rest of the first call went, from the selection record.
 
-One-time process costs (sandbox worker start, CUDA context in the worker, loading the policy)
-are paid by a warm-up product on a small unrelated matrix first, so the figures are what a
-serving process pays per new structure, the quantity of the policy issue's "cold start" target.
+One-time process costs (sandbox worker start, CUDA context in the worker, loading the policy,
+the numba format converters) are paid first by ``sparserl_compile.prewarm()`` (what a serving
+process calls at start-up) and a warm-up product on a small unrelated matrix, so the figures
+are what a serving process pays per new structure, the quantity of the policy issue's "cold
+start" target.
 
     python benchmarks/cold_start.py [--providers nearest:4,policy:4,search:0] [--json out.json]
 """
@@ -83,19 +88,54 @@ def _make_provider(spec: str):
     return providers.resolve(name)
 
 
+class _RecordSpy:
+    """Keeps the verification record of the runtime's last ``search_entry`` (the selection's
+    per-candidate phases) while installed."""
+
+    def __init__(self):
+        self.record: dict = {}
+        self._orig = runtime.search_entry
+
+        def spy(*args, **kwargs):
+            entry = self._orig(*args, **kwargs)
+            self.record = dict(entry.verification or {})
+            return entry
+
+        runtime.search_entry = spy
+
+    def close(self) -> None:
+        runtime.search_entry = self._orig
+
+
+def _breakdown(record: dict) -> dict:
+    return {"select_s": record.get("seconds"), "reference_wall_s": record.get("reference_wall_s"),
+            "candidates": [{"name": c.get("name"), "kind": c.get("kind"), "wall_s": c.get("wall_s"),
+                            "phases": c.get("phases")} for c in record.get("candidates", [])]}
+
+
 def run(provider_specs: list[str], widths: list[int], device: str = "cuda", mats=MATRICES,
         on_row=None) -> list[dict]:
     """The rows (one per provider, matrix and width); ``on_row(rows)`` after each one."""
     dev = torch.device(device)
     rows = []
+    spy = _RecordSpy()
+    try:
+        _run(provider_specs, widths, dev, mats, on_row, rows, spy)
+    finally:
+        spy.close()
+    return rows
+
+
+def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
     for spec in provider_specs:
         pspec, _, k = spec.rpartition(":")
         t0 = time.perf_counter()
         prov = TimedProvider(_make_provider(pspec))
         load_s = time.perf_counter() - t0
         sr.configure(provider=prov, k=int(k), cache=False, on_miss="search")
-        warm = sr.sparsify(matrices.stencil2d(40, seed=3)).to(dev)  # worker, contexts, NVRTC: paid once
         t0 = time.perf_counter()
+        sr.prewarm().join()
+        warm = sr.sparsify(matrices.stencil2d(40, seed=3)).to(dev)  # contexts, NVRTC: paid once
         warm @ torch.randn(warm.shape[1], device=dev)
         _sync(dev)
         warm_s = time.perf_counter() - t0
@@ -109,7 +149,7 @@ def run(provider_specs: list[str], widths: list[int], device: str = "cuda", mats
             for n in widths:
                 x = torch.randn(m.shape[1], device=dev) if n == 1 else torch.randn(m.shape[1], n, device=dev)
                 runtime.clear()
-                prov.seconds = 0.0
+                prov.seconds, spy.record = 0.0, {}
                 _sync(dev)
                 t0 = time.perf_counter()
                 y = a @ x
@@ -123,14 +163,13 @@ def run(provider_specs: list[str], widths: list[int], device: str = "cuda", mats
                        "steady_us": _median_us(lambda: a @ x, dev),
                        "torch_us": _median_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
                        "plan": getattr(getattr(plan, "header", None), "format", None) or repr(plan)[:60],
-                       "rel_err": err}
+                       "rel_err": err, **_breakdown(spy.record)}
                 rows.append(row)
                 if on_row is not None:
                     on_row(rows)
                 print(f"  {label:18s} n={n:<4d} first {first:6.2f}s (propose {prov.seconds:5.2f}s)  "
                       f"steady {row['steady_us']:8.1f}us  torch {row['torch_us']:8.1f}us  {row['plan']}",
                       flush=True)
-    return rows
 
 
 def main(argv=None) -> int:

@@ -14,10 +14,10 @@ product on a CUDA device first needs them.
 from sparserl_compile import ops  # noqa: F401  (registers torch.ops.sparserl.*)
 from sparserl_compile.dispatch import accelerate, disable, enable
 from sparserl_compile.providers import set_provider
-from sparserl_compile.runtime import configure, get_config, stats
+from sparserl_compile.runtime import configure, get_config, prewarm, stats
 from sparserl_compile.tensor import SparseRLTensor, sparsify, sparsify_
 
 __all__ = [
     "SparseRLTensor", "sparsify", "sparsify_", "enable", "disable", "accelerate",
-    "configure", "get_config", "set_provider", "stats",
+    "configure", "get_config", "prewarm", "set_provider", "stats",
 ]

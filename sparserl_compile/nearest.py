@@ -138,22 +138,26 @@ class NearestProvider:
 
     def candidates(self, problem, k: int = 0) -> list[Candidate]:
         from sparserl_compile import structure
-        from sparserl_compile.search import SearchProvider
+        from sparserl_compile.search import SearchProvider, format_unsuitable, pattern_of
 
         k = k if k and k > 0 else self.k
-        indptr, indices = np.asarray(problem.indptr, np.int32), np.asarray(problem.indices, np.int32)
-        shape = (int(problem.n_rows), int(problem.n_cols))
-        feats = structure.features(indptr, indices, shape).as_vector()
+        pat = pattern_of(problem)
+        f = structure.features(pat.indptr, pat.indices, pat.shape)
         n = 1 if problem.op == "spmv" else int(problem.n)
-        space = SearchProvider().candidates(problem, 0)
+        # the search's rules only: converting the pattern to every padded format of the space
+        # to test suitability cost more than the rest of the proposal on large matrices, so
+        # only the points taken are converted (below)
+        space = SearchProvider(check_formats=False).candidates(problem, 0, features=f)
         by_key = {point_key(c.family, c.params): c for c in space}
-        alike = nearest_entries(self.entries, feats, problem.op, problem.dtype, n)
+        alike = nearest_entries(self.entries, f.as_vector(), problem.op, problem.dtype, n)
         self.last_neighbours = [e.label for e in alike[:3]]
-        picked = [by_key[key] for key in winners(alike) if key in by_key][:k]
-        for c in space:  # too few matched: the search's own order fills the rest
+        picked: list[Candidate] = []
+        memo: dict = {}
+        # the nearest winners first; too few of them suit: the search's own order fills the rest
+        for c in [by_key[key] for key in winners(alike) if key in by_key] + space:
             if len(picked) >= k:
                 break
-            if c not in picked:
+            if c not in picked and format_unsuitable(pat, c, memo) is None:
                 picked.append(c)
         return picked
 

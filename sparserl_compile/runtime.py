@@ -515,19 +515,49 @@ def search_entry(problem: providers.Problem, key, *, candidates=None, executor: 
 
 
 _pool = None
+_pool_lock = threading.Lock()
 
 
 def _sandbox_pool():
-    """The runtime's one sandbox worker for verification (started on the first search)."""
+    """The runtime's one sandbox worker for verification (started on the first search, or by
+    ``prewarm``)."""
     global _pool
-    if _pool is None:
-        import atexit
+    with _pool_lock:
+        if _pool is None:
+            import atexit
 
-        from sparserl_compile.sandbox import SandboxPool
+            from sparserl_compile.sandbox import SandboxPool
 
-        _pool = SandboxPool(1)
-        atexit.register(_pool.close)
+            _pool = SandboxPool(1)
+            atexit.register(_pool.close)
     return _pool
+
+
+def prewarm(*, provider: bool = True) -> threading.Thread:
+    """Pay this process's one-time costs now, in the background, instead of in the first
+    product on a new structure: start the sandbox worker (a fresh interpreter with torch and,
+    on a GPU, a CUDA context, which then loads the format converters), load the converters
+    and structure statistics here (numba, from its disk cache), and build the active provider
+    (``provider=True``; for the policy that is loading the model). For serving processes:
+    call it at start-up. Returns the thread (``join()`` it to wait); errors are left for the
+    first product to report."""
+
+    def go():
+        try:
+            from sparserl_compile import formats
+
+            pool = _sandbox_pool()
+            pool.start()
+            formats.warm()
+            if provider:
+                providers.get_provider()
+            pool.start(wait=True)
+        except Exception:  # noqa: BLE001 - best effort; the first product reports real errors
+            pass
+
+    t = threading.Thread(target=go, daemon=True, name="sparserl-prewarm")
+    t.start()
+    return t
 
 
 def _kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) -> KernelPlan:

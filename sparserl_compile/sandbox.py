@@ -78,6 +78,9 @@ class SandboxResult:
     compile_log: str = ""
     wall_s: float = 0.0
     worker_pid: int | None = None
+    #: seconds per phase in the worker: verify's phases (``VerifyResult.phases``) plus "time"
+    #: (the L2-flushed timing) and "graph" (the CUDA-graph timing)
+    phases: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -95,7 +98,7 @@ class SandboxResult:
         return {"kind": self.kind, "error": self.error[:2000],
                 "verify": self.verify.to_dict() if self.verify else None,
                 "bench": self.bench, "graph_bench": self.graph_bench, "reference": self.reference,
-                "floor_us": self.floor_us, "wall_s": self.wall_s}
+                "floor_us": self.floor_us, "wall_s": self.wall_s, "phases": dict(self.phases)}
 
 
 # ------------------------------------------------------------------ worker side
@@ -121,23 +124,28 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
         if kind == "fault" and job.executor == "gpu":
             kind = "cuda_error"
         return SandboxResult(kind, vr.reason, vr, cubin=cubin, compile_log=vr.compile_log,
-                             wall_s=time.perf_counter() - t0, worker_pid=os.getpid())
+                             wall_s=time.perf_counter() - t0, worker_pid=os.getpid(), phases=dict(vr.phases))
     b = g = floor = None
     kind, err = "ok", ""
+    phases = dict(vr.phases)
     if job.time and job.executor == "gpu":
         from sparserl_compile import bench
 
+        t1 = time.perf_counter()
         fn = runners[0].launch_fn()
         br = bench.time_fn(fn, warmup=job.warmup, reps=job.reps, flush_l2=True)
         b = br.to_dict()
+        t2 = time.perf_counter()
+        phases["time"] = t2 - t1
         if br.median_us < GRAPH_BELOW_US:
             g = bench.time_graph(fn).to_dict()
+            phases["graph"] = time.perf_counter() - t2
         floor = _floor(job, pattern)
         if bench.is_impossible(br.median_us, floor):
             kind, err = "impossible", (f"impossible speed: {br.median_us:.2f} us with L2 flushed is below the "
                                        f"byte floor {floor:.2f} us / {bench.IMPOSSIBLE_SLACK}")
     return SandboxResult(kind, err, vr, b, g, None, floor, cubin, vr.compile_log,
-                         time.perf_counter() - t0, os.getpid())
+                         time.perf_counter() - t0, os.getpid(), phases)
 
 
 def _floor(job: SandboxJob, pattern: Pattern) -> float | None:
@@ -164,13 +172,33 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _worker_main(conn, device: int | None = None) -> None:
+def _warm_up(gpu: bool) -> None:
+    """What a worker does while it waits for its first job: load the format converters
+    (numba) and, for GPU work, torch and the CUDA context, so the first job does not pay them.
+    Best effort: a failure here surfaces in the job that needs the piece."""
+    try:
+        from sparserl_compile import formats, verify  # noqa: F401 - verify: its imports
+
+        formats.warm()
+        if gpu:
+            import torch
+
+            from sparserl_compile import bench, launcher  # noqa: F401
+
+            torch.zeros(1, device="cuda")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _worker_main(conn, device: int | None = None, warm: str | None = None) -> None:
     if device is not None:  # the parent's GPU (e.g. this rank's under torchrun), not GPU 0
         import torch
 
         torch.cuda.set_device(device)
     pattern: Pattern | None = None
     conn.send(("ready", os.getpid()))
+    if warm and not conn.poll(0):
+        _warm_up(gpu=warm == "gpu")
     while True:
         try:
             msg = conn.recv()
@@ -196,9 +224,10 @@ def _worker_main(conn, device: int | None = None) -> None:
 # ------------------------------------------------------------------ parent side
 
 class _Worker:
-    def __init__(self, ctx, start_timeout_s: float, device: int | None = None):
+    def __init__(self, ctx, start_timeout_s: float, device: int | None = None, warm: str | None = None):
         self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, device), daemon=True, name="sparserl-sandbox")
+        self.proc = ctx.Process(target=_worker_main, args=(child, device, warm), daemon=True,
+                                name="sparserl-sandbox")
         self.proc.start()
         child.close()
         self.pattern_key: str | None = None
@@ -246,15 +275,31 @@ def parent_device() -> int | None:
     return None
 
 
+def _parent_sees_gpu() -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
 class SandboxPool:
     """Persistent sandbox workers. Use as a context manager, or call ``close()``.
 
     ``workers`` > 1 runs jobs concurrently (``map``); on one GPU keep 1 while timing, since
     concurrent kernels disturb each other's times.
+
+    A worker replaced after a failed job (or a hang, or a crash) is replaced in the background
+    at once, so the next job finds a started worker instead of paying the start (a fresh
+    interpreter, torch and a CUDA context: seconds). ``warm`` (default: when this process sees
+    a GPU) makes each new worker load torch, the CUDA context and the format converters while
+    it waits for its first job.
     """
 
     def __init__(self, workers: int = 1, *, timeout_s: float = 60.0, start_timeout_s: float = 180.0,
-                 device: int | None = None):
+                 device: int | None = None, warm: bool | None = None):
         if workers < 1:
             raise ValueError(f"workers={workers}: need at least one")
         self._ctx = mp.get_context("spawn")
@@ -264,7 +309,11 @@ class SandboxPool:
         self.start_timeout_s = start_timeout_s
         self._n = workers
         self._free: list[_Worker] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._spawning = 0  # replacements being started in the background
+        self._closed = False
+        gpu = _parent_sees_gpu()
+        self._warm = None if not (gpu if warm is None else warm) else ("gpu" if gpu else "cpu")
         self.restarts = 0
 
     def __enter__(self) -> "SandboxPool":
@@ -275,22 +324,66 @@ class SandboxPool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             workers, self._free = self._free, []
         for w in workers:
             w.stop()
 
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.start_timeout_s, self.device, self._warm)
+
+    def start(self, wait: bool = False) -> None:
+        """Start a worker in the background now (if none is idle or starting), so the first
+        job does not wait for it (``runtime.prewarm``); ``wait=True`` returns once it is up."""
+        with self._lock:
+            if self._closed:
+                return
+            idle = bool(self._free or self._spawning)
+        if not idle:
+            self._replace()
+        if wait:
+            self._give(self._take())
+
     def _take(self) -> _Worker:
         with self._lock:
-            while self._free:
-                w = self._free.pop()
-                if w.alive():
-                    return w
-                w.kill()
-        return _Worker(self._ctx, self.start_timeout_s, self.device)
+            while True:
+                while self._free:
+                    w = self._free.pop()
+                    if w.alive():
+                        return w
+                    w.kill()
+                if not self._spawning:
+                    break
+                self._lock.wait(self.start_timeout_s)  # a replacement is starting: take it
+        return self._new_worker()
 
     def _give(self, w: _Worker) -> None:
         with self._lock:
             self._free.append(w)
+
+    def _replace(self) -> None:
+        """Start a worker on a background thread and add it to the idle ones when it is up."""
+        with self._lock:
+            if self._closed:
+                return
+            self._spawning += 1
+
+        def start():
+            w = None
+            try:
+                w = self._new_worker()
+            except Exception:  # noqa: BLE001 - the next job starts its own and reports why
+                pass
+            with self._lock:
+                self._spawning -= 1
+                closed = self._closed
+                if w is not None and not closed:
+                    self._free.append(w)
+                self._lock.notify_all()
+            if w is not None and closed:
+                w.stop()
+
+        threading.Thread(target=start, daemon=True, name="sparserl-sandbox-start").start()
 
     def run(self, job: SandboxJob, pattern, *, pattern_key: str | None = None,
             timeout_s: float | None = None) -> SandboxResult:
@@ -308,6 +401,7 @@ class SandboxPool:
             if not w.parent.poll(limit):
                 w.kill()
                 self.restarts += 1
+                self._replace()
                 return SandboxResult("timeout", f"no result within {limit:g} s: the kernel hangs or is far too "
                                                 "slow; the worker was killed", wall_s=time.perf_counter() - t0,
                                      worker_pid=w.proc.pid)
@@ -317,9 +411,11 @@ class SandboxPool:
             code = w.proc.exitcode
             w.kill()
             self.restarts += 1
+            self._replace()
             return SandboxResult("crash", f"the worker died (exit code {code}) while running the job",
                                  wall_s=time.perf_counter() - t0, worker_pid=w.proc.pid)
         if res.kind in _RESTART:
+            self._replace()  # the replacement starts while this one stops
             w.stop()
             self.restarts += 1
         else:

@@ -69,13 +69,14 @@ class SearchProvider:
         self.check_formats = check_formats
         self.last_report: SearchReport | None = None
 
-    def candidates(self, problem, k: int = 0) -> list[Candidate]:
+    def candidates(self, problem, k: int = 0, *, features=None) -> list[Candidate]:
+        """The kept points, in the space's order (the first ``k``; all for ``k=0``).
+        ``features``: the problem's ``structure.features``, when the caller has them."""
         from sparserl_compile import kernels, structure
 
         t0 = time.perf_counter()
-        pat = _Pattern(np.asarray(problem.indptr, np.int32), np.asarray(problem.indices, np.int32),
-                       (int(problem.n_rows), int(problem.n_cols)))
-        feats = structure.features(pat.indptr, pat.indices, pat.shape)
+        pat = pattern_of(problem)
+        feats = features if features is not None else structure.features(pat.indptr, pat.indices, pat.shape)
         n = 1 if problem.op == "spmv" else int(problem.n)
         space = kernels.space(problem.op, problem.dtype, n=n, structure=pat)
         pruned: Counter[str] = Counter()
@@ -83,11 +84,8 @@ class SearchProvider:
         kept: list[Candidate] = []
         for c in space:
             why = self._rule(c, feats, n)
-            if why is None and self.check_formats and c.header.format in _PADDED:
-                key = (c.header.format, c.header.format_params)
-                if key not in suitable:
-                    suitable[key] = _convert_problem(pat, c)
-                why = suitable[key]
+            if why is None and self.check_formats:
+                why = format_unsuitable(pat, c, suitable)
             if why is not None:
                 pruned[why] += 1
                 continue
@@ -138,6 +136,23 @@ def format_plausible(fmt: str, f) -> bool:
         sizes = getattr(structure, "BLOCK_SIZES", ())
         return any(d >= MIN_BLOCK_DENSITY for d in list(f.block_density)[:len(sizes)])
     return True
+
+
+def pattern_of(problem) -> _Pattern:
+    """The problem's pattern (int32 host arrays and shape)."""
+    return _Pattern(np.asarray(problem.indptr, np.int32), np.asarray(problem.indices, np.int32),
+                    (int(problem.n_rows), int(problem.n_cols)))
+
+
+def format_unsuitable(pat, c: Candidate, memo: dict) -> str | None:
+    """Why the pattern does not convert to ``c``'s padded format (None: it does, or the format
+    is not padded). ``memo`` keeps the verdict per (format, format parameters)."""
+    if c.header.format not in _PADDED:
+        return None
+    key = (c.header.format, c.header.format_params)
+    if key not in memo:
+        memo[key] = _convert_problem(pat, c)
+    return memo[key]
 
 
 def _convert_problem(pat, c: Candidate) -> str | None:

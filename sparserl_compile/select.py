@@ -125,7 +125,8 @@ def outcome_record(c: Candidate, r: SandboxResult) -> dict:
             "kernel_us": r.kernel_us, "p10_us": r.bench["p10_us"] if r.bench else None,
             "p90_us": r.bench["p90_us"] if r.bench else None,
             "graph_us": r.graph_bench["median_us"] if r.graph_bench else None,
-            "floor_us": r.floor_us, "wall_s": round(r.wall_s, 4)}
+            "floor_us": r.floor_us, "wall_s": round(r.wall_s, 4),
+            "phases": {k: round(v, 4) for k, v in r.phases.items()}}
 
 
 def _jsonable(x):
@@ -137,7 +138,8 @@ def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAU
     ref_us = ev.reference_us()
     record = {"candidates": [outcome_record(c, r) for c, r in zip(candidates, ev.results)],
               "reference": ev.reference.reference if ev.reference else None,
-              "reference_us": ref_us, "margin": margin, "seconds": round(ev.seconds, 3)}
+              "reference_us": ref_us, "margin": margin, "seconds": round(ev.seconds, 3),
+              "reference_wall_s": round(ev.reference.wall_s, 4) if ev.reference else None}
     ok = [(c, r) for c, r in zip(candidates, ev.results) if r.ok]
     if not ok:
         record.update(chosen=None, rule="no candidate verified")

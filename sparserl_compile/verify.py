@@ -98,12 +98,16 @@ class VerifyResult:
     compile_log: str = ""
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default=())
+    #: seconds per phase: "prepare" (static checks, format conversion, compile, upload),
+    #: "values" (building value sets and their float64 references, when not cached),
+    #: "runs" (launches and the checks on their outputs), "cusparse" (the comparison)
+    phases: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "reason": self.reason, "failed": self.failed,
                 "checks_passed": list(self.checks_passed), "max_rel_err": list(self.max_rel_err),
                 "executor": self.executor, "n": self.n, "value_sets": self.value_sets,
-                "seconds": self.seconds, "notes": list(self.notes)}
+                "seconds": self.seconds, "notes": list(self.notes), "phases": dict(self.phases)}
 
 
 class _Fail(Exception):
@@ -222,19 +226,73 @@ def digest(arrays) -> str:
 
 
 class _ValueSet:
-    """One value set's operands and float64 reference, shared by every candidate of a pattern."""
+    """One value set's operands, shared by every candidate of a pattern, and its float64
+    reference, error bound and cuSPARSE result, each built on first use: on the host by scipy
+    for the CPU executor (``host``), on the GPU by torch.sparse in float64 for the GPU executor
+    (``device``), so a GPU verification never moves an output to the host."""
 
-    __slots__ = ("vals", "x", "ref", "absref", "bound", "cusparse")
+    __slots__ = ("p", "lengths", "dtype", "vals", "x", "_host", "_device", "cusparse")
 
     def __init__(self, p: "Pattern", lengths, x_shape, dtype: str, seed: int, s: int):
         rng = np.random.default_rng([seed, s])
-        self.vals, vals64 = to_dtype(_random_operand(rng, p.nnz), dtype)
-        self.x, x64 = to_dtype(_random_operand(rng, x_shape), dtype)
-        a = sp.csr_matrix((vals64, p.indices, p.indptr), shape=p.shape)
-        self.ref = a @ x64
-        self.absref = abs(a) @ np.abs(x64)
-        self.bound = error_bound(lengths, self.absref, self.ref, dtype)
+        self.vals = to_dtype(_random_operand(rng, p.nnz), dtype)[0]
+        self.x = to_dtype(_random_operand(rng, x_shape), dtype)[0]
+        self.p, self.lengths, self.dtype = p, lengths, dtype
+        self._host = self._device = None
         self.cusparse = None  # filled by the first GPU candidate that compares
+
+    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ref, absref, bound), float64 numpy arrays, by scipy from the dtype-rounded inputs."""
+        if self._host is None:
+            p = self.p
+            x64 = from_storage(self.x, self.dtype)
+            a = sp.csr_matrix((from_storage(self.vals, self.dtype), p.indices, p.indptr), shape=p.shape)
+            ref = a @ x64
+            absref = abs(a) @ np.abs(x64)
+            self._host = (ref, absref, error_bound(self.lengths, absref, ref, self.dtype))
+        return self._host
+
+    def device(self):
+        """(ref, absref, bound) as CUDA tensors: ref and bound float64 (ref by torch.sparse CSR in
+        float64, i.e. cuSPARSE, whose error is ~1e-16 relative, far below the float32 bound),
+        absref float32 (it only scales the reported relative error). Where torch.sparse cannot
+        (empty patterns), the host reference is uploaded instead."""
+        if self._device is None:
+            import torch
+
+            try:
+                ref, absref = _device_reference(torch, self.p, self.vals, self.x, self.dtype)
+            except RuntimeError:
+                ref, absref = (torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in self.host()[:2])
+            k = (torch.from_numpy(self.lengths).cuda().double() + 1.0) * U_F32
+            gamma = k / torch.clamp(1.0 - k, min=1e-3)
+            if ref.dim() == 2:
+                gamma = gamma[:, None]
+            bound = 2.0 * gamma * absref + U_OUT[self.dtype] * ref.abs() + 1e-30
+            self._device = (ref, absref.float(), bound)
+        return self._device
+
+
+def _storage_tensor(torch, a: np.ndarray, dtype: str, device: str = "cuda"):
+    """A kernel storage array (``to_dtype``) as a tensor of the kernel's type."""
+    t = torch.from_numpy(np.ascontiguousarray(a.view(np.int16) if dtype == "bf16" else a)).to(device)
+    return t.view(torch.bfloat16) if dtype == "bf16" else t
+
+
+def _device_reference(torch, p: "Pattern", vals: np.ndarray, x: np.ndarray, dtype: str, device: str = "cuda"):
+    """(A @ x, |A| @ |x|) in float64 on ``device`` from the dtype-rounded operands."""
+    if p.nnz == 0 or 0 in p.shape:
+        raise RuntimeError("empty pattern: use the host reference")
+    v64 = _storage_tensor(torch, vals, dtype, device).double()
+    x64 = _storage_tensor(torch, x, dtype, device).double()
+    ip = torch.from_numpy(p.indptr.astype(np.int64)).to(device)
+    ix = torch.from_numpy(p.indices.astype(np.int64)).to(device)
+
+    def product(v, xx):
+        a = torch.sparse_csr_tensor(ip, ix, v, size=p.shape, dtype=torch.float64)
+        return torch.mv(a, xx) if xx.dim() == 1 else torch.mm(a, xx)
+
+    return product(v64, x64), product(v64.abs(), x64.abs())
 
 
 #: (pattern, dtype, x shape, seed) of the cached value sets, and the sets by index. A search
@@ -369,11 +427,9 @@ class GpuRunner:
         self.grid = header.launch.grid(fd.scalars, n)
         self.last = None
 
-    def _tensor(self, a: np.ndarray, dtype: str):
-        t = self.torch.from_numpy(np.ascontiguousarray(a)).cuda()
-        return t.view(self.torch.bfloat16) if dtype == "bf16" else t
-
     def run(self, vals: np.ndarray, x: np.ndarray, out_shape, dtype: str) -> _Run:
+        """One launch on a poisoned, guarded output; the output stays on the GPU (``_Run.y``
+        float64 and ``_Run.raw`` its bits, as CUDA tensors)."""
         torch = self.torch
         udt, bits = _POISON[dtype]
         size = int(np.prod(out_shape))
@@ -385,9 +441,9 @@ class GpuRunner:
         y = buf[GUARD:GUARD + size]
         if self.header.launch.zero_output:
             y.zero_()
-        vt = self._tensor(vals.view(np.int16) if dtype == "bf16" else vals, dtype)
+        vt = _storage_tensor(torch, vals, dtype)
         vfmt = self.fd.gather_values(vt).contiguous()
-        xt = self._tensor((x.view(np.int16) if dtype == "bf16" else x).reshape(-1), dtype)
+        xt = _storage_tensor(torch, x.reshape(-1), dtype)
         inputs = list(self.arrays.values()) + [vfmt, xt]
         before = _snapshot(inputs)
         args = self.fd.kernel_args(self.header.op, self.n, self.arrays, vfmt, xt, y)
@@ -399,10 +455,8 @@ class GpuRunner:
         self.last = (args, xt, y, vt)
         guard_bits = buf.view(int_t)
         guards_ok = bool((guard_bits[:GUARD] == signed_bits).all() and (guard_bits[GUARD + size:] == signed_bits).all())
-        raw = y.view(int_t).cpu().numpy().view(udt).copy()
-        store = np.float32 if dtype == "f32" else (np.float16 if dtype == "f16" else np.uint16)
-        yv = from_storage(raw.view(store), dtype).reshape(out_shape)
-        return _Run(yv, raw, guards_ok, _unchanged(inputs, before))
+        raw = y.view(int_t).clone()
+        return _Run(y.double().reshape(out_shape), raw, guards_ok, _unchanged(inputs, before))
 
     def launch_fn(self):
         """A zero-argument callable running the product once on the last value set (bound), as
@@ -418,15 +472,16 @@ class GpuRunner:
             return zero_then_launch
         return lambda: bound(xt, y)
 
-    def cusparse(self, vals: np.ndarray, x: np.ndarray, dtype: str) -> np.ndarray:
+    def cusparse(self, vals: np.ndarray, x: np.ndarray, dtype: str):
+        """torch.sparse CSR (cuSPARSE) in the kernel's dtype, as a float64 CUDA tensor."""
         torch = self.torch
         p = self.pattern
-        vt = self._tensor(vals.view(np.int16) if dtype == "bf16" else vals, dtype)
-        xt = self._tensor(x.view(np.int16) if dtype == "bf16" else x, dtype)
+        vt = _storage_tensor(torch, vals, dtype)
+        xt = _storage_tensor(torch, x, dtype)
         a = torch.sparse_csr_tensor(torch.from_numpy(p.indptr).cuda(), torch.from_numpy(p.indices).cuda(),
                                     vt, size=p.shape)
         out = torch.mv(a, xt) if xt.dim() == 1 else torch.mm(a, xt)
-        return out.double().cpu().numpy()
+        return out.double()
 
 
 # ------------------------------------------------------------------ the driver
@@ -481,9 +536,11 @@ def verify(candidate: Candidate, matrix, *, op: str | None = None, dtype: str | 
     dtype = dtype or candidate.header.dtype
     n = 1 if op == "spmv" else int(n)
     log = ""
+    phases = dict.fromkeys(("prepare", "values", "runs", "cusparse"), 0.0)
     try:
         runner = prepare(candidate, matrix, op=op, dtype=dtype, executor=executor, n=n, cubin=cubin,
                          static=static, passed=passed)
+        phases["prepare"] = time.perf_counter() - t0
         log = runner.compile_log
         if runner_out is not None:
             runner_out.append(runner)
@@ -493,18 +550,22 @@ def verify(candidate: Candidate, matrix, *, op: str | None = None, dtype: str | 
         out_shape = (p.shape[0],) if op == "spmv" else (p.shape[0], n)
         zero_out = candidate.header.launch.zero_output
         for s in range(value_sets):
+            t1 = time.perf_counter()
             vs = _value_set(p, lengths, x_shape, dtype, seed, s)
-            vals, x, ref, absref, bound = vs.vals, vs.x, vs.ref, vs.absref, vs.bound
+            vals, x = vs.vals, vs.x
+            ref, absref, bound = vs.device() if runner.executor == "gpu" else vs.host()
+            t2 = time.perf_counter()
+            phases["values"] += t2 - t1
             first = runner.run(vals, x, out_shape, dtype)
             _check_run(first, ref, bound, s, "")
             second = runner.run(vals, x, out_shape, dtype)
             _check_run(second, ref, bound, s, " (second run)")
-            if not zero_out and not np.array_equal(first.raw, second.raw):
+            if not zero_out and not _same_bits(first.raw, second.raw):
                 raise _Fail("deterministic", f"value set {s}: two runs of the same inputs differ bit for bit "
                                              "(a kernel without atomics must be deterministic)")
-            err = np.abs(first.y - ref)
-            denom = np.maximum(absref, 1e-30)
-            errs.append(float((err / denom).max()) if err.size else 0.0)
+            errs.append(_max_rel_err(first.y, ref, absref))
+            t3 = time.perf_counter()
+            phases["runs"] += t3 - t2
             if executor == "gpu" and compare_cusparse:
                 try:
                     cs = vs.cusparse if vs.cusparse is not None else runner.cusparse(vals, x, dtype)
@@ -513,37 +574,64 @@ def verify(candidate: Candidate, matrix, *, op: str | None = None, dtype: str | 
                     notes.append(f"cusparse comparison skipped: {str(e).splitlines()[0][:120]}")
                     compare_cusparse = False
                 else:
-                    bad = np.abs(first.y - cs) > 2 * bound
+                    bad = abs(first.y - cs) > 2 * bound
                     if bad.any():
-                        i = int(np.argmax(bad.reshape(-1)))
-                        raise _Fail("cusparse", f"value set {s}: output {i} = {first.y.reshape(-1)[i]!r} "
-                                                f"disagrees with cuSPARSE {cs.reshape(-1)[i]!r}")
+                        i = _first(bad)
+                        raise _Fail("cusparse", f"value set {s}: output {i} = {_at(first.y, i)!r} "
+                                                f"disagrees with cuSPARSE {_at(cs, i)!r}")
+            phases["cusparse"] += time.perf_counter() - t3
         for c in ("launch", "bounds", "inputs", "written", "error_bound", "deterministic"):
             passed.append(c)
         if executor == "gpu" and compare_cusparse:
             passed.append("cusparse")
         reason = f"passed {len(passed)} checks on {value_sets} value sets"
         return VerifyResult(True, reason, None, tuple(passed), tuple(errs), executor, n, value_sets, log,
-                            time.perf_counter() - t0, tuple(notes))
+                            time.perf_counter() - t0, tuple(notes), phases)
     except _Fail as f:
         return VerifyResult(False, f"{f.check}: {f.reason}", f.check, tuple(passed), tuple(errs), executor, n,
-                            value_sets, log, time.perf_counter() - t0, tuple(notes))
+                            value_sets, log, time.perf_counter() - t0, tuple(notes), phases)
 
 
-def _check_run(run: _Run, ref: np.ndarray, bound: np.ndarray, s: int, which: str) -> None:
+def _first(mask) -> int:
+    """Flat index of the first True of a boolean numpy array or tensor."""
+    return int((mask.reshape(-1) * 1).argmax())
+
+
+def _at(a, i: int) -> float:
+    return float(a.reshape(-1)[i])
+
+
+def _same_bits(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return bool(__import__("torch").equal(a, b))
+
+
+def _max_rel_err(y, ref, absref) -> float:
+    """max |y - ref| / (sum |a||x|) (numpy arrays or tensors)."""
+    if (y.size if isinstance(y, np.ndarray) else y.numel()) == 0:
+        return 0.0
+    err = abs(y - ref)
+    denom = np.maximum(absref, 1e-30) if isinstance(absref, np.ndarray) else absref.double().clamp_min(1e-30)
+    return float((err / denom).max())
+
+
+def _check_run(run: _Run, ref, bound, s: int, which: str) -> None:
+    """The output checks of one run; ``run.y``, ``ref`` and ``bound`` are all numpy arrays
+    (CPU executor) or all CUDA tensors (GPU executor, checked where they are)."""
     if not run.guards_ok:
         raise _Fail("bounds", f"value set {s}{which}: the kernel wrote outside y (guard zone changed)")
     if not run.inputs_ok:
         raise _Fail("inputs", f"value set {s}{which}: the kernel modified an input array")
-    nan = np.isnan(run.y)
+    nan = run.y != run.y
     if nan.any():
-        i = int(np.argmax(nan.reshape(-1)))
+        i = _first(nan)
         raise _Fail("written", f"value set {s}{which}: output {i} (and {int(nan.sum()) - 1} more) left "
                                "unwritten or NaN")
-    err = np.abs(run.y - ref)
+    err = abs(run.y - ref)
     bad = ~(err <= bound)
     if bad.any():
-        i = int(np.argmax((err - bound).reshape(-1)))
-        raise _Fail("error_bound", f"value set {s}{which}: output {i} = {run.y.reshape(-1)[i]!r}, float64 "
-                                   f"reference {ref.reshape(-1)[i]!r}, error {err.reshape(-1)[i]:.3g} > "
-                                   f"bound {bound.reshape(-1)[i]:.3g} ({int(bad.sum())} outputs out of bound)")
+        i = int((err - bound).reshape(-1).argmax())
+        raise _Fail("error_bound", f"value set {s}{which}: output {i} = {_at(run.y, i)!r}, float64 "
+                                   f"reference {_at(ref, i)!r}, error {_at(err, i):.3g} > "
+                                   f"bound {_at(bound, i):.3g} ({int(bad.sum())} outputs out of bound)")

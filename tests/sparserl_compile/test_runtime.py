@@ -472,3 +472,11 @@ def test_device_arch_is_memoized_per_device():
     assert runtime.device_arch(torch.device("cpu")) == "cpu"
     assert list(runtime._arch_of) == [torch.device("cpu")]
     assert runtime.device_arch(torch.empty(0).device) == "cpu" and len(runtime._arch_of) == 1
+
+
+def test_prewarm_starts_the_sandbox_worker_in_the_background():
+    t = S.prewarm(provider=False)
+    t.join(120)
+    assert not t.is_alive()
+    pool = runtime._sandbox_pool()
+    assert pool._free and pool._free[0].alive()

@@ -82,6 +82,34 @@ def test_each_fault_gets_its_kind(name):
 
 
 @needs_simt
+def test_a_failed_workers_replacement_starts_in_the_background():
+    """After a wrong kernel the worker is replaced at once, not when the next job comes: the
+    next job runs on the worker already started (a GPU worker's start is seconds)."""
+    with SandboxPool(1, timeout_s=60) as pool:
+        bad = pool.run(_job(FAULTS["wrong_answer"].source), M)
+        assert bad.kind == "wrong" and pool.restarts == 1
+        deadline = time.monotonic() + 60
+        while not pool._free and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool._free) == 1 and pool._free[0].alive()
+        spare = pool._free[0].proc.pid
+        assert spare != bad.worker_pid
+        good = pool.run(_job(GOOD), M)
+    assert good.ok and good.worker_pid == spare
+
+
+def test_start_readies_one_worker_and_close_stops_it():
+    pool = SandboxPool(1)
+    pool.start()
+    pool.start()  # one is already starting: no second
+    w = pool._take()  # waits for the background start
+    assert w.alive() and not pool._free and pool._spawning == 0
+    pool._give(w)
+    pool.close()
+    assert not w.alive()
+
+
+@needs_simt
 def test_a_worker_killed_mid_job_is_a_crash():
     with SandboxPool(1, timeout_s=60) as pool:
         warm = pool.run(_job(FAULTS["compile_error"].source), M)

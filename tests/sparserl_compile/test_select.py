@@ -63,6 +63,10 @@ def test_choose_on_cpu_picks_the_verified_candidate(shared_matrices):
     c = choose(_problem(m), cands, executor="cpu", timeout_s=60)
     assert c.candidate is cands[2] and c.cubin
     assert [r["kind"] for r in c.record["candidates"]] == ["compile_error", "wrong", "ok"]
+    # where the time went, per candidate (the cold-start benchmark reports it)
+    ok = c.record["candidates"][2]["phases"]
+    assert set(ok) >= {"prepare", "values", "runs"} and ok["prepare"] > 0 and ok["runs"] > 0
+    assert sum(ok.values()) <= c.record["candidates"][2]["wall_s"] + 1e-3
 
 
 @pytest.mark.gpu

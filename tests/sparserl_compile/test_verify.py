@@ -103,9 +103,47 @@ def test_value_sets_are_shared_by_candidates_of_one_pattern_only():
     other = verify.Pattern.of(matrices.stencil2d(13))
     assert verify.verify(candidate(GOOD), other, executor="cpu").ok
     assert verify._VALUE_SETS["pattern"] is other
-    assert verify._VALUE_SETS["sets"][0].ref.shape == (169,)
+    assert verify._VALUE_SETS["sets"][0].host()[0].shape == (169,)
     verify.clear_value_sets()
     assert verify._VALUE_SETS["pattern"] is None and not verify._VALUE_SETS["sets"]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_torch_float64_reference_matches_scipy(dtype, n):
+    """The GPU executor's reference (torch.sparse in float64, where the outputs are) agrees
+    with scipy's to float64 rounding; shown here with CPU tensors."""
+    torch = pytest.importorskip("torch")
+    m = matrices.generate("uniform_random", n_rows=300, n_cols=200, per_row=6, seed=2)
+    pat = verify.Pattern.of(m)
+    x_shape = (pat.shape[1],) if n == 1 else (pat.shape[1], n)
+    vs = verify._ValueSet(pat, np.diff(pat.indptr), x_shape, dtype, 0, 1)
+    ref, absref, _ = vs.host()
+    t_ref, t_abs = verify._device_reference(torch, pat, vs.vals, vs.x, dtype, device="cpu")
+    np.testing.assert_allclose(t_ref.numpy(), ref, rtol=0, atol=1e-12 * float(np.abs(absref).max()))
+    np.testing.assert_allclose(t_abs.numpy(), absref, rtol=1e-13)
+
+
+def test_output_checks_read_tensors_as_they_read_arrays():
+    """``_check_run`` gives the same verdicts on tensors (the GPU path) as on numpy arrays."""
+    torch = pytest.importorskip("torch")
+    ref = np.array([1.0, -2.0, 3.0])
+    bound = np.full(3, 1e-6)
+    cases = {"ok": (ref + 1e-7, None), "written": (np.array([1.0, np.nan, 3.0]), "written"),
+             "error_bound": (ref + np.array([0, 1e-3, 0]), "error_bound")}
+    for name, (y, failed) in cases.items():
+        for conv in (np.asarray, torch.from_numpy):
+            run = verify._Run(conv(y), None, True, True)
+            try:
+                verify._check_run(run, conv(ref), conv(bound), 0, "")
+                got = None
+            except verify._Fail as f:
+                got = f.check
+                assert "output 1" in f.reason, f.reason
+            assert got == failed, (name, conv)
+    assert verify._same_bits(torch.tensor([1, 2]), torch.tensor([1, 2]))
+    assert not verify._same_bits(torch.tensor([1, 2]), torch.tensor([1, 3]))
+    assert verify._max_rel_err(torch.tensor([1.5]), torch.tensor([1.0]), torch.tensor([2.0])) == 0.25
 
 
 @needs_simt

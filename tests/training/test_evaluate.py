@@ -4,7 +4,8 @@ import pytest
 
 from policy.decode import DecodeConfig, generate
 from policy.encoder import prepare_structure
-from training.evaluate import _norm, evaluate_policy
+from training.evaluate import evaluate_policy
+from training.rewards import normalized as _norm
 from training.rewards import KernelOutcome, RLProblem
 from sparserl_compile.matrices import banded
 

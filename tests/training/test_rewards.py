@@ -51,3 +51,34 @@ def test_cpu_evaluator_scores_every_sample_in_order():
         ev.close()
     assert [(o.parsed, o.compiled, o.correct) for o in out] == [
         (True, False, False), (True, True, True), (True, True, False), (False, False, False)]
+
+
+def test_measured_evaluator_replays_h200_outcomes_and_delegates_the_rest():
+    """A sample that is a measured point gets the H200 outcome of that exact source (whitespace
+    aside); a failed point counts as wrong; anything else goes to the inner evaluator."""
+    from sparserl_compile.kernels import render
+    from sparserl_compile.matrices import banded
+    from training.data import MatrixRef, SupervisionRecord, Variant
+    from training.rewards import HeaderEvaluator, MeasuredEvaluator, RLProblem
+
+    m = banded(40, 2)
+    ref = MatrixRef(source="generated", generator="banded", kwargs=(("n", 40), ("half_bandwidth", 2)))
+    rec = SupervisionRecord(ref, "spmv", "f32", 1, (Variant("csr_scalar", (("block", 64),), 7.0),
+                                                     Variant("csr_scalar", (("block", 128),), None)),
+                            reference_us=20.0)
+
+    def src(block):
+        out = render("csr_scalar", "spmv", "f32", {"block": block}, m)
+        return out if isinstance(out, str) else out.source
+
+    other = render("csr_vector", "spmv", "f32", {"block": 128, "tpr": 4}, m)
+    other = other if isinstance(other, str) else other.source
+    ev = MeasuredEvaluator([rec], inner=HeaderEvaluator())
+    pb = RLProblem(m, "spmv", "f32", 1, ref.label, reference_us=20.0, best_space_us=7.0)
+    out = ev(pb, [src(64).replace("\n", "\n  "), src(128), other, "no header"])
+    assert (out[0].correct, out[0].us, out[0].reference_us) == (True, 7.0, 20.0)
+    assert (out[1].compiled, out[1].correct) == (True, False)
+    assert out[2].correct and out[2].us is None  # delegated: the header evaluator says ok, untimed
+    assert not out[3].parsed
+    assert (ev.replayed, ev.delegated) == (3, 1)
+    assert hierarchical_reward(out[0]) > hierarchical_reward(out[2]) > hierarchical_reward(out[1])

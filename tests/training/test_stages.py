@@ -61,6 +61,22 @@ def test_sft_learns_structure_dependent_targets(tmp_path, tiny_tok, n_features):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_sft_no_sinusoidal_ablation_replaces_the_encoder_and_trains(tmp_path, tiny_tok, n_features):
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    cfg = SFTConfig.tiny(str(init), str(data), str(tmp_path / "nosin"))
+    cfg.sinusoidal = False
+    logs = []
+    r = sft(cfg, render=_render, log=logs.append)
+    assert any("no sinusoidal" in m for m in logs)
+    assert sum(r.losses[-5:]) / 5 < sum(r.losses[:5]) / 5 * 0.6
+    model = load_policy(tmp_path / "nosin")[0]
+    assert model.config.sinusoidal is False and not model.encoder.use_sin
+    assert model.encoder.point_mlp[0].weight.shape[1] == 4  # the four raw coordinates in
+
+
 class _PrefersDia:
     """A reward evaluator for the test: only samples choosing the DIA format are 'correct'."""
 
