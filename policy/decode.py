@@ -169,7 +169,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
                     bitmask[i].fill_(-1)
                     continue
                 llt.fill_next_token_bitmask(m, bitmask, i)
-            allowed = unpack_masks(bitmask, vocab).to(device)
+            allowed = unpack_masks(bitmask.to(device), vocab)  # moved packed (32 tokens per int)
             logits = logits.masked_fill(~allowed, float("-inf"))
             dead = ~allowed.any(-1)
             logits[dead, eos] = 0.0  # a failed matcher allows nothing: end that sample
@@ -180,12 +180,13 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
                     tok[i] = f[step_i]
                     lp[i] = torch.log_softmax(logits[i] / (1.0 if config.greedy else max(config.temperature, 1e-5)),
                                               -1)[f[step_i]]
+        tok_list, lp_list = tok.tolist(), lp.tolist()  # one transfer per step, not two per sample
         for i in range(k):
             if done[i]:
                 continue
-            t = int(tok[i])
+            t = tok_list[i]
             tokens[i].append(t)
-            logps[i].append(float(lp[i]))
+            logps[i].append(lp_list[i])
             if matchers is not None:
                 masks[i].append(bitmask[i].clone())
                 if not matchers[i].consume_token(t) and matchers[i].is_error():

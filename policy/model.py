@@ -112,6 +112,18 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         self.value_head = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
+    def drop_sinusoidal(self) -> None:
+        """The no-sinusoidal ablation: the structure encoder's point MLP is replaced by a freshly
+        initialized one over the four raw coordinates (``sinusoidal=False``); the rest of the
+        encoder (feature projection, pooling) and the language model are kept. Fine-tune
+        afterwards (``sparserl train sft --no-sinusoidal``)."""
+        self.config.sinusoidal = False
+        d = self.config.hidden_size
+        p = next(self.parameters())
+        mlp = nn.Sequential(nn.Linear(4, d), nn.GELU(), nn.Linear(d, d)).to(device=p.device, dtype=p.dtype)
+        mlp.apply(self._init_weights)
+        self.encoder.point_mlp, self.encoder.use_sin = mlp, False
+
     @property
     def prefix_len(self) -> int:
         return self.config.n_slots + 1

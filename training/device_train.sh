@@ -6,6 +6,11 @@
 # SPARSERL_SHARED_MATRICES (benchmarks/NOTES.md). Writes under "$OUT" after each stage:
 # ckpt_<stage>.tgz (model, tokenizer, trainer state; no optimizer) and logs.tgz, so a call cut
 # by its limit keeps the stages that finished. ckpt_rl becomes policy/checkpoints/default/.
+# Knobs: PT_S=0 skips pretraining and SFT starts from SFT_INIT; SFT_ARGS / RL_ARGS are added to
+# those stages (e.g. SFT_ARGS="--retrieval --top-variants 3"); RL_EVALUATOR (gpu | measured | cpu);
+# ABLATE=1 also trains the ablations from the same start: rl_correctness (RL, correctness-only
+# reward, RL_S) and sft_nosin (SFT without the sinusoidal embedding, SFT_S); EVAL="args" then
+# runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$(pwd)/device_out}"
@@ -29,21 +34,45 @@ keep() {  # a stage's checkpoint (weights, tokenizer, configs, trainer log; not 
   tar -czf "$OUT/logs.tgz" -C "$OUT" logs
 }
 
+if [ "$PT_S" != 0 ]; then
 echo "== pretrain ($PT_S s)"
 timeout $((PT_S + 120)) $SR train pretrain --out-dir "$RUNS/pretrain" --size "$SIZE" --steps 20000 \
   --batch-size 32 --block-size 512 --max-corpus-bytes 8000000 --lr 1e-3 --log-every 100 --save-every 100000 \
   --time-budget-s "$PT_S" >"$LOGS/pretrain.log" 2>&1
 echo "rc=$?"; grep -E "parameters|budget|step .*loss" "$LOGS/pretrain.log" | tail -4; keep pretrain
+fi
+SFT_INIT="${SFT_INIT:-$RUNS/pretrain}"
 
-echo "== sft ($SFT_S s)"
-timeout $((SFT_S + 150)) $SR train sft --init "$RUNS/pretrain" --out-dir "$RUNS/sft" --data "$DATA" --steps 20000 \
-  --batch-size 16 --top-variants 3 --lr 5e-4 --log-every 100 --save-every 100000 \
-  --time-budget-s "$SFT_S" >"$LOGS/sft.log" 2>&1
-echo "rc=$?"; grep -E "training examples|budget|held-out|step .*loss" "$LOGS/sft.log" | tail -5; keep sft
+sft_stage() {  # name, extra args
+  local name="$1"; shift
+  echo "== $name from $SFT_INIT ($SFT_S s) ${SFT_ARGS:-} $*"
+  timeout $((SFT_S + 150)) $SR train sft --init "$SFT_INIT" --out-dir "$RUNS/$name" --data "$DATA" --steps 20000 \
+    --batch-size 16 --top-variants 3 --lr 5e-4 --log-every 100 --save-every 100000 \
+    --time-budget-s "$SFT_S" ${SFT_ARGS:-} "$@" >"$LOGS/$name.log" 2>&1
+  echo "rc=$?"; grep -E "training examples|ablation|budget|held-out|step .*loss" "$LOGS/$name.log" | tail -5; keep "$name"
+}
 
-echo "== rl ($RL_S s, gpu rewards)"
-timeout $((RL_S + 150)) $SR train rl --init "$RUNS/sft" --out-dir "$RUNS/rl" --data "$DATA" --steps 10000 \
-  --evaluator "${RL_EVALUATOR:-gpu}" --workers 4 --k 8 --problems-per-step 2 --lr 1e-5 --save-every 100000 \
-  --time-budget-s "$RL_S" >"$LOGS/rl.log" 2>&1
-echo "rc=$?"; grep -E "^\[rl\]" "$LOGS/rl.log" | tail -6; keep rl
+rl_stage() {  # name, extra args
+  local name="$1"; shift
+  echo "== $name ($RL_S s, ${RL_EVALUATOR:-gpu} rewards) ${RL_ARGS:-} $*"
+  timeout $((RL_S + 150)) $SR train rl --init "$RUNS/sft" --out-dir "$RUNS/$name" --data "$DATA" --steps 10000 \
+    --evaluator "${RL_EVALUATOR:-gpu}" --workers 4 --k 8 --problems-per-step 2 --lr 1e-5 --save-every 100000 \
+    --time-budget-s "$RL_S" ${RL_ARGS:-} "$@" >"$LOGS/$name.log" 2>&1
+  echo "rc=$?"; grep -E "^\[rl\]" "$LOGS/$name.log" | tail -6; keep "$name"
+}
+
+sft_stage sft
+rl_stage rl
+TRAINED="sft=$RUNS/sft,rl=$RUNS/rl"
+if [ "${ABLATE:-0}" = 1 ]; then
+  rl_stage rl_correctness --reward correctness
+  sft_stage sft_nosin --no-sinusoidal
+  TRAINED="$TRAINED,rl_correctness=$RUNS/rl_correctness,sft_nosin=$RUNS/sft_nosin"
+fi
+if [ -n "${EVAL:-}" ]; then
+  echo "== sparserl eval --checkpoints $TRAINED $EVAL"
+  timeout "${EVAL_TIMEOUT:-300}" $SR eval --checkpoints "$TRAINED" $EVAL --out "$OUT/eval.json" >"$LOGS/eval.log" 2>&1
+  echo "rc=$?"; grep -E "^\[eval\] [a-z_/]+: " "$LOGS/eval.log" | cut -c1-600
+  keep none
+fi
 ls -la "$OUT"

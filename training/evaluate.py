@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field, fields
 
 from training.config import opt, resolve_device
 from training.data import DEFAULT_SUPERVISION
+from training.rewards import normalized
 
 
 @dataclass
 class EvalConfig:
     checkpoints: str = opt("policy=runs/rl", "comma-separated name=folder pairs to compare (e.g. rl=runs/rl,no_rl=runs/sft)")
     data: str = opt(DEFAULT_SUPERVISION, "supervision file(s), a comma list; only the held-out split is used")
-    evaluator: str = opt("cpu", "'gpu', 'cpu' or 'header'")
+    evaluator: str = opt("cpu", "'gpu', 'cpu', 'measured' (replays H200 outcomes of measured points) or 'header'")
     k: int = opt(8, "samples for best-of-k")
     temperature: float = opt(0.8, "sampling temperature for best-of-k")
     max_new_tokens: int = opt(1536, "tokens per sample")
@@ -104,10 +104,6 @@ def _summaries(stats: dict[str, KindStats]) -> dict:
     return {"all": overall(stats).summary(), **{kind: s.summary() for kind, s in stats.items()}}
 
 
-def _norm(src: str) -> str:
-    return re.sub(r"\s+", "", src)
-
-
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
                     constrained: bool, space_sources=None, log=None, diverse: bool = False,
                     hint_entries=None, progress=None) -> dict[str, KindStats]:
@@ -167,10 +163,10 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
         st.correct += o.correct
         us = None
         if o.correct and space is not None:
-            if _norm(t) not in space:
+            if normalized(t) not in space:
                 st.novel += 1
             else:
-                us = space[_norm(t)]
+                us = space[normalized(t)]
         measured.append(us)
     if pb.best_space_us:
         if measured[0]:
@@ -214,6 +210,7 @@ def evaluate_nearest(table, problems, evaluator, *, k: int, space_sources=None, 
 def run_eval(cfg: EvalConfig, log=print) -> dict:
     from policy.model import load_policy
     from training.data import load_supervision, split
+    from training.rewards import measured_sources
     from training.rl import make_evaluator, problems_from_records
     from training.sft import default_render
 
@@ -226,18 +223,8 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     if not records:
         raise ValueError(f"{cfg.data}: no held-out records to evaluate on")
     problems = list(zip([r.matrix.kind for r in records], problems_from_records(records)))
-    space = []
-    for r, (_, pb) in zip(records, problems):
-        srcs: dict[str, float | None] = {}
-        for v in r.variants:
-            try:
-                key = _norm(default_render(v.family, r.op, r.dtype, dict(v.params), pb.matrix))
-            except Exception:
-                continue
-            old = srcs.get(key)
-            srcs[key] = v.us if old is None else (old if v.us is None else min(old, v.us))
-        space.append(srcs)
-    evaluator = make_evaluator(cfg.evaluator, cfg.workers)
+    space = [measured_sources(r, pb.matrix, default_render) for r, (_, pb) in zip(records, problems)]
+    evaluator = make_evaluator(cfg.evaluator, cfg.workers, records=records)
     tables: list = []
 
     def train_entries():  # the training split as a nearest table (hints, the nearest baseline)

@@ -37,7 +37,8 @@ class RLConfig:
     kl_coef: float = opt(0.05, "KL penalty to the starting model")
     lr: float = opt(1e-5, "learning rate")
     reward: str = opt("hierarchical", "'hierarchical' or 'correctness' (ablation)")
-    evaluator: str = opt("cpu", "'gpu' (compile+verify+time), 'cpu' (compile+simt verify+cost model), 'header'")
+    evaluator: str = opt("cpu", "'gpu' (compile+verify+time), 'cpu' (compile+simt verify+cost model), "
+                                "'measured' (H200 outcomes of measured points, 'cpu' for the rest), 'header'")
     workers: int = opt(2, "sandbox worker processes")
     seed: int = opt(0, "seed")
     log_every: int = opt(1, "log every this many steps")
@@ -70,7 +71,9 @@ def problems_from_records(records, loaded: dict | None = None) -> list:
     return out
 
 
-def make_evaluator(name: str, workers: int = 2):
+def make_evaluator(name: str, workers: int = 2, records=None):
+    """``gpu``, ``cpu``, ``header``, or ``measured`` (replays the H200 outcomes of ``records``'
+    variants, the CPU evaluator for the rest)."""
     from training import rewards
 
     if name == "header":
@@ -82,7 +85,11 @@ def make_evaluator(name: str, workers: int = 2):
 
             cm = CostModel.load_default()
         return rewards.SandboxEvaluator(name, workers=workers, cost_model=cm)
-    raise ValueError(f"evaluator={name!r}: use 'gpu', 'cpu' or 'header'")
+    if name == "measured":
+        if records is None:
+            raise ValueError("evaluator='measured' needs the supervision records it replays")
+        return rewards.MeasuredEvaluator(records, inner=make_evaluator("cpu", workers))
+    raise ValueError(f"evaluator={name!r}: use 'gpu', 'cpu', 'measured' or 'header'")
 
 
 def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) -> RLResult:
@@ -129,7 +136,9 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     n_pick = min(cfg.problems_per_step, len(problems))
     lo, hi = tdist.shard_bounds(n_pick, ctx, f"problems per step (--problems-per-step {cfg.problems_per_step}, "
                                              f"{len(problems)} problems)")
-    evaluator = evaluator or make_evaluator(cfg.evaluator, cfg.workers)
+    if evaluator is None and cfg.evaluator == "measured" and train_records is None:
+        train_records = split(load_supervision(cfg.data)).train
+    evaluator = evaluator or make_evaluator(cfg.evaluator, cfg.workers, records=train_records)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
     structs, hints, hint_entries = {}, {}, None

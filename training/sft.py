@@ -36,6 +36,8 @@ class SFTConfig:
     save_every: int = opt(200, "checkpoint every this many steps")
     device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
     time_budget_s: float = opt(0.0, "cap the steps so this run takes about this long (0 = no cap)")
+    sinusoidal: bool = opt(True, "off (--no-sinusoidal): the ablation; the structure encoder of --init is "
+                                 "replaced by a fresh one over raw coordinates before fine-tuning")
     retrieval: bool = opt(False, "prompts carry a retrieval hint: the winner of the nearest other training "
                                  "matrix (policy/retrieval.py); the checkpoint is marked config.retrieval")
 
@@ -128,6 +130,9 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
         save_config(cfg, out, "sft")
     src = out if has_state(out) and _stage_of(out) == "sft" else Path(cfg.init)
     model, tok = load_policy(src)
+    if not cfg.sinusoidal and model.config.sinusoidal:  # a resumed ablation run is already without
+        model.drop_sinusoidal()
+        log("[sft] ablation: structure encoder replaced by a fresh raw-coordinate one (no sinusoidal embedding)")
     parts = split(load_supervision(cfg.data))
     log(f"[sft] {cfg.data}: {parts.summary()}")
     entries, loaded = None, {}
