@@ -1,5 +1,5 @@
 # sparserl: two commands on a fresh machine.
-#   make demo   set up, then run the main job (generated matrices, the default kernel-space search;
+#   make demo   set up, then run the main job (generated matrices, the default provider;
 #               `sparserl demo --provider policy` asks the bundled policy) and print a table
 #   make test   set up, then run the test suite (what CI runs)
 PY ?= python3
