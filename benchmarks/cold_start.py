@@ -35,6 +35,7 @@ import torch
 
 import sparserl_compile as sr
 from sparserl_compile import matrices, providers, runtime
+from timing import wall_median_us
 
 #: (label, generator, kwargs): structures none of the supervision files holds (other seeds/sizes)
 MATRICES = (
@@ -64,19 +65,6 @@ class TimedProvider:
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _median_us(fn, dev: torch.device, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    _sync(dev)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        ts.append((time.perf_counter() - t0) * 1e6)
-    return float(np.median(ts))
 
 
 def _make_provider(spec: str):
@@ -160,8 +148,8 @@ def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
                 plan = next(iter(runtime.plans().values()), None)
                 row = {"provider": pspec, "k": int(k), "matrix": label, "nnz": int(m.nnz), "n": n,
                        "first_call_s": first, "propose_s": prov.seconds,
-                       "steady_us": _median_us(lambda: a @ x, dev),
-                       "torch_us": _median_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
+                       "steady_us": wall_median_us(lambda: a @ x, dev),
+                       "torch_us": wall_median_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
                        "plan": getattr(getattr(plan, "header", None), "format", None) or repr(plan)[:60],
                        "rel_err": err, **_breakdown(spy.record)}
                 rows.append(row)

@@ -24,19 +24,11 @@ import gnn_inference as g  # noqa: E402
 
 import sparserl_compile as sr  # noqa: E402
 from sparserl_compile import matrices, runtime  # noqa: E402
+from timing import wall_median_us  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts) * 1e6)
+    return wall_median_us(fn, "cuda", reps=calls, warmup=10)
 
 
 def main(argv=None) -> int:
