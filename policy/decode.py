@@ -127,7 +127,7 @@ def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None):
 def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
              k: int = 1, config: DecodeConfig = DecodeConfig(),
              grammar_text: str | None = None, forced: list[list[int]] | None = None,
-             hint: str | None = None) -> list[Rollout]:
+             hint: str | None = None, references: list[str] | None = None) -> list[Rollout]:
     """k completions for one matrix (see the module docstring).
 
     ``forced``: per sample, completion tokens to write first whatever the model prefers
@@ -135,7 +135,14 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     still those of the (masked) distribution, and the grammar matcher consumes them.
     ``hint``: the retrieval hint of the prompt (``policy/retrieval.py``; policies trained with
     hints only).
+    ``references``: kernel sources the samples are likely to resemble (the hinted kernel and
+    its neighbours, ``retrieval.reference_sources``): decoding is then speculative
+    (``generate_speculative``), same distribution, far fewer model calls when the policy
+    writes what a reference says. Ignored with ``forced``.
     """
+    if references and forced is None:
+        return generate_speculative(model, tokenizer, structure, op, dtype, n, references, k=k,
+                                    config=config, grammar_text=grammar_text, hint=hint)
     import llguidance.torch as llt
 
     if k < 1:
@@ -208,6 +215,129 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
             masks=torch.stack(masks[i]) if matchers is not None and masks[i] else None,
             grammar_error=errors[i]))
     return rollouts
+
+
+def draft_tokens(generated: list[int], refs: list[list[int]], length: int, max_ngram: int = 4) -> list[int]:
+    """Prompt-lookup drafting: the tokens that follow the longest suffix of ``generated``
+    (up to ``max_ngram`` tokens) where it occurs in a reference, at most ``length``; the
+    first reference's start when nothing is generated yet; [] when nothing matches."""
+    if not refs or length < 1:
+        return []
+    if not generated:
+        return refs[0][:length]
+    for size in range(min(max_ngram, len(generated)), 0, -1):
+        tail = generated[-size:]
+        for ref in refs:
+            for i in range(len(ref) - size):
+                if ref[i:i + size] == tail:
+                    return ref[i + size:i + size + length]
+    return []
+
+
+@torch.no_grad()
+def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
+                         references: list[str], k: int = 1, config: DecodeConfig = DecodeConfig(),
+                         grammar_text: str | None = None, hint: str | None = None,
+                         draft_len: int = 16) -> list[Rollout]:
+    """``generate``'s samples, decoded speculatively against reference kernels.
+
+    Each sample is decoded on its own: a draft of up to ``draft_len`` tokens is looked up in
+    the tokenized ``references`` (``draft_tokens``), the model scores the last chosen token and
+    the whole draft in one forward, and the positions are then taken in order exactly as
+    ``generate`` takes one: the grammar mask of the matcher's state, temperature, top-k, a
+    token chosen from that distribution (argmax when greedy). A chosen token equal to the
+    draft's moves on to the next position; the first that differs ends the step, and the
+    cache is cut back to the tokens chosen. Because every token is drawn from the model's own
+    (masked) distribution given the tokens before it, the samples have ``generate``'s
+    distribution (greedy: the same tokens, up to floating-point ties), with ``logprobs`` and
+    ``masks`` as ``generate`` records them; the drafts only decide how many positions one
+    forward checks. A sample that writes what a reference says takes about
+    ``tokens / draft_len`` forwards instead of ``tokens``.
+    """
+    if k < 1:
+        raise ValueError(f"k={k}: ask for at least one sample")
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
+    refs = [tokenizer.encode(r) + [eos] for r in references]
+    gen = None
+    if config.seed is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(config.seed)
+    if config.constrained:
+        import llguidance.torch as llt
+
+        bitmask = llt.allocate_token_bitmask(1, vocab)
+    sb = StructureBatch.collate([structure]).to(device)
+    ids = torch.tensor([prompt], device=device)
+    first = model(ids, sb, use_cache=True)
+    rollouts = []
+    for _ in range(k):
+        past = copy_cache(first.past_key_values) if k > 1 else first.past_key_values
+        pending = first.logits[0, -1:]  # (1, V): the distribution of the next position
+        matcher = make_matcher(tokenizer, vocab, grammar_text, op, dtype) if config.constrained else None
+        tokens, logps, masks = [], [], []
+        error = None
+        done = False
+        while not done and len(tokens) < config.max_new_tokens:
+            draft = draft_tokens(tokens, refs, min(draft_len, config.max_new_tokens - len(tokens) - 1))
+            if tokens:  # score the last chosen token (not yet in the cache) and the draft together
+                base = past.get_seq_length()
+                out = model(torch.tensor([[tokens[-1]] + draft], device=device), past_key_values=past,
+                            use_cache=True)
+                past, rows = out.past_key_values, out.logits[0]
+            else:  # the prompt's last logits are the first position's
+                base = None
+                if draft:
+                    out = model(torch.tensor([draft], device=device), past_key_values=past, use_cache=True)
+                    past, rows = out.past_key_values, torch.cat([pending, out.logits[0]], dim=0)
+                else:
+                    rows = pending
+            taken = 0  # draft tokens chosen
+            for j in range(rows.shape[0]):
+                logits = rows[j:j + 1].float().clone()
+                if matcher is not None:
+                    llt.fill_next_token_bitmask(matcher, bitmask, 0)
+                    allowed = unpack_masks(bitmask.to(device), vocab)
+                    logits = logits.masked_fill(~allowed, float("-inf"))
+                    if not bool(allowed.any()):
+                        logits[0, eos] = 0.0  # a failed matcher allows nothing: end the sample
+                    masks.append(bitmask[0].clone())
+                tok, lp = _pick(logits, config, gen)
+                t = int(tok[0])
+                tokens.append(t)
+                logps.append(float(lp[0]))
+                if matcher is not None and not matcher.consume_token(t) and matcher.is_error():
+                    error = matcher.get_error()
+                if t == eos or len(tokens) >= config.max_new_tokens:
+                    done = True
+                    break
+                if j < len(draft) and t == draft[j]:
+                    taken += 1
+                    continue
+                break
+            # keep in the cache what was chosen: the token scored first (when there was one) and
+            # the draft tokens taken; the token chosen last is fed with the next draft
+            keep = (1 if base is not None else 0) + taken
+            start = base if base is not None else past.get_seq_length() - len(draft)
+            extra = past.get_seq_length() - (start + keep)
+            if extra > 0:
+                past.crop(-extra)  # a negative count removes that many (every transformers 4.4x-5.x)
+        finished = bool(tokens) and tokens[-1] == eos
+        body = tokens[:-1] if finished else tokens
+        rollouts.append(Rollout(
+            prompt_ids=list(prompt), tokens=tokens, text=tokenizer.decode(body), logprobs=logps,
+            finished=finished, masks=torch.stack(masks) if matcher is not None and masks else None,
+            grammar_error=error))
+    return rollouts
+
+
+def copy_cache(cache):
+    """An independent copy of a transformers KV cache (each speculative sample crops its own)."""
+    import copy
+
+    return copy.deepcopy(cache)
 
 
 def header_prefix(op: str, fmt: str) -> str:

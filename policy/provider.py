@@ -80,7 +80,7 @@ class PolicyProvider:
 
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
-                 model=None, tokenizer=None, diverse: bool = False):
+                 model=None, tokenizer=None, diverse: bool = False, speculative: bool = True):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -103,6 +103,9 @@ class PolicyProvider:
         #: True: the k candidates are the model's k most likely formats, each written greedily
         #: (``decode.format_diverse``) instead of k temperature samples
         self.diverse = diverse
+        #: decode speculatively against the nearest measured winners (``decode.generate_speculative``:
+        #: the same samples' distribution, a fraction of the model calls when the policy writes them)
+        self.speculative = speculative
         self.stats = ProviderStats()
         #: sha256 of the weights file (None for an in-memory model); the runtime's cache key
         #: reads ``getattr(provider, "checkpoint_hash", None)`` so a new checkpoint misses the cache
@@ -118,11 +121,15 @@ class PolicyProvider:
                               max_points=self.model.config.max_points)
         dtype = contract.TORCH_DTYPES.get(str(problem.dtype).replace("torch.", ""), str(problem.dtype))
         n = int(getattr(problem, "n", 1) or 1)
+        from policy.retrieval import default_entries, nearest_hint, reference_sources
+        from sparserl_compile.search import pattern_of
+
         hint = None
         if getattr(self.model.config, "retrieval", False):  # trained with hints: give it one
-            from policy.retrieval import default_entries, nearest_hint
-
             hint = nearest_hint(s.features, problem.op, dtype, n, default_entries())
+        # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
+        refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem)) \
+            if self.speculative else None
         if self.diverse:
             cfg = replace(self.decode, greedy=True)
             rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
@@ -130,7 +137,7 @@ class PolicyProvider:
                                                      (problem.n_rows, problem.n_cols)), config=cfg, hint=hint)
         else:
             rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
-                             hint=hint)
+                             hint=hint, references=refs)
         out = []
         for r in rolls:
             self.stats.sampled += 1

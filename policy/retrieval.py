@@ -32,6 +32,28 @@ def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | 
     return hint_name(*keys[0]) if keys else None
 
 
+def reference_sources(features, op: str, dtype: str, n: int, entries, structure, count: int = 4,
+                      exclude: str | None = None) -> list[str]:
+    """The rendered sources of the first ``count`` proposals of the nearest entries (the hint's
+    kernel first): drafts for speculative decoding (``decode.generate(references=...)``). They
+    change how fast a sample is decoded, never which sample comes out. ``structure``: the
+    problem's pattern (``indptr``, ``indices``, ``shape``), for families that read it."""
+    from sparserl_compile import kernels
+    from sparserl_compile.nearest import proposals
+
+    pool = [e for e in entries if e.label != exclude] if exclude is not None else entries
+    out = []
+    for family, params in proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n)):
+        if len(out) >= count:
+            break
+        try:
+            c = kernels.render(family, op, dtype, dict(params), structure)
+        except Exception:  # noqa: BLE001 - a point the current families no longer render
+            continue
+        out.append(c if isinstance(c, str) else c.source)
+    return out
+
+
 _default_entries = None
 
 

@@ -120,12 +120,15 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
         s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+        from policy.retrieval import default_entries, nearest_hint, reference_sources
+
         hint = None
         if hint_entries is not None and getattr(model.config, "retrieval", False):
-            from policy.retrieval import nearest_hint
-
             hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries)
-        greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint,
+        # drafts for speculative decoding (the decoding's speed only, never its samples)
+        refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
+                                 hint_entries if hint_entries is not None else default_entries(), m)
+        greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs,
                           config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained))
         if diverse:
             from policy.decode import format_diverse
@@ -136,7 +139,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                                      config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens,
                                                          constrained=constrained))
         else:
-            sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint,
+            sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint, references=refs,
                                config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                                                    constrained=constrained, seed=i))
         texts = [r.text for r in greedy + sampled]

@@ -44,6 +44,8 @@ class RLConfig:
     log_every: int = opt(1, "log every this many steps")
     save_every: int = opt(10, "checkpoint every this many steps")
     device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda' for the policy")
+    speculative: bool = opt(True, "decode rollouts speculatively against the nearest measured kernels "
+                                  "(the same samples' distribution, fewer model calls)")
     time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
 
 
@@ -141,7 +143,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     evaluator = evaluator or make_evaluator(cfg.evaluator, cfg.workers, records=train_records)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
-    structs, hints, hint_entries = {}, {}, None
+    structs, hints, refs, hint_entries = {}, {}, {}, None
     if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
         from training.neighbours import entries_from_records
 
@@ -166,9 +168,15 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
 
                     hints[pi] = nearest_hint(structs[pi].features, pb.op, pb.dtype, pb.n, hint_entries,
                                              exclude=pb.label)
+                if cfg.speculative:  # drafts: speed only, the samples' distribution is the model's
+                    from policy.retrieval import default_entries, reference_sources
+
+                    refs[pi] = reference_sources(structs[pi].features, pb.op, pb.dtype, pb.n,
+                                                 hint_entries or default_entries(), m, exclude=pb.label)
             dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               constrained=cfg.constrained, seed=cfg.seed * 7919 + step * 31 + g)
-            rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hints.get(pi))
+            rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hints.get(pi),
+                          references=refs.get(pi))
             outcomes = evaluator(pb, [r.text for r in rs])
             rolls += rs
             sts += [structs[pi]] * len(rs)

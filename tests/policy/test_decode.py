@@ -86,3 +86,53 @@ def test_forced_prefixes_must_match_k(tiny_model, tiny_tok):
 
     with pytest.raises(ValueError, match="prefixes"):
         generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=2, forced=[[1]])
+
+
+def test_draft_tokens_follow_the_longest_matching_suffix():
+    from policy.decode import draft_tokens
+
+    refs = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8]]
+    assert draft_tokens([], refs, 3) == [1, 2, 3]  # nothing written yet: the first reference's start
+    assert draft_tokens([0, 9, 2, 3], refs, 2) == [7, 8]  # "9 2 3" only continues in the second
+    assert draft_tokens([2, 3], refs, 2) == [4, 5]  # "2 3": the first reference that has it
+    assert draft_tokens([42], refs, 4) == [] and draft_tokens([1], [], 4) == []
+
+
+class _Counting(torch.nn.Module):
+    """Counts the model calls of a decoding (forwards everything else to the policy)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.calls = model, 0
+        self.config = model.config
+
+    def forward(self, *a, **kw):
+        self.calls += 1
+        return self.model(*a, **kw)
+
+
+def test_speculative_decoding_writes_the_same_tokens_in_fewer_calls(tiny_model, tiny_tok):
+    """Greedy with drafts is greedy without: the same tokens, log-probabilities and masks;
+    a reference that is the answer makes it take a fraction of the model calls, a useless one
+    only costs what plain decoding does."""
+    g = DecodeConfig(greedy=True, max_new_tokens=60)
+    plain_model = _Counting(tiny_model)
+    plain = generate(plain_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)[0]
+    for ref, few in ((plain.text, True), ("// nothing alike " * 5, False)):
+        m = _Counting(tiny_model)
+        spec = generate(m, tiny_tok, _s(), "spmv", "f32", 1, config=g, references=[ref])[0]
+        assert spec.tokens == plain.tokens and spec.text == plain.text
+        assert torch.allclose(torch.tensor(spec.logprobs), torch.tensor(plain.logprobs), atol=1e-4)
+        assert torch.equal(spec.masks, plain.masks)
+        assert (m.calls * 3 < plain_model.calls) if few else (m.calls <= plain_model.calls + 1)
+
+
+def test_speculative_sampling_keeps_the_masks_and_logprob_bookkeeping(tiny_model, tiny_tok):
+    rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=3, references=["// sparserl op=spmv"],
+                  config=DecodeConfig(max_new_tokens=80, seed=2))
+    assert len(rs) == 3
+    for r in rs:
+        contract.parse_header(r.text)
+        allowed = unpack_masks(r.masks, len(tiny_tok))
+        assert r.masks.shape[0] == len(r.tokens) == len(r.logprobs)
+        assert all(allowed[t, tok] for t, tok in enumerate(r.tokens)) and max(r.logprobs) <= 0

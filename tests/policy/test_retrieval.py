@@ -101,3 +101,18 @@ def test_retrieval_flag_round_trips_through_a_checkpoint(tiny_model, tiny_tok, t
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_reference_sources_render_the_nearest_winners_hint_first():
+    from sparserl_compile import contract
+    from sparserl_compile.matrices import banded
+
+    m = banded(64, 2)
+    table = [entry("a", [1.0, 1.0], "csr_scalar", {"block": 64}),
+             entry("b", [1.5, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
+             entry("c", [2.0, 1.0], "no_such_family", {})]
+    srcs = retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=4)
+    assert len(srcs) == 2  # the unrenderable point is skipped
+    heads = [contract.parse_header(s) for s in srcs]
+    assert [h.format for h in heads] == ["csr", "csr"] and "64" in srcs[0].splitlines()[1]
+    assert retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1, exclude="a")[0] == srcs[1]
