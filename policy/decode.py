@@ -252,7 +252,8 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     distribution (greedy: the same tokens, up to floating-point ties), with ``logprobs`` and
     ``masks`` as ``generate`` records them; the drafts only decide how many positions one
     forward checks. A sample that writes what a reference says takes about
-    ``tokens / draft_len`` forwards instead of ``tokens``.
+    ``tokens / draft_len`` forwards instead of ``tokens``. Each finished sample becomes the
+    first reference of the next (samples of one problem are often alike).
     """
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one sample")
@@ -330,6 +331,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
             prompt_ids=list(prompt), tokens=tokens, text=tokenizer.decode(body), logprobs=logps,
             finished=finished, masks=torch.stack(masks) if matcher is not None and masks else None,
             grammar_error=error))
+        refs.insert(0, tokens)  # samples of one problem are often alike: the last one drafts first
     return rollouts
 
 
