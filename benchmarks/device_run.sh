@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [DECODE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -86,6 +86,14 @@ if [ -n "${COLD:-}" ]; then
   timeout "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_start.py $COLD --json "$BENCH_DIR/cold_start.json" >"$LOGS/cold.log" 2>&1
   APP_RC="$APP_RC cold=$?"
   grep -v "Warning\|warn\|Loading weights\|sparse_csr_tensor" "$LOGS/cold.log" | tail -60
+fi
+
+# Policy decoding, plain vs speculative (optional): DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"
+if [ -n "${DECODE:-}" ]; then
+  echo "== decode_speed.py $DECODE"
+  timeout "${DECODE_TIMEOUT:-180}" python3 benchmarks/decode_speed.py $DECODE --json "$BENCH_DIR/decode_speed.json" >"$LOGS/decode.log" 2>&1
+  APP_RC="$APP_RC decode=$?"
+  grep -v "Warning\|warn\|Loading weights\|forward_call" "$LOGS/decode.log" | tail -20
 fi
 
 BENCH_RC=skipped

@@ -1,0 +1,87 @@
+"""Policy decoding speed: plain vs speculative (``decode.generate(references=...)``).
+
+For each generated matrix and product, the checkpoint's greedy sample and k temperature samples
+are decoded both ways (the retrieval hint and the references as the policy provider gives
+them) and timed; the greedy texts must be identical (speculative decoding only changes how many
+positions one forward checks).
+
+    python benchmarks/decode_speed.py [--checkpoint policy/checkpoints/retrieval] [--device cpu|cuda]
+                                      [--k 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from policy.decode import DecodeConfig, generate
+from policy.encoder import prepare_structure
+from policy.model import load_policy
+from policy.retrieval import default_entries, nearest_hint, reference_sources
+from sparserl_compile import matrices
+
+#: (label, generator, kwargs, op, n)
+CASES = (
+    ("uniform_2k_d8", "uniform_random", {"n_rows": 2000, "n_cols": 2000, "per_row": 8, "seed": 1}, "spmv", 1),
+    ("banded_3k_b4", "banded", {"n": 3000, "half_bandwidth": 4, "seed": 1}, "spmm", 32),
+    ("rmat_s12_e8", "rmat", {"scale": 12, "edge_factor": 8, "seed": 1}, "spmv", 1),
+)
+
+
+def _timed(fn, device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def run(checkpoint: str, device: str, k: int) -> list[dict]:
+    model, tok = load_policy(checkpoint, device)
+    rows = []
+    for label, gen, kw, op, n in CASES:
+        m = matrices.generate(gen, **kw)
+        s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+        hint = nearest_hint(s.features, op, "f32", n, default_entries()) if model.config.retrieval else None
+        refs = reference_sources(s.features, op, "f32", n, default_entries(), m)
+        generate(model, tok, s, op, "f32", n, k=1, hint=hint, config=DecodeConfig(greedy=True, max_new_tokens=32))
+        for mode, cfg, kk in (("greedy", DecodeConfig(greedy=True, max_new_tokens=1536), 1),
+                              (f"sample_k{k}", DecodeConfig(temperature=0.8, seed=0, max_new_tokens=1536), k)):
+            plain, tp = _timed(lambda: generate(model, tok, s, op, "f32", n, k=kk, hint=hint, config=cfg), device)
+            spec, ts = _timed(lambda: generate(model, tok, s, op, "f32", n, k=kk, hint=hint, config=cfg,
+                                               references=refs), device)
+            row = {"matrix": label, "op": op, "n": n, "mode": mode, "plain_s": tp, "speculative_s": ts,
+                   "tokens_plain": sum(len(r.tokens) for r in plain),
+                   "tokens_speculative": sum(len(r.tokens) for r in spec),
+                   "same_text": [r.text for r in plain] == [r.text for r in spec]}
+            if mode == "greedy" and not row["same_text"]:
+                raise AssertionError(f"{label}: speculative greedy wrote another kernel than plain greedy")
+            rows.append(row)
+            print(f"{label:14s} {op} n={n:<3d} {mode:10s} plain {tp:6.2f}s  speculative {ts:6.2f}s  "
+                  f"({row['tokens_plain']} / {row['tokens_speculative']} tokens)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default="policy/checkpoints/retrieval")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows = run(a.checkpoint, a.device, a.k)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(0),
+                       "torch": torch.__version__, "checkpoint": a.checkpoint}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
