@@ -44,6 +44,8 @@ class RLConfig:
     log_every: int = opt(1, "log every this many steps")
     save_every: int = opt(10, "checkpoint every this many steps")
     device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda' for the policy")
+    max_nnz: int = opt(0, "train only on problems with at most this many nonzeros (0 = all; e.g. for the "
+                          "CPU evaluators, whose executor is slow on large matrices)")
     speculative: bool = opt(True, "decode rollouts speculatively against the nearest measured kernels "
                                   "(the same samples' distribution, fewer model calls)")
     time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
@@ -131,10 +133,12 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     state = load_state(out, optim) if resume else TrainerState("rl")
     train_records, loaded = None, {}
     if problems is None:
-        train_records = split(load_supervision(cfg.data)).train
-        problems = problems_from_records(train_records, loaded)
+        train_records = split(load_supervision(cfg.data)).train  # all of them give hints (below)
+        picked = [r for r in train_records if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records
+        problems = problems_from_records(picked, loaded)
     if not problems:
-        raise ValueError("RL needs at least one training problem")
+        raise ValueError("RL needs at least one training problem" + (f" (--max-nnz {cfg.max_nnz} left none)"
+                                                                      if cfg.max_nnz else ""))
     n_pick = min(cfg.problems_per_step, len(problems))
     lo, hi = tdist.shard_bounds(n_pick, ctx, f"problems per step (--problems-per-step {cfg.problems_per_step}, "
                                              f"{len(problems)} problems)")
@@ -206,6 +210,12 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     if ctx.distributed:
         tdist.barrier()  # rank 0's checkpoint is complete before any rank moves on
     return res
+
+
+def _nnz(record, loaded: dict) -> int:
+    if record.matrix not in loaded:
+        loaded[record.matrix] = record.matrix.load()
+    return int(loaded[record.matrix].nnz)
 
 
 def _stage(d: Path):

@@ -106,3 +106,16 @@ def test_ppo_raises_the_reward_and_starts_at_ratio_one(tmp_path, tiny_tok, n_fea
     _, r, _ = _rl_run(tmp_path, tiny_tok, n_features, "ppo")
     assert r.stats[0]["kl"] == 0.0 or abs(r.stats[0]["kl"]) < 1e-4  # same model as the reference
     assert sum(r.mean_rewards[-3:]) / 3 > sum(r.mean_rewards[:3]) / 3 + 0.2
+
+
+def test_rl_max_nnz_filters_the_training_problems(tmp_path, tiny_tok, n_features):
+    import pytest
+
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "rl"), steps=1, k=2,
+                   max_new_tokens=8, max_nnz=1, evaluator="header")
+    with pytest.raises(ValueError, match="max-nnz 1 left none"):
+        rl(cfg, log=QUIET)
