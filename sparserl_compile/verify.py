@@ -21,8 +21,9 @@ The checks, in the order they run:
    to an input), ``written`` (no poison left: every output written), ``error_bound``
    (per row ``|y_i - ref_i| <= 2 * gamma(len_i + 1) * sum_j |a_ij x_j| + u_out * |ref_i|``
    with ``gamma(k) = k u / (1 - k u)``, ``u = 2^-24`` for float accumulation, and
-   ``u_out`` half an ulp of the output type (0 for f32); ref in float64 by scipy from the
-   dtype-rounded inputs), ``deterministic`` (a second run is bit-identical; kernels with
+   ``u_out`` half an ulp of the output type (0 for f32); ref in float64 from the
+   dtype-rounded inputs, by scipy for the CPU executor and by torch.sparse on the GPU for the
+   GPU executor, whose checks all run on device tensors), ``deterministic`` (a second run is bit-identical; kernels with
    ``zero_output=1`` accumulate with ``atomicAdd`` in a varying order, so for them the second
    run must only meet the same error bound), and on the GPU ``cusparse`` (within twice the
    bound of ``torch.sparse`` CSR, where cuSPARSE supports the dtype).
