@@ -302,13 +302,14 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                     llt.fill_next_token_bitmask(matcher, bitmask, 0)
                     allowed = unpack_masks(bitmask.to(device), vocab)
                     logits = logits.masked_fill(~allowed, float("-inf"))
-                    if not bool(allowed.any()):
-                        logits[0, eos] = 0.0  # a failed matcher allows nothing: end the sample
+                    # a failed matcher allows nothing: end the sample (no host round trip to ask)
+                    logits[:, eos] = torch.where(allowed.any(-1), logits[:, eos], torch.zeros_like(logits[:, eos]))
                     masks.append(bitmask[0].clone())
                 tok, lp = _pick(logits, config, gen)
-                t = int(tok[0])
+                t, lpv = torch.cat([tok.double(), lp.double()]).tolist()  # one transfer per position
+                t = int(t)
                 tokens.append(t)
-                logps.append(float(lp[0]))
+                logps.append(lpv)
                 if matcher is not None and not matcher.consume_token(t) and matcher.is_error():
                     error = matcher.get_error()
                 if t == eos or len(tokens) >= config.max_new_tokens:
