@@ -12,7 +12,9 @@ For a problem, ``NearestProvider`` ranks the table's entries of the same op and 
 the nearest entries in order (each entry's fastest variant; after every entry gave its first,
 the second fastest, and so on), keeping only those that are points of this problem's pruned
 kernel space (``SearchProvider``'s candidates: they apply to this op, width and structure) and
-dropping repeats. If that yields fewer than ``k``, the search's own order fills the rest.
+dropping repeats; whether the pattern converts to a padded format (ELL, SELL, DIA, BSR) is
+checked only for the points taken. If that yields fewer than ``k``, the search's own order
+fills the rest.
 
 Why it exists: it is retrieval over measured winners, the simplest learned policy there is.
 On the held-out split its best-of-1 reaches 0.82 of the kernel-space best by the measured H200
