@@ -205,13 +205,14 @@ def from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float64)
 
 
-def error_bound(lengths: np.ndarray, absref: np.ndarray, ref: np.ndarray, dtype: str) -> np.ndarray:
-    """Per-output allowed error (see the module docstring); shapes of ``ref``."""
-    k = (lengths.astype(np.float64) + 1.0) * U_F32
-    gamma = k / np.maximum(1.0 - k, 1e-3)
+def error_bound(lengths, absref, ref, dtype: str):
+    """Per-output allowed error (see the module docstring); shapes of ``ref``. numpy arrays, or
+    tensors (the GPU executor computes it where its outputs are), in float64."""
+    k = ((lengths.double() if hasattr(lengths, "double") else lengths.astype(np.float64)) + 1.0) * U_F32
+    gamma = k / (1.0 - k).clip(min=1e-3)
     if ref.ndim == 2:
         gamma = gamma[:, None]
-    return 2.0 * gamma * absref + U_OUT[dtype] * np.abs(ref) + 1e-30
+    return 2.0 * gamma * absref + U_OUT[dtype] * abs(ref) + 1e-30
 
 
 def digest(arrays) -> str:
@@ -265,11 +266,7 @@ class _ValueSet:
                 ref, absref = _device_reference(torch, self.p, self.vals, self.x, self.dtype)
             except RuntimeError:
                 ref, absref = (torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in self.host()[:2])
-            k = (torch.from_numpy(self.lengths).cuda().double() + 1.0) * U_F32
-            gamma = k / torch.clamp(1.0 - k, min=1e-3)
-            if ref.dim() == 2:
-                gamma = gamma[:, None]
-            bound = 2.0 * gamma * absref + U_OUT[self.dtype] * ref.abs() + 1e-30
+            bound = error_bound(torch.from_numpy(self.lengths).cuda(), absref, ref, self.dtype)
             self._device = (ref, absref.float(), bound)
         return self._device
 

@@ -182,3 +182,18 @@ def test_good_kernels_pass_on_gpu_with_cusparse_agreement(shared_matrices):
         assert r.ok, r.reason
         if m.nnz:
             assert "cusparse" in r.checks_passed or r.notes
+
+
+def test_error_bound_is_the_same_on_tensors():
+    """The GPU executor's bound (tensors) is the CPU executor's (numpy), to the bit."""
+    torch = pytest.importorskip("torch")
+    lengths = np.array([0, 3, 1000], np.int32)
+    absref, ref = np.array([0.0, 2.5, 40.0]), np.array([0.0, -1.5, 12.0])
+    for dtype in ("f32", "f16", "bf16"):
+        a = verify.error_bound(lengths, absref, ref, dtype)
+        t = verify.error_bound(torch.from_numpy(lengths), torch.from_numpy(absref), torch.from_numpy(ref), dtype)
+        assert t.dtype == torch.float64 and np.array_equal(t.numpy(), a)
+    a2 = verify.error_bound(lengths, np.ones((3, 2)), np.ones((3, 2)), "f32")
+    t2 = verify.error_bound(torch.from_numpy(lengths), torch.ones(3, 2, dtype=torch.float64),
+                            torch.ones(3, 2, dtype=torch.float64), "f32")
+    assert np.array_equal(t2.numpy(), a2)
