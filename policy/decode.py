@@ -17,6 +17,7 @@ kernel, without ``<|eos|>``. This module does not parse headers or compile anyth
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,6 +109,24 @@ def unpack_masks(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed.reshape(*packed.shape[:-1], -1)[..., :vocab_size].bool()
 
 
+def _apply_masks(logits: torch.Tensor, packed: torch.Tensor, vocab: int, eos: int) -> torch.Tensor:
+    """Disallowed tokens -> -inf under the packed llguidance bitmasks (one row per logits row);
+    a row whose matcher allows nothing (it failed) may only end: its ``<|eos|>`` gets 0."""
+    allowed = unpack_masks(packed.to(logits.device), vocab)  # moved packed (32 tokens per int)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    logits[:, eos] = torch.where(allowed.any(-1), logits[:, eos], torch.zeros_like(logits[:, eos]))
+    return logits
+
+
+def _generator(cfg: "DecodeConfig", device) -> torch.Generator | None:
+    """The seeded sampling generator of ``cfg`` (None: torch's global one)."""
+    if cfg.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed)
+    return gen
+
+
 def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None):
     """Choose one token per row; returns (tokens, logprobs of the chosen tokens)."""
     if cfg.greedy:
@@ -153,10 +172,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     vocab = model.config.vocab_size
     eos = tokenizer.eos_token_id
     prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
-    gen = None
-    if config.seed is not None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(config.seed)
+    gen = _generator(config, device)
     matchers = [make_matcher(tokenizer, vocab, grammar_text, op, dtype) for _ in range(k)] if config.constrained else None
     bitmask = llt.allocate_token_bitmask(k, vocab) if config.constrained else None
     sb = StructureBatch.collate([structure]).repeat(k).to(device)
@@ -176,10 +192,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
                     bitmask[i].fill_(-1)
                     continue
                 llt.fill_next_token_bitmask(m, bitmask, i)
-            allowed = unpack_masks(bitmask.to(device), vocab)  # moved packed (32 tokens per int)
-            logits = logits.masked_fill(~allowed, float("-inf"))
-            dead = ~allowed.any(-1)
-            logits[dead, eos] = 0.0  # a failed matcher allows nothing: end that sample
+            logits = _apply_masks(logits, bitmask, vocab, eos)
         tok, lp = _pick(logits, config, gen)
         if forced is not None:
             for i, f in enumerate(forced):
@@ -262,10 +275,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     eos = tokenizer.eos_token_id
     prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
     refs = [tokenizer.encode(r) + [eos] for r in references]
-    gen = None
-    if config.seed is not None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(config.seed)
+    gen = _generator(config, device)
     if config.constrained:
         import llguidance.torch as llt
 
@@ -275,7 +285,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     first = model(ids, sb, use_cache=True)
     rollouts = []
     for _ in range(k):
-        past = copy_cache(first.past_key_values) if k > 1 else first.past_key_values
+        past = copy.deepcopy(first.past_key_values) if k > 1 else first.past_key_values  # each crops its own
         pending = first.logits[0, -1:]  # (1, V): the distribution of the next position
         matcher = make_matcher(tokenizer, vocab, grammar_text, op, dtype) if config.constrained else None
         tokens, logps, masks = [], [], []
@@ -283,27 +293,20 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
         done = False
         while not done and len(tokens) < config.max_new_tokens:
             draft = draft_tokens(tokens, refs, min(draft_len, config.max_new_tokens - len(tokens) - 1))
-            if tokens:  # score the last chosen token (not yet in the cache) and the draft together
-                base = past.get_seq_length()
-                out = model(torch.tensor([[tokens[-1]] + draft], device=device), past_key_values=past,
-                            use_cache=True)
+            # fed to the model: the last chosen token (not yet in the cache; none before the first,
+            # whose logits the prompt gave) and the draft, scored in one forward
+            fed = tokens[-1:] + draft
+            if fed:
+                out = model(torch.tensor([fed], device=device), past_key_values=past, use_cache=True)
                 past, rows = out.past_key_values, out.logits[0]
-            else:  # the prompt's last logits are the first position's
-                base = None
-                if draft:
-                    out = model(torch.tensor([draft], device=device), past_key_values=past, use_cache=True)
-                    past, rows = out.past_key_values, torch.cat([pending, out.logits[0]], dim=0)
-                else:
-                    rows = pending
+            if not tokens:
+                rows = torch.cat([pending, rows], dim=0) if fed else pending
             taken = 0  # draft tokens chosen
             for j in range(rows.shape[0]):
                 logits = rows[j:j + 1].float().clone()
                 if matcher is not None:
                     llt.fill_next_token_bitmask(matcher, bitmask, 0)
-                    allowed = unpack_masks(bitmask.to(device), vocab)
-                    logits = logits.masked_fill(~allowed, float("-inf"))
-                    # a failed matcher allows nothing: end the sample (no host round trip to ask)
-                    logits[:, eos] = torch.where(allowed.any(-1), logits[:, eos], torch.zeros_like(logits[:, eos]))
+                    logits = _apply_masks(logits, bitmask, vocab, eos)
                     masks.append(bitmask[0].clone())
                 tok, lp = _pick(logits, config, gen)
                 t, lpv = torch.cat([tok.double(), lp.double()]).tolist()  # one transfer per position
@@ -319,11 +322,9 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                     taken += 1
                     continue
                 break
-            # keep in the cache what was chosen: the token scored first (when there was one) and
-            # the draft tokens taken; the token chosen last is fed with the next draft
-            keep = (1 if base is not None else 0) + taken
-            start = base if base is not None else past.get_seq_length() - len(draft)
-            extra = past.get_seq_length() - (start + keep)
+            # keep in the cache what was chosen: the token fed first (when there was one) and the
+            # draft tokens taken; the token chosen last is fed with the next draft
+            extra = len(draft) - taken  # the draft tokens not taken
             if extra > 0:
                 past.crop(-extra)  # a negative count removes that many (every transformers 4.4x-5.x)
         finished = bool(tokens) and tokens[-1] == eos
@@ -334,13 +335,6 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
             grammar_error=error))
         refs.insert(0, tokens)  # samples of one problem are often alike: the last one drafts first
     return rollouts
-
-
-def copy_cache(cache):
-    """An independent copy of a transformers KV cache (each speculative sample crops its own)."""
-    import copy
-
-    return copy.deepcopy(cache)
 
 
 def header_prefix(op: str, fmt: str) -> str:
