@@ -131,10 +131,16 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     ref_model.to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     state = load_state(out, optim) if resume else TrainerState("rl")
-    train_records, loaded = None, {}
-    if problems is None:
-        train_records = split(load_supervision(cfg.data)).train  # all of them give hints (below)
-        picked = [r for r in train_records if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records
+    loaded: dict = {}
+    _records: list = []
+
+    def train_records():  # the training split, read once, when something needs it
+        if not _records:
+            _records.append(split(load_supervision(cfg.data)).train)
+        return _records[0]
+
+    if problems is None:  # every training record gives hints (below); --max-nnz only picks problems
+        picked = [r for r in train_records() if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records()
         problems = problems_from_records(picked, loaded)
     if not problems:
         raise ValueError("RL needs at least one training problem" + (f" (--max-nnz {cfg.max_nnz} left none)"
@@ -142,18 +148,16 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     n_pick = min(cfg.problems_per_step, len(problems))
     lo, hi = tdist.shard_bounds(n_pick, ctx, f"problems per step (--problems-per-step {cfg.problems_per_step}, "
                                              f"{len(problems)} problems)")
-    if evaluator is None and cfg.evaluator == "measured" and train_records is None:
-        train_records = split(load_supervision(cfg.data)).train
-    evaluator = evaluator or make_evaluator(cfg.evaluator, cfg.workers, records=train_records)
+    if evaluator is None:
+        evaluator = make_evaluator(cfg.evaluator, cfg.workers,
+                                   records=train_records() if cfg.evaluator == "measured" else None)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
     structs, hints, refs, hint_entries = {}, {}, {}, None
     if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
         from training.neighbours import entries_from_records
 
-        if train_records is None:
-            train_records = split(load_supervision(cfg.data)).train
-        hint_entries = entries_from_records(train_records, loaded=loaded)
+        hint_entries = entries_from_records(train_records(), loaded=loaded)
     loaded.clear()  # the problems keep their own references
     res = RLResult(str(out), state.step, state.step)
     t0 = time.perf_counter()
