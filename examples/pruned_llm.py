@@ -26,13 +26,16 @@ For each ``--sparsity`` level the script
    a built-in text (a different one) before and after pruning, and times greedy decoding
    (``model.generate``, ``--new-tokens`` per sequence, prompts left-padded) at each
    ``--batches`` size, dense vs sparserl eager, and with ``--compile`` also
-   ``torch.compile(model.forward, backend="sparserl")``.
+   ``torch.compile(model.forward, backend="sparserl", mode=--compile-mode)`` against the dense
+   model under ``torch.compile(model.forward, mode=--compile-mode)`` (inductor), both decoding
+   with a static KV cache so that each batch size is one graph (``reduce-overhead``, the
+   default mode, replays it as a CUDA graph on a GPU: no per-layer host work).
 
 On the CPU every sparserl product runs the reference (torch's CPU CSR kernel; generated
 kernels are GPU-only), so CPU tokens/s compare torch's sparse CSR matmul with dense MKL, not a
 generated kernel; on a GPU the products run verified generated kernels or cuSPARSE.
-``--compile`` traces the Hugging Face model and recompiles as the KV cache grows: expect
-minutes of compile time on a CPU. On a loaded machine pass ``--threads 1``: OpenMP threads that
+``--compile`` traces the Hugging Face model once for the prefill and once for a decoding step
+per batch size: expect a minute or more of compile time per model and batch size. On a loaded machine pass ``--threads 1``: OpenMP threads that
 outnumber the free cores make a small matmul ~30x slower (measured here: 0.55 ms vs 16 ms).
 
 Pattern carry (for a GPU machine that cannot receive the GGUF file): decoding speed depends on
@@ -391,16 +394,22 @@ class Generation:
         return self.tokens.numel() / self.seconds
 
 
-def greedy(model: nn.Module, tok, batch: int, new_tokens: int, warmup_tokens: int = 2) -> Generation:
+def greedy(model: nn.Module, tok, batch: int, new_tokens: int, warmup_tokens: int = 2,
+           static_cache: bool = False) -> Generation:
     """Greedy decoding of exactly ``new_tokens`` per sequence for the first ``batch`` prompts,
-    timed after a warm-up generation of ``warmup_tokens`` (a compiled model needs the full
-    length: it recompiles as the KV cache grows)."""
+    timed after a warm-up generation of ``warmup_tokens``. ``static_cache``: a fixed-size KV
+    cache (``cache_implementation="static"``), so a compiled forward keeps one shape per batch
+    size and can be replayed as a CUDA graph; the warm-up then runs the full length (the
+    compile and the graph recording happen there, not in the timed run)."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     dev = eval_device(model)
     ids, mask = batch_prompts(tok, prompts)
     ids, mask = ids.to(dev), mask.to(dev)
     kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               pad_token_id=tok.pad_id)
+    if static_cache:
+        kw["cache_implementation"] = "static"
+        warmup_tokens = new_tokens
     with torch.no_grad():
         model.generate(ids, **{**kw, "max_new_tokens": warmup_tokens, "min_new_tokens": warmup_tokens})
         _sync(dev)
@@ -425,17 +434,21 @@ class DecodeRow:
     batch: int
     dense_tokens_per_s: float
     sparserl_tokens_per_s: float
-    compiled_tokens_per_s: float | None
+    compiled_tokens_per_s: float | None  # sparserl under torch.compile(backend="sparserl"), static KV cache
     same_tokens: float  # fraction of generated tokens where sparserl eager equals dense
     torch_sparse_tokens_per_s: float | None = None  # the same sparse model, every product by torch.sparse
     kernel_fraction: float | None = None  # of sparserl's products while timing, the share run by a generated kernel
+    dense_compiled_tokens_per_s: float | None = None  # the dense model under torch.compile (inductor), same mode
+    compiled_same_tokens: float | None = None  # fraction of compiled sparserl's tokens equal to dense eager's
     sparserl_over_dense: float = field(init=False)  # tokens/s ratio (> 1: sparserl faster)
-    compiled_over_dense: float | None = field(init=False)
+    compiled_over_dense: float | None = field(init=False)  # compiled sparserl over dense eager
+    compiled_over_dense_compiled: float | None = field(init=False)  # both compiled the same way
 
     def __post_init__(self):
         self.sparserl_over_dense = self.sparserl_tokens_per_s / self.dense_tokens_per_s
-        self.compiled_over_dense = (None if self.compiled_tokens_per_s is None
-                                    else self.compiled_tokens_per_s / self.dense_tokens_per_s)
+        c, dc = self.compiled_tokens_per_s, self.dense_compiled_tokens_per_s
+        self.compiled_over_dense = None if c is None else c / self.dense_tokens_per_s
+        self.compiled_over_dense_compiled = None if c is None or dc is None else c / dc
 
 
 @dataclass
@@ -482,9 +495,13 @@ def pregenerate_weights(model: nn.Module, widths: list[int], share: int, *, targ
 def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[int], new_tokens: int,
               compile_: bool, eval_ids: torch.Tensor, calib_ids: torch.Tensor | None, *,
               masks: dict[str, torch.Tensor] | None = None, masks_out: dict[str, torch.Tensor] | None = None,
-              measure_ppl: bool = True, pregen_share: int | None = None) -> LevelReport:
+              measure_ppl: bool = True, pregen_share: int | None = None,
+              compile_mode: str | None = "reduce-overhead") -> LevelReport:
     """Prune a copy of ``base`` (or, given ``masks``, zero what they mark pruned), sparsify, check
-    logits, time decoding; ``masks_out`` receives the pruning's keep-masks."""
+    logits, time decoding; ``masks_out`` receives the pruning's keep-masks. ``compile_``: also
+    decode with the sparse model under ``torch.compile(backend="sparserl", mode=compile_mode)``
+    and the dense one under ``torch.compile(mode=compile_mode)`` (inductor), both with a static
+    KV cache (one graph per batch size: ``dynamic=False``)."""
     dense = copy.deepcopy(base)
     if masks is None:
         pr = prune_(dense, sparsity, method, calib_ids, masks_out)
@@ -504,10 +521,11 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
                       perplexity(dense, eval_ids) if measure_ppl else None,
                       perplexity(sparse, eval_ids) if measure_ppl else None)
     rep.pregen = pregen
-    compiled = None
+    compiled = dense_compiled = None
     if compile_:
-        compiled = copy.deepcopy(sparse)
-        compiled.forward = torch.compile(compiled.forward, backend="sparserl")
+        compiled, dense_compiled = copy.deepcopy(sparse), copy.deepcopy(dense)
+        compiled.forward = torch.compile(compiled.forward, backend="sparserl", mode=compile_mode, dynamic=False)
+        dense_compiled.forward = torch.compile(dense_compiled.forward, mode=compile_mode, dynamic=False)
     on_gpu = eval_device(dense).type == "cuda"
     for b in batches:
         gd = greedy(dense, tok, b, new_tokens)
@@ -516,7 +534,10 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
         after = sr.stats()
         done = after.calls - before.calls
         frac = (after.kernel_calls - before.kernel_calls) / done if done else None
-        gc = greedy(compiled, tok, b, new_tokens, warmup_tokens=new_tokens) if compiled is not None else None
+        gc = gdc = None
+        if compiled is not None:
+            gc = greedy(compiled, tok, b, new_tokens, static_cache=True)
+            gdc = greedy(dense_compiled, tok, b, new_tokens, static_cache=True)
         gt = None
         if on_gpu:  # the same model with every product by torch.sparse (cuSPARSE): kernels off
             cfg = sr.get_config()
@@ -527,7 +548,9 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
                 sr.configure(kernels=cfg.kernels)
         rep.decode.append(DecodeRow(b, gd.tokens_per_s, gs.tokens_per_s, gc.tokens_per_s if gc else None,
                                     float((gd.tokens == gs.tokens).float().mean()),
-                                    gt.tokens_per_s if gt else None, frac))
+                                    gt.tokens_per_s if gt else None, frac,
+                                    gdc.tokens_per_s if gdc else None,
+                                    float((gd.tokens == gc.tokens).float().mean()) if gc else None))
         if b == batches[0]:
             rep.sample_dense, rep.sample_sparserl = tok.decode(gd.tokens[0]), tok.decode(gs.tokens[0])
     return rep
@@ -542,7 +565,12 @@ def main(argv=None) -> int:
                    help="comma list of fractions of zeros per row (default 0.5,0.7,0.9; --patterns: all saved levels)")
     p.add_argument("--batches", default="1,4,16", help="comma list of decoding batch sizes ('': no decoding)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sequence")
-    p.add_argument("--compile", action="store_true", help='also time torch.compile(backend="sparserl") (slow to compile)')
+    p.add_argument("--compile", action="store_true",
+                   help='also time decoding under torch.compile: the sparse model with backend="sparserl", the '
+                        'dense one with inductor, both with a static KV cache (slow to compile)')
+    p.add_argument("--compile-mode", default="reduce-overhead",
+                   help='torch.compile mode= for --compile (default reduce-overhead: CUDA graphs on a GPU; '
+                        '"default": none)')
     p.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU sparserl runs generated kernels)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     carry = p.add_mutually_exclusive_group()
@@ -617,6 +645,26 @@ def main(argv=None) -> int:
     if save_dir:
         save_dir.mkdir(parents=True, exist_ok=True)
 
+    def write_json() -> None:  # after every level: a run cut short keeps the levels it finished
+        if not args.json:
+            return
+        out = {"mode": "patterns" if meta else "weights", "model": lm.name, "real": lm.real, "device": args.device,
+               "ppl_dense": ppl_dense, "method": method, "new_tokens": args.new_tokens,
+               "threads": torch.get_num_threads(), "patterns_from": args.patterns, "patterns_saved_to": args.save_patterns,
+               "compile_mode": args.compile_mode if args.compile else None,
+               "levels": [{**asdict(r), "achieved_sparsity": r.prune.achieved} for r in reports]}
+        if meta:
+            out["ppl_source"] = (f"CPU, {'real' if meta['real'] else 'saved tiny model'} weights, {meta['date']} "
+                                 f"(meta.json); not measured on {args.device} (random weights)")
+            out["ppl_dense_cpu_real_weights"] = meta["ppl_dense"]
+            out["patterns_model_real"] = meta["real"]
+            out["tokenizer"] = f"none: prompts are {src}"
+            for o, s in zip(out["levels"], levels):
+                lv = saved[f"{s:g}"]
+                o["ppl_cpu_real_weights"] = {"dense": meta["ppl_dense"], "pruned": lv["ppl_pruned"],
+                                             "sparserl": lv["ppl_sparserl"]}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
     reports, saved_levels = [], []
     for s in levels:
         t0 = time.perf_counter()
@@ -628,7 +676,7 @@ def main(argv=None) -> int:
             masks_out = {}
         r = run_level(lm.model, lm.tokenizer, s, method, batches, args.new_tokens, args.compile,
                       eval_ids, calib_ids, masks=masks, masks_out=masks_out, measure_ppl=meta is None,
-                      pregen_share=args.pregen)
+                      pregen_share=args.pregen, compile_mode=args.compile_mode)
         reports.append(r)
         if masks_out is not None:
             f = save_dir / mask_file(s)
@@ -654,14 +702,18 @@ def main(argv=None) -> int:
                   f"{pg['seconds']:.0f} s: {pg['kernel']} kernels, {pg['reference']} cuSPARSE verdicts, "
                   f"{pg['cached']} cached, {pg['failed']} failed; {pg['shared']} explored by a look-alike")
         print(f"{'batch':>5s} {'dense tok/s':>12s} {'sparserl tok/s':>15s} {'ratio':>6s} {'torch.sparse':>13s} "
-              f"{'compiled tok/s':>15s} {'kernels':>8s} {'same tokens':>12s}")
+              f"{'dense compiled':>15s} {'sparserl compiled':>18s} {'ratio':>6s} {'kernels':>8s} {'same tokens':>12s}")
         for d in r.decode:
             f = lambda v, w, spec: f"{v:{w}{spec}}" if v is not None else f"{'-':>{w}s}"  # noqa: E731
             print(f"{d.batch:>5d} {d.dense_tokens_per_s:12.1f} {d.sparserl_tokens_per_s:15.1f} "
                   f"{d.sparserl_over_dense:6.2f} {f(d.torch_sparse_tokens_per_s, 13, '.1f')} "
-                  f"{f(d.compiled_tokens_per_s, 15, '.1f')} {f(d.kernel_fraction, 8, '.0%')} {d.same_tokens:12.1%}")
+                  f"{f(d.dense_compiled_tokens_per_s, 15, '.1f')} {f(d.compiled_tokens_per_s, 18, '.1f')} "
+                  f"{f(d.compiled_over_dense_compiled, 6, '.2f')} {f(d.kernel_fraction, 8, '.0%')} "
+                  f"{d.same_tokens:12.1%}" + ("" if d.compiled_same_tokens is None else
+                                             f" (compiled {d.compiled_same_tokens:.1%})"))
         if r.decode and not meta:
             print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
+        write_json()
     if save_dir:
         save_pattern_config(save_dir, lm.model)
         tok = lm.tokenizer
@@ -677,22 +729,6 @@ def main(argv=None) -> int:
         (save_dir / "meta.json").write_text(json.dumps(out_meta, indent=1))
         size = sum(f.stat().st_size for f in save_dir.iterdir() if f.is_file())
         print(f"\npatterns saved to {save_dir}: {size / 2**20:.1f} MiB")
-    if args.json:
-        out = {"mode": "patterns" if meta else "weights", "model": lm.name, "real": lm.real, "device": args.device,
-               "ppl_dense": ppl_dense, "method": method, "new_tokens": args.new_tokens,
-               "threads": torch.get_num_threads(), "patterns_from": args.patterns, "patterns_saved_to": args.save_patterns,
-               "levels": [{**asdict(r), "achieved_sparsity": r.prune.achieved} for r in reports]}
-        if meta:
-            out["ppl_source"] = (f"CPU, {'real' if meta['real'] else 'saved tiny model'} weights, {meta['date']} "
-                                 f"(meta.json); not measured on {args.device} (random weights)")
-            out["ppl_dense_cpu_real_weights"] = meta["ppl_dense"]
-            out["patterns_model_real"] = meta["real"]
-            out["tokenizer"] = f"none: prompts are {src}"
-            for o, s in zip(out["levels"], levels):
-                lv = saved[f"{s:g}"]
-                o["ppl_cpu_real_weights"] = {"dense": meta["ppl_dense"], "pruned": lv["ppl_pruned"],
-                                             "sparserl": lv["ppl_sparserl"]}
-        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

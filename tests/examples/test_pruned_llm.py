@@ -94,6 +94,22 @@ def test_main_tiny_runs_end_to_end(tmp_path, capsys):
     assert level["ppl_sparserl"] == pytest.approx(level["ppl_pruned"], rel=1e-4)
 
 
+def test_compiled_decoding_with_a_static_cache_gives_the_dense_tokens(tiny, calib):
+    """--compile: the sparse model under backend="sparserl" and the dense one under inductor,
+    both with a static KV cache, decode the pruned dense model's tokens in one graph each (no
+    graph break)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    rep = llm.run_level(tiny.model, tiny.tokenizer, 0.8, "wanda", [2], 4, True,
+                        torch.tensor([tiny.tokenizer.encode(llm.EVAL_TEXT)]), calib, measure_ppl=False)
+    (d,) = rep.decode
+    assert d.compiled_tokens_per_s > 0 and d.dense_compiled_tokens_per_s > 0
+    assert d.compiled_same_tokens == 1.0 and d.same_tokens == 1.0
+    assert d.compiled_over_dense_compiled == pytest.approx(d.compiled_tokens_per_s / d.dense_compiled_tokens_per_s)
+    assert not counters["graph_break"]
+
+
 def test_missing_model_falls_back_to_tiny_with_a_message(tmp_path, capsys):
     lm = llm.load_model(tiny=False, gguf=str(tmp_path / "absent.gguf"))
     assert lm.real is False
