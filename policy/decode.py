@@ -396,6 +396,27 @@ def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     return rolls
 
 
+def hint_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
+                 hints: list[str], config: DecodeConfig = DecodeConfig(greedy=True),
+                 grammar_text: str | None = None, references: list[str] | None = None) -> list[Rollout]:
+    """One sample per retrieval hint (``retrieval.nearest_hints``: the nearest measured
+    matrices' winners, best match first), each written by the model with that hint in its
+    prompt (greedy by default). A hinted policy's temperature samples are mostly copies of its
+    greedy kernel; conditioning each candidate on a different retrieved winner spends the k
+    candidates on k different pieces of evidence instead, and the model still writes, and may
+    change, every kernel. Each rollout's ``extra["hint"]`` is its hint."""
+    if not hints:
+        raise ValueError("hint_diverse needs at least one hint (the policy's retrieval table had no entry "
+                         "for this op and dtype)")
+    rolls = []
+    for h in hints:
+        (r,) = generate(model, tokenizer, structure, op, dtype, n, k=1, config=config,
+                        grammar_text=grammar_text, hint=h, references=references)
+        r.extra["hint"] = h
+        rolls.append(r)
+    return rolls
+
+
 def completion_ids(tokenizer, source: str) -> list[int]:
     """Token ids of a training target: the kernel (trailing whitespace stripped) and <|eos|>.
 

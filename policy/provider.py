@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.decode import DecodeConfig, format_diverse, generate
+from policy.decode import DecodeConfig, format_diverse, generate, hint_diverse
 from policy.encoder import prepare_structure
 from sparserl_compile import contract
 
@@ -80,7 +80,7 @@ class PolicyProvider:
 
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
-                 model=None, tokenizer=None, diverse: bool = False, speculative: bool = True):
+                 model=None, tokenizer=None, samples: str = "temperature", speculative: bool = True):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -100,9 +100,16 @@ class PolicyProvider:
         elif tokenizer is None:
             raise ValueError("PolicyProvider(model=...) also needs tokenizer=")
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
-        #: True: the k candidates are the model's k most likely formats, each written greedily
-        #: (``decode.format_diverse``) instead of k temperature samples
-        self.diverse = diverse
+        if samples not in ("temperature", "formats", "hints"):
+            raise ValueError(f"samples={samples!r}: choose 'temperature' (k samples at the decode "
+                             "temperature), 'formats' or 'hints'")
+        if samples == "hints" and not getattr(model.config, "retrieval", False):
+            raise ValueError("samples='hints' conditions each candidate on a retrieval hint: this "
+                             "checkpoint was trained without hints (config.retrieval is False)")
+        #: how the k candidates are drawn: "temperature" (k samples), "formats" (the model's k
+        #: most likely formats, each written greedily: ``decode.format_diverse``) or "hints" (one
+        #: greedy sample per nearest measured winner as the hint: ``decode.hint_diverse``)
+        self.samples = samples
         #: decode speculatively against the nearest measured winners (``decode.generate_speculative``:
         #: the same samples' distribution, a fraction of the model calls when the policy writes them)
         self.speculative = speculative
@@ -130,7 +137,13 @@ class PolicyProvider:
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem)) \
             if self.speculative else None
-        if self.diverse:
+        if self.samples == "hints":
+            from policy.retrieval import nearest_hints
+
+            hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), k)
+            rolls = hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, hints,
+                                 config=replace(self.decode, greedy=True), references=refs) if hints else []
+        elif self.samples == "formats":
             cfg = replace(self.decode, greedy=True)
             rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
                                    plausible_formats(problem.indptr, problem.indices,

@@ -23,13 +23,28 @@ def hint_name(family: str, params) -> str:
     return family + "".join(f"[{k}={v}]" for k, v in params)
 
 
-def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | None = None) -> str | None:
-    """The hint for a problem: the nearest other entry's winner, or None if no entry fits."""
+def nearest_points(features, op: str, dtype: str, n: int, entries, count: int = 1,
+                   exclude: str | None = None) -> list[tuple[str, tuple]]:
+    """The first ``count`` proposals of the nearest entries (``nearest.proposals`` order: the
+    nearest entry's winner first, then the next entries' winners, then runners-up; no
+    repeats) as ``(family, ((param, value), ...))`` keys; fewer when the table has fewer, none
+    when no entry fits."""
     from sparserl_compile.nearest import proposals
 
     pool = [e for e in entries if e.label != exclude] if exclude is not None else entries
-    keys = proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))
-    return hint_name(*keys[0]) if keys else None
+    return proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))[:count]
+
+
+def nearest_hints(features, op: str, dtype: str, n: int, entries, count: int = 1,
+                  exclude: str | None = None) -> list[str]:
+    """``nearest_points`` spelled as prompt hints."""
+    return [hint_name(*key) for key in nearest_points(features, op, dtype, n, entries, count, exclude)]
+
+
+def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | None = None) -> str | None:
+    """The hint for a problem: the nearest other entry's winner, or None if no entry fits."""
+    hints = nearest_hints(features, op, dtype, n, entries, 1, exclude)
+    return hints[0] if hints else None
 
 
 def reference_sources(features, op: str, dtype: str, n: int, entries, structure, count: int = 4,

@@ -52,8 +52,11 @@ class EvalConfig:
     workers: int = opt(2, "sandbox worker processes of the cpu/gpu evaluator")
     baselines: str = opt("", "also score these non-LM candidate sources the same way, comma-separated: "
                              "'nearest' (the nearest provider, its table built from this file's training split)")
-    diverse: bool = opt(False, "the k samples are the k most likely plausible formats, each written greedily "
-                               "(policy.decode.format_diverse), instead of k temperature samples")
+    samples: str = opt("temperature", "how the k candidates after the greedy one are drawn: 'temperature' "
+                                      "(k samples at --temperature), 'formats' (the k most likely plausible "
+                                      "formats, each written greedily: policy.decode.format_diverse) or 'hints' "
+                                      "(one greedy sample per retrieval hint, the k nearest measured winners: "
+                                      "policy.decode.hint_diverse; policies trained with hints only)")
 
 
 def geomean(xs) -> float | None:
@@ -74,6 +77,8 @@ class KindStats:
     measured_frac_best_of_k: list[float] = field(default_factory=list)  # per record, some sample a point
     greedy_correct: int = 0
     records: int = 0
+    hint_samples: int = 0  # samples='hints': samples conditioned on a hint
+    hint_followed: int = 0  # ... that are exactly the hinted point rendered for the matrix
 
     def summary(self) -> dict:
         return {"samples": self.samples,
@@ -88,7 +93,8 @@ class KindStats:
                 "measured_space_fraction_greedy_geomean": geomean(self.measured_frac_greedy),
                 "measured_space_fraction_greedy_n": len(self.measured_frac_greedy),
                 "measured_space_fraction_best_of_k_geomean": geomean(self.measured_frac_best_of_k),
-                "measured_space_fraction_best_of_k_n": len(self.measured_frac_best_of_k)}
+                "measured_space_fraction_best_of_k_n": len(self.measured_frac_best_of_k),
+                "hint_follow_rate": self.hint_followed / self.hint_samples if self.hint_samples else None}
 
 
 def overall(stats: dict[str, KindStats]) -> KindStats:
@@ -105,22 +111,30 @@ def _summaries(stats: dict[str, KindStats]) -> dict:
 
 
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
-                    constrained: bool, space_sources=None, log=None, diverse: bool = False,
+                    constrained: bool, space_sources=None, log=None, samples: str = "temperature",
                     hint_entries=None, progress=None) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
-    the variant failed), or None. ``hint_entries``: a ``nearest`` table for a policy trained
+    the variant failed), or None. ``samples``: how the k candidates after the greedy one are
+    drawn (``EvalConfig.samples``). ``hint_entries``: a ``nearest`` table for a policy trained
     with retrieval hints (``model.config.retrieval``). ``progress(stats)`` is called after
     every record."""
     from policy.decode import DecodeConfig, generate
     from policy.encoder import prepare_structure
+    from training.sft import default_render
+
+    if samples not in ("temperature", "formats", "hints"):
+        raise ValueError(f"samples={samples!r}: choose 'temperature', 'formats' or 'hints'")
+    if samples == "hints" and (hint_entries is None or not getattr(model.config, "retrieval", False)):
+        raise ValueError("samples='hints' conditions each sample on a retrieval hint: it needs a policy "
+                         "trained with hints (sparserl train sft --retrieval) and their table")
 
     stats: dict[str, KindStats] = {}
     for i, (kind, pb) in enumerate(problems):
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
         s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
-        from policy.retrieval import default_entries, nearest_hint, reference_sources
+        from policy.retrieval import default_entries, hint_name, nearest_hint, nearest_points, reference_sources
 
         hint = None
         if hint_entries is not None and getattr(model.config, "retrieval", False):
@@ -130,14 +144,29 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                                  hint_entries if hint_entries is not None else default_entries(), m)
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs,
                           config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained))
-        if diverse:
+        greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained)
+        if samples == "hints":
+            from policy.decode import hint_diverse
+
+            points = nearest_points(s.features, pb.op, pb.dtype, pb.n, hint_entries, k)
+            # the first hint is the greedy sample's own: its sample is that one, not decoded twice
+            sampled = greedy + (hint_diverse(model, tok, s, pb.op, pb.dtype, pb.n,
+                                             [hint_name(*p) for p in points[1:]], config=greedy_cfg,
+                                             references=refs) if len(points) > 1 else [])
+            for r, (family, params) in zip(sampled, points):
+                try:
+                    src = normalized(default_render(family, pb.op, pb.dtype, dict(params), m))
+                except Exception:  # noqa: BLE001 - a point the current families no longer render
+                    src = None
+                st.hint_samples += 1
+                st.hint_followed += normalized(r.text) == src
+        elif samples == "formats":
             from policy.decode import format_diverse
             from policy.provider import plausible_formats
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k,
                                      plausible_formats(m.indptr, m.indices, m.shape), hint=hint,
-                                     config=DecodeConfig(greedy=True, max_new_tokens=max_new_tokens,
-                                                         constrained=constrained))
+                                     config=greedy_cfg)
         else:
             sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint, references=refs,
                                config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
@@ -258,7 +287,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             for label, constrained in modes:
                 st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,
                                      max_new_tokens=cfg.max_new_tokens, constrained=constrained,
-                                     space_sources=space, log=log, diverse=cfg.diverse,
+                                     space_sources=space, log=log, samples=cfg.samples,
                                      hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None,
                                      progress=lambda st_, label=label: partial(label, st_))
                 report["variants"][label] = _summaries(st)

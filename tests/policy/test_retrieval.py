@@ -116,3 +116,57 @@ def test_reference_sources_render_the_nearest_winners_hint_first():
     heads = [contract.parse_header(s) for s in srcs]
     assert [h.format for h in heads] == ["csr", "csr"] and "64" in srcs[0].splitlines()[1]
     assert retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1, exclude="a")[0] == srcs[1]
+
+
+def test_nearest_hints_are_the_nearest_entries_winners_in_order():
+    table = [entry("a", [1.0, 1.0], "csr_scalar", {"block": 64}),
+             entry("b", [1.5, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
+             entry("dup", [1.6, 1.0], "csr_scalar", {"block": 64}),  # a repeat: proposed once
+             entry("c", [3.0, 1.0], "ell", {})]
+    assert retrieval.nearest_hints([1.0, 1.0], "spmv", "f32", 1, table, 8) == \
+        ["csr_scalar[block=64]", "csr_vector[block=128][tpr=8]", "ell"]
+    assert retrieval.nearest_hints([1.0, 1.0], "spmv", "f32", 1, table, 2, exclude="a") == \
+        ["csr_vector[block=128][tpr=8]", "csr_scalar[block=64]"]
+    assert retrieval.nearest_hints([1.0, 1.0], "spmv", "f16", 1, table, 4) == []
+    assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f32", 1, table) == \
+        retrieval.nearest_hints([1.0, 1.0], "spmv", "f32", 1, table, 1)[0]
+
+
+def test_provider_hint_samples_condition_each_candidate_on_another_winner(tiny_model, tiny_tok, monkeypatch):
+    """samples="hints": one greedy candidate per nearest winner, each with that winner as its hint."""
+    from policy import decode as decode_mod
+    from policy import provider as prov_mod
+    from policy.decode import DecodeConfig
+    from sparserl_compile.matrices import banded
+
+    seen = []
+    real = decode_mod.generate
+
+    def spy(*a, hint=None, config=None, **kw):
+        seen.append((hint, config.greedy))
+        return real(*a, hint=hint, config=config, **kw)
+
+    monkeypatch.setattr(decode_mod, "generate", spy)
+    m = banded(32, 1)
+    feats = prov_mod.prepare_structure(m.indptr, m.indices, m.shape).features
+    table = [entry("t", feats, "csr_scalar", {"block": 256}),
+             entry("u", feats + 0.5, "csr_vector", {"block": 128, "tpr": 4}),
+             entry("v", feats + 1.0, "ell", {})]
+    monkeypatch.setattr(retrieval, "default_entries", lambda: table)
+
+    class P:
+        op, dtype, n = "spmv", "f32", 1
+        n_rows, n_cols, nnz = m.shape[0], m.shape[1], m.nnz
+        indptr, indices, fingerprint, arch = m.indptr, m.indices, "x", "cpu"
+
+    with pytest.raises(ValueError, match="trained without hints"):
+        prov_mod.PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="hints")
+    with pytest.raises(ValueError, match="samples='nope'"):
+        prov_mod.PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="nope")
+    rag_model = copy.deepcopy(tiny_model)
+    rag_model.config.retrieval = True
+    p = prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok, decode=DecodeConfig(max_new_tokens=4),
+                                samples="hints", speculative=False)
+    p.candidates(P(), 2)
+    assert seen == [("csr_scalar[block=256]", True), ("csr_vector[block=128][tpr=4]", True)]
+    assert p.stats.sampled == 2

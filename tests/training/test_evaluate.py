@@ -44,9 +44,67 @@ def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
         return _all_correct(pb, sources)
 
     st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], record, k=3, temperature=1.0,
-                         max_new_tokens=12, constrained=True, diverse=True)["banded"]
+                         max_new_tokens=12, constrained=True, samples="formats")["banded"]
     fmts = [s.split("format=")[1].split()[0] for s in seen[1:]]  # after the greedy sample
     assert st.samples == 4 and len(set(fmts)) == 3
+
+
+def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tiny_tok):
+    """samples="hints": after the greedy sample (the first hint's), one greedy sample per further
+    hint; a sample that is exactly its hinted point, rendered for the matrix, counts as followed."""
+    import copy
+
+    import numpy as np
+
+    from sparserl_compile.nearest import Entry
+    from training.sft import default_render
+
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    feats = prepare_structure(m.indptr, m.indices, m.shape).features
+    pts = [("csr_scalar", (("block", 256),)), ("csr_vector", (("block", 128), ("tpr", 4))), ("ell", (("block", 128),))]
+    table = [Entry(str(i), "spmv", "f32", 1, np.asarray(feats, np.float64) + i, ((f, p, 1.0),))
+             for i, (f, p) in enumerate(pts)]
+    rag = copy.deepcopy(tiny_model)
+    rag.config.retrieval = True
+    with pytest.raises(ValueError, match="needs a policy trained with hints"):
+        evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
+                        max_new_tokens=12, constrained=True, samples="hints", hint_entries=table)
+    with pytest.raises(ValueError, match="samples='beams'"):
+        evaluate_policy(rag, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
+                        max_new_tokens=12, constrained=True, samples="beams", hint_entries=table)
+    seen = []
+
+    def record(pb, sources):
+        seen.extend(sources)
+        return _all_correct(pb, sources)
+
+    # an untrained tiny model writes none of the points; "followed" is exact, so 0 of 3
+    st = evaluate_policy(rag, tiny_tok, [("banded", pb)], record, k=3, temperature=1.0, max_new_tokens=12,
+                         constrained=True, samples="hints", hint_entries=table)["banded"]
+    assert st.samples == 4 and seen[0] == seen[1]  # the first hint's sample is the greedy one
+    assert st.hint_samples == 3 and st.hint_followed == 0
+    assert st.summary()["hint_follow_rate"] == 0.0
+
+    # a model that writes exactly its hint's point: every sample followed
+    import policy.decode as dec
+
+    def writes_the_hint(model, tok, s, op, dtype, n, k=1, config=None, hint=None, **kw):
+        fam, _, rest = hint.partition("[")
+        params = dict(kv.split("=") for kv in rest.rstrip("]").split("][") if kv)
+        params = {k_: int(v) for k_, v in params.items()}
+        return [dec.Rollout([], [], default_render(fam, op, dtype, params, m), [], True) for _ in range(k)]
+
+    import training.evaluate as ev
+
+    orig = dec.generate
+    dec.generate = writes_the_hint
+    try:
+        st = ev.evaluate_policy(rag, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
+                                max_new_tokens=12, constrained=True, samples="hints", hint_entries=table)["banded"]
+    finally:
+        dec.generate = orig
+    assert st.hint_samples == 3 and st.hint_followed == 3
 
 
 def test_nearest_baseline_is_scored_like_the_policy():
