@@ -68,11 +68,14 @@ def _sync(dev: torch.device) -> None:
 
 
 def _make_provider(spec: str):
+    """``name``, ``policy@CHECKPOINT`` or ``policy+MODE@CHECKPOINT`` (MODE: the provider's
+    ``samples``, e.g. ``policy+hints@policy/checkpoints/retrieval``)."""
     name, _, arg = spec.partition("@")
-    if name == "policy" and arg:
+    base, _, samples = name.partition("+")
+    if base == "policy" and (arg or samples):
         from policy.provider import PolicyProvider
 
-        return PolicyProvider(checkpoint=arg)
+        return PolicyProvider(checkpoint=arg or None, samples=samples or None)
     return providers.resolve(name)
 
 
@@ -163,7 +166,8 @@ def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--providers", default="nearest:4,policy:4,search:0",
-                   help="comma list of NAME[@CHECKPOINT]:K (K=0: the provider's default)")
+                   help="comma list of NAME[+SAMPLES][@CHECKPOINT]:K (K=0: the provider's default; "
+                        "e.g. policy+hints@policy/checkpoints/retrieval:4)")
     p.add_argument("--widths", default="1,32", help="dense widths (1 = SpMV)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run of the script: CPU tensors take the reference)")

@@ -80,7 +80,7 @@ class PolicyProvider:
 
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
-                 model=None, tokenizer=None, samples: str = "temperature", speculative: bool = True):
+                 model=None, tokenizer=None, samples: str | None = None, speculative: bool = True):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -100,6 +100,8 @@ class PolicyProvider:
         elif tokenizer is None:
             raise ValueError("PolicyProvider(model=...) also needs tokenizer=")
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
+        if samples is None:  # a checkpoint trained to write the hinted kernel: one candidate per hint
+            samples = "hints" if getattr(model.config, "retrieval_hints", 1) > 1 else "temperature"
         if samples not in ("temperature", "formats", "hints"):
             raise ValueError(f"samples={samples!r}: choose 'temperature' (k samples at the decode "
                              "temperature), 'formats' or 'hints'")

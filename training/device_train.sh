@@ -10,7 +10,8 @@
 # those stages (e.g. SFT_ARGS="--retrieval --top-variants 3"); RL_EVALUATOR (gpu | measured | cpu);
 # ABLATE=1 also trains the ablations from the same start: rl_correctness (RL, correctness-only
 # reward, RL_S) and sft_nosin (SFT without the sinusoidal embedding, SFT_S); EVAL="args" then
-# runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json).
+# runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
+# ("name=folder,...") beside them. RL_S=0 skips RL (the eval then covers the SFT checkpoint).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$(pwd)/device_out}"
@@ -62,13 +63,17 @@ rl_stage() {  # name, extra args
 }
 
 sft_stage sft
-rl_stage rl
-TRAINED="sft=$RUNS/sft,rl=$RUNS/rl"
+TRAINED="sft=$RUNS/sft"
+if [ "$RL_S" != 0 ]; then
+  rl_stage rl
+  TRAINED="$TRAINED,rl=$RUNS/rl"
+fi
 if [ "${ABLATE:-0}" = 1 ]; then
   rl_stage rl_correctness --reward correctness
   sft_stage sft_nosin --no-sinusoidal
   TRAINED="$TRAINED,rl_correctness=$RUNS/rl_correctness,sft_nosin=$RUNS/sft_nosin"
 fi
+TRAINED="$TRAINED${EVAL_CHECKPOINTS:+,$EVAL_CHECKPOINTS}"
 if [ -n "${EVAL:-}" ]; then
   echo "== sparserl eval --checkpoints $TRAINED $EVAL"
   timeout "${EVAL_TIMEOUT:-300}" $SR eval --checkpoints "$TRAINED" $EVAL --out "$OUT/eval.json" >"$LOGS/eval.log" 2>&1

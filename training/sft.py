@@ -40,6 +40,11 @@ class SFTConfig:
                                  "replaced by a fresh one over raw coordinates before fine-tuning")
     retrieval: bool = opt(False, "prompts carry a retrieval hint: the winner of the nearest other training "
                                  "matrix (policy/retrieval.py); the checkpoint is marked config.retrieval")
+    hints: int = opt(1, "with --retrieval: one example per each of the this many nearest other matrices' "
+                        "winners as the hint, the target being the record's fastest verified variant of the "
+                        "hinted family (the policy learns to write the hinted kernel for this matrix); "
+                        "1: one example per record with the nearest winner as the hint and the record's "
+                        "fastest variants as targets (--top-variants)")
 
     @classmethod
     def tiny(cls, init: str, data: str, out_dir: str) -> "SFTConfig":
@@ -66,13 +71,20 @@ def ranked_variants(record, top: int):
 
 
 def build_examples(records, tokenizer, max_points: int, render=default_render, log=print, top: int = 1,
-                   hint_entries=None, loaded: dict | None = None):
+                   hint_entries=None, loaded: dict | None = None, hints: int = 1):
     """``LMExample``s for records (matrices loaded once each): one per distinct rendered source
     among each record's ``top`` fastest verified variants. Records without a verified variant
     or whose fastest variant fails to render are skipped and counted. ``hint_entries``: a
     ``nearest`` table; each prompt then carries the winner of the nearest entry of *another*
     matrix (``policy.retrieval.nearest_hint(..., exclude=label)``). ``loaded``: matrices
-    already loaded (MatrixRef -> CSR), e.g. by ``entries_from_records``."""
+    already loaded (MatrixRef -> CSR), e.g. by ``entries_from_records``.
+
+    ``hints > 1`` (with ``hint_entries``): instead, one example per each of the first ``hints``
+    proposals of the nearest other matrices (``retrieval.nearest_points``), the proposal as the
+    hint and the record's fastest verified variant *of the hinted family* as the target (no
+    example where the record has none of that family). The hint then says which kernel to
+    write and the policy learns how to write it for this matrix (its parameters), so each of
+    k hints at inference gives a different candidate (``decode.hint_diverse``)."""
     from policy.decode import completion_ids
     from policy.encoder import prepare_structure
     from policy.tokenizer import prompt_text
@@ -89,6 +101,9 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             m = loaded[r.matrix] if loaded is not None and r.matrix in loaded else r.matrix.load()
             cache[r.matrix] = (m, prepare_structure(m.indptr, m.indices, m.shape, max_points=max_points))
         m, s = cache[r.matrix]
+        if hint_entries is not None and hints > 1:
+            out.extend(_family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints))
+            continue
         hint = None
         if hint_entries is not None:
             from policy.retrieval import nearest_hint
@@ -108,6 +123,30 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             out.append(LMExample(tokenizer.encode(prompt_text(r.op, r.dtype, r.n, hint)),
                                  completion_ids(tokenizer, src), s))
     return out, skipped
+
+
+def _family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints: int) -> list:
+    """``build_examples``' ``hints > 1`` examples of one record (see there)."""
+    from policy.decode import completion_ids
+    from policy.retrieval import hint_name, nearest_points
+    from policy.tokenizer import prompt_text
+    from training.lm import LMExample
+
+    ranked = ranked_variants(r, len(r.variants))
+    out = []
+    for family, params in nearest_points(s.features, r.op, r.dtype, r.n, hint_entries, hints,
+                                         exclude=r.matrix.label):
+        best = next((v for v in ranked if v.family == family), None)
+        if best is None:  # the record measured nothing of this family: no target to learn
+            continue
+        try:
+            src = render(best.family, r.op, r.dtype, dict(best.params), m)
+        except Exception as e:  # a renderer bug must not stop training; it is reported
+            log(f"[sft] skip {r.matrix.label} {best.family}{dict(best.params)}: {e}")
+            continue
+        out.append(LMExample(tokenizer.encode(prompt_text(r.op, r.dtype, r.n, hint_name(family, params))),
+                             completion_ids(tokenizer, src), s))
+    return out
 
 
 def sft(cfg: SFTConfig, render=default_render, log=print):
@@ -141,10 +180,13 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
 
         entries = entries_from_records(parts.train, loaded=loaded)
         model.config.retrieval = True  # saved with the checkpoint: the provider and eval give hints
+        # > 1: trained to write the hinted family, so the provider's default is one candidate per hint
+        model.config.retrieval_hints = cfg.hints
     train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log, cfg.top_variants,
-                                   hint_entries=entries, loaded=loaded)
+                                   hint_entries=entries, loaded=loaded, hints=cfg.hints)
     loaded.clear()
-    held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log, hint_entries=entries)
+    held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log, hint_entries=entries,
+                             hints=cfg.hints)
     log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
     if not train:
         raise ValueError(f"{cfg.data}: no training examples (every record held out or without a verified variant)")

@@ -58,6 +58,43 @@ def test_sft_examples_carry_hints_from_other_matrices(tiny_tok):
     assert all("near=" not in tiny_tok.decode(e.prompt_ids) for e in plain)
 
 
+def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_tok):
+    """SFT --hints N: one example per nearest other matrix's winner, target the record's fastest
+    variant of that family; a family the record never measured gives no example."""
+    from training import data
+    from training.neighbours import entries_from_records
+    from training.sft import build_examples
+
+    def rec(n, *variants):
+        return data.SupervisionRecord(data.MatrixRef("generated", "banded", (("half_bandwidth", 1), ("n", n))),
+                                      "spmv", "f32", 1, tuple(data.Variant(f, (("block", b),), us)
+                                                              for f, b, us in variants))
+
+    recs = [rec(40, ("csr_scalar", 64, 1.0), ("csr_vector", 128, 2.0), ("csr_vector", 256, 3.0)),
+            rec(48, ("csr_vector", 256, 1.0), ("csr_scalar", 32, 2.0)),
+            rec(56, ("ell", 128, 1.0), ("csr_scalar", 64, 5.0))]
+    entries = entries_from_records(recs)
+    rendered = []
+
+    def render(family, op, dtype, params, m):
+        return f"// {family} block={params['block']} rows={m.shape[0]}\n"
+
+    ex, skipped = build_examples(recs, tiny_tok, 64, render=render, log=lambda *_: None, hint_entries=entries,
+                                 hints=4)
+    pairs = [(tiny_tok.decode(e.prompt_ids).split("near=")[1].split("<")[0], tiny_tok.decode(e.target_ids))
+             for e in ex]
+    by_rows = {}
+    for hint, target in pairs:
+        by_rows.setdefault(target.split("rows=")[1].split("<")[0].strip(), []).append((hint, target.split(" rows")[0]))
+    # the 40-row matrix: hints are the others' points; each target is its own best of the hint's family
+    assert ("csr_vector[block=256]", "// csr_vector block=128") in by_rows["40"]
+    assert ("ell[block=128]", "// csr_scalar block=64") not in by_rows["40"]  # it measured no ell
+    assert all(not h.startswith("ell") for h, _ in by_rows["40"] + by_rows["48"])
+    # the 56-row matrix: csr_scalar hints give its (slow) csr_scalar, never its ell winner
+    assert all(t == "// csr_scalar block=64" for h, t in by_rows["56"] if h.startswith("csr_scalar"))
+    assert skipped == 0 and len(ex) == sum(len(v) for v in by_rows.values())
+
+
 def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkeypatch):
     from policy import provider as prov_mod
     from policy.decode import DecodeConfig
@@ -170,3 +207,7 @@ def test_provider_hint_samples_condition_each_candidate_on_another_winner(tiny_m
     p.candidates(P(), 2)
     assert seen == [("csr_scalar[block=256]", True), ("csr_vector[block=128][tpr=4]", True)]
     assert p.stats.sampled == 2
+    # the default: temperature samples, unless the checkpoint was trained on several hints per record
+    assert prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok).samples == "temperature"
+    rag_model.config.retrieval_hints = 8
+    assert prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok).samples == "hints"
