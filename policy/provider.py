@@ -137,8 +137,9 @@ class PolicyProvider:
         if getattr(self.model.config, "retrieval", False):  # trained with hints: give it one
             hint = nearest_hint(s.features, problem.op, dtype, n, default_entries())
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
-        refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem)) \
-            if self.speculative else None
+        # (one per hint when each candidate has its own hint)
+        refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
+                                 count=max(4, k) if self.samples == "hints" else 4) if self.speculative else None
         if self.samples == "hints":
             from policy.retrieval import nearest_hints
 
