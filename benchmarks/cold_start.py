@@ -35,7 +35,7 @@ import torch
 
 import sparserl_compile as sr
 from sparserl_compile import matrices, providers, runtime
-from timing import wall_median_us
+from timing import sync, wall_median_us
 
 #: (label, generator, kwargs): structures none of the supervision files holds (other seeds/sizes)
 MATRICES = (
@@ -60,11 +60,6 @@ class TimedProvider:
             return self.inner.candidates(problem, k)
         finally:
             self.seconds += time.perf_counter() - t0
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _make_provider(spec: str):
@@ -128,7 +123,7 @@ def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
         sr.prewarm().join()
         warm = sr.sparsify(matrices.stencil2d(40, seed=3)).to(dev)  # contexts, NVRTC: paid once
         warm @ torch.randn(warm.shape[1], device=dev)
-        _sync(dev)
+        sync(dev)
         warm_s = time.perf_counter() - t0
         print(f"[cold] {pspec} k={k}: provider built in {load_s:.2f}s, warm-up product {warm_s:.2f}s", flush=True)
         for label, gen, kw in mats:
@@ -141,10 +136,10 @@ def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
                 x = torch.randn(m.shape[1], device=dev) if n == 1 else torch.randn(m.shape[1], n, device=dev)
                 runtime.clear()
                 prov.seconds, spy.record = 0.0, {}
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 y = a @ x
-                _sync(dev)
+                sync(dev)
                 first = time.perf_counter() - t0
                 ref = native @ x if n > 1 else torch.mv(native, x)
                 err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
