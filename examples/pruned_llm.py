@@ -410,6 +410,11 @@ def greedy(model: nn.Module, tok, batch: int, new_tokens: int, warmup_tokens: in
     if static_cache:
         kw["cache_implementation"] = "static"
         warmup_tokens = new_tokens
+        if hasattr(model.generation_config, "disable_compile"):
+            # transformers would otherwise torch.compile the decoding step itself (inductor) around
+            # a static cache on a GPU, wrapping -- and re-tracing with its own backend -- the forward
+            # the caller compiled
+            kw["disable_compile"] = True
     with torch.no_grad():
         model.generate(ids, **{**kw, "max_new_tokens": warmup_tokens, "min_new_tokens": warmup_tokens})
         _sync(dev)
