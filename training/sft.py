@@ -45,6 +45,9 @@ class SFTConfig:
                         "hinted family (the policy learns to write the hinted kernel for this matrix); "
                         "1: one example per record with the nearest winner as the hint and the record's "
                         "fastest variants as targets (--top-variants)")
+    hint_tolerance: float = opt(0.0, "--hints N: the target is the hinted point itself when the record measured "
+                                     "it within this fraction of its family's best (0.1: 10 %% slower), so the "
+                                     "policy copies a neighbour's parameters unless its own are clearly better")
 
     @classmethod
     def tiny(cls, init: str, data: str, out_dir: str) -> "SFTConfig":
@@ -71,7 +74,7 @@ def ranked_variants(record, top: int):
 
 
 def build_examples(records, tokenizer, max_points: int, render=default_render, log=print, top: int = 1,
-                   hint_entries=None, loaded: dict | None = None, hints: int = 1):
+                   hint_entries=None, loaded: dict | None = None, hints: int = 1, hint_tolerance: float = 0.0):
     """``LMExample``s for records (matrices loaded once each): one per distinct rendered source
     among each record's ``top`` fastest verified variants. Records without a verified variant
     or whose fastest variant fails to render are skipped and counted. ``hint_entries``: a
@@ -84,7 +87,9 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
     hint and the record's fastest verified variant *of the hinted family* as the target (no
     example where the record has none of that family). The hint then says which kernel to
     write and the policy learns how to write it for this matrix (its parameters), so each of
-    k hints at inference gives a different candidate (``decode.hint_diverse``)."""
+    k hints at inference gives a different candidate (``decode.hint_diverse``). With
+    ``hint_tolerance`` t > 0 the target is the hinted point itself where the record measured it
+    at most (1 + t) times its family's best."""
     from policy.decode import completion_ids
     from policy.encoder import prepare_structure
     from policy.tokenizer import prompt_text
@@ -102,7 +107,7 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             cache[r.matrix] = (m, prepare_structure(m.indptr, m.indices, m.shape, max_points=max_points))
         m, s = cache[r.matrix]
         if hint_entries is not None and hints > 1:
-            out.extend(_family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints))
+            out.extend(_family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints, hint_tolerance))
             continue
         hint = None
         if hint_entries is not None:
@@ -125,7 +130,7 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
     return out, skipped
 
 
-def _family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints: int) -> list:
+def _family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints: int, tolerance: float = 0.0) -> list:
     """``build_examples``' ``hints > 1`` examples of one record (see there)."""
     from policy.decode import completion_ids
     from policy.retrieval import hint_name, nearest_points
@@ -139,6 +144,9 @@ def _family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints: 
         best = next((v for v in ranked if v.family == family), None)
         if best is None:  # the record measured nothing of this family: no target to learn
             continue
+        same = next((v for v in ranked if v.family == family and dict(v.params) == dict(params)), None)
+        if tolerance > 0 and same is not None and same.us <= best.us * (1 + tolerance):
+            best = same  # the neighbour's own parameters are good enough here: learn to copy them
         try:
             src = render(best.family, r.op, r.dtype, dict(best.params), m)
         except Exception as e:  # a renderer bug must not stop training; it is reported
@@ -183,10 +191,11 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
         # > 1: trained to write the hinted family, so the provider's default is one candidate per hint
         model.config.retrieval_hints = cfg.hints
     train, n_skip = build_examples(parts.train, tok, model.config.max_points, render, log, cfg.top_variants,
-                                   hint_entries=entries, loaded=loaded, hints=cfg.hints)
+                                   hint_entries=entries, loaded=loaded, hints=cfg.hints,
+                                   hint_tolerance=cfg.hint_tolerance)
     loaded.clear()
     held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log, hint_entries=entries,
-                             hints=cfg.hints)
+                             hints=cfg.hints, hint_tolerance=cfg.hint_tolerance)
     log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
     if not train:
         raise ValueError(f"{cfg.data}: no training examples (every record held out or without a verified variant)")

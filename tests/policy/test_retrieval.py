@@ -94,6 +94,17 @@ def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_
     assert all(t == "// csr_scalar block=64" for h, t in by_rows["56"] if h.startswith("csr_scalar"))
     assert skipped == 0 and len(ex) == sum(len(v) for v in by_rows.values())
 
+    # with a tolerance the hinted point itself is the target where it is close enough to the
+    # family's best: the 40-row matrix measured csr_vector[256] at 3.0 vs the family's 2.0
+    def targets(tol):
+        ex, _ = build_examples(recs, tiny_tok, 64, render=render, log=lambda *_: None, hint_entries=entries,
+                               hints=4, hint_tolerance=tol)
+        return {tiny_tok.decode(e.prompt_ids).split("near=")[1].split("<")[0]: tiny_tok.decode(e.target_ids)
+                for e in ex if "rows=40" in tiny_tok.decode(e.target_ids)}
+
+    assert targets(0.4)["csr_vector[block=256]"].startswith("// csr_vector block=128")  # 3.0 > 1.4 x 2.0
+    assert targets(0.6)["csr_vector[block=256]"].startswith("// csr_vector block=256")  # 3.0 <= 1.6 x 2.0
+
 
 def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkeypatch):
     from policy import provider as prov_mod
