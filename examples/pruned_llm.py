@@ -398,9 +398,10 @@ def greedy(model: nn.Module, tok, batch: int, new_tokens: int, warmup_tokens: in
            static_cache: bool = False) -> Generation:
     """Greedy decoding of exactly ``new_tokens`` per sequence for the first ``batch`` prompts,
     timed after a warm-up generation of ``warmup_tokens``. ``static_cache``: a fixed-size KV
-    cache (``cache_implementation="static"``), so a compiled forward keeps one shape per batch
-    size and can be replayed as a CUDA graph; the warm-up then runs the full length (the
-    compile and the graph recording happen there, not in the timed run)."""
+    cache (``cache_implementation="static"``); with a ``generation_config.compile_config`` set
+    (``compile_for_decoding``) transformers then compiles the decoding step, one shape per
+    batch size, which ``reduce-overhead`` replays as a CUDA graph. The warm-up then runs the
+    full length (the compile and the graph recording happen there, not in the timed run)."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     dev = eval_device(model)
     ids, mask = batch_prompts(tok, prompts)
@@ -410,11 +411,6 @@ def greedy(model: nn.Module, tok, batch: int, new_tokens: int, warmup_tokens: in
     if static_cache:
         kw["cache_implementation"] = "static"
         warmup_tokens = new_tokens
-        if hasattr(model.generation_config, "disable_compile"):
-            # transformers would otherwise torch.compile the decoding step itself (inductor) around
-            # a static cache on a GPU, wrapping -- and re-tracing with its own backend -- the forward
-            # the caller compiled
-            kw["disable_compile"] = True
     with torch.no_grad():
         model.generate(ids, **{**kw, "max_new_tokens": warmup_tokens, "min_new_tokens": warmup_tokens})
         _sync(dev)
@@ -497,6 +493,22 @@ def pregenerate_weights(model: nn.Module, widths: list[int], share: int, *, targ
     return out
 
 
+def compile_for_decoding(model: nn.Module, backend: str, mode: str | None) -> nn.Module:
+    """Have ``model.generate`` (with a static KV cache) compile its decoding step with
+    ``torch.compile(backend=backend, mode=mode, dynamic=False)``: transformers' own path for
+    compiled decoding. The prefill stays eager, and it is what allocates the static cache and
+    marks its tensors as static addresses, without which CUDA graphs are skipped (the cache is
+    mutated in place) or replay over their own outputs; compiling ``model.forward`` whole
+    instead traces the prefill too and fails that way under ``reduce-overhead``. Also on the CPU
+    (transformers compiles only on accelerators unless told to), so the path is testable there."""
+    from transformers import CompileConfig
+
+    cfg = CompileConfig(backend=backend, mode=mode or "default", fullgraph=False, dynamic=False)
+    cfg._compile_all_devices = True
+    model.generation_config.compile_config = cfg
+    return model
+
+
 def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[int], new_tokens: int,
               compile_: bool, eval_ids: torch.Tensor, calib_ids: torch.Tensor | None, *,
               masks: dict[str, torch.Tensor] | None = None, masks_out: dict[str, torch.Tensor] | None = None,
@@ -528,9 +540,8 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
     rep.pregen = pregen
     compiled = dense_compiled = None
     if compile_:
-        compiled, dense_compiled = copy.deepcopy(sparse), copy.deepcopy(dense)
-        compiled.forward = torch.compile(compiled.forward, backend="sparserl", mode=compile_mode, dynamic=False)
-        dense_compiled.forward = torch.compile(dense_compiled.forward, mode=compile_mode, dynamic=False)
+        compiled = compile_for_decoding(copy.deepcopy(sparse), "sparserl", compile_mode)
+        dense_compiled = compile_for_decoding(copy.deepcopy(dense), "inductor", compile_mode)
     on_gpu = eval_device(dense).type == "cuda"
     for b in batches:
         gd = greedy(dense, tok, b, new_tokens)

@@ -108,6 +108,7 @@ def test_compiled_decoding_with_a_static_cache_gives_the_dense_tokens(tiny, cali
     assert d.compiled_same_tokens == 1.0 and d.same_tokens == 1.0
     assert d.compiled_over_dense_compiled == pytest.approx(d.compiled_tokens_per_s / d.dense_compiled_tokens_per_s)
     assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] >= 2  # the decoding step, compiled once per model
 
 
 def test_missing_model_falls_back_to_tiny_with_a_message(tmp_path, capsys):
