@@ -25,18 +25,19 @@ For each ``--sparsity`` level the script
 3. checks that the sparse model's logits equal the pruned dense model's, reports perplexity on
    a built-in text (a different one) before and after pruning, and times greedy decoding
    (``model.generate``, ``--new-tokens`` per sequence, prompts left-padded) at each
-   ``--batches`` size, dense vs sparserl eager, and with ``--compile`` also
-   ``torch.compile(model.forward, backend="sparserl", mode=--compile-mode)`` against the dense
-   model under ``torch.compile(model.forward, mode=--compile-mode)`` (inductor), both decoding
-   with a static KV cache so that each batch size is one graph (``reduce-overhead``, the
-   default mode, replays it as a CUDA graph on a GPU: no per-layer host work).
+   ``--batches`` size, dense vs sparserl eager, and with ``--compile`` also compiled decoding:
+   both models decode with a static KV cache and transformers compiles the decoding step
+   (``compile_for_decoding``), the sparse model's with ``backend="sparserl"`` and the dense
+   one's with inductor, ``mode=--compile-mode`` (``reduce-overhead``, the default, replays the
+   step as a CUDA graph on a GPU: no per-layer host work).
 
 On the CPU every sparserl product runs the reference (torch's CPU CSR kernel; generated
 kernels are GPU-only), so CPU tokens/s compare torch's sparse CSR matmul with dense MKL, not a
 generated kernel; on a GPU the products run verified generated kernels or cuSPARSE.
-``--compile`` traces the Hugging Face model once for the prefill and once for a decoding step
-per batch size: expect a minute or more of compile time per model and batch size. On a loaded machine pass ``--threads 1``: OpenMP threads that
-outnumber the free cores make a small matmul ~30x slower (measured here: 0.55 ms vs 16 ms).
+``--compile`` traces the Hugging Face model's decoding step once per model and batch size:
+expect a minute or more of compile time for each. On a loaded machine pass ``--threads 1``:
+OpenMP threads that outnumber the free cores make a small matmul ~30x slower (measured here:
+0.55 ms vs 16 ms).
 
 Pattern carry (for a GPU machine that cannot receive the GGUF file): decoding speed depends on
 the sparsity pattern only, so ``--save-patterns DIR`` (with the real model, on the CPU) also
@@ -516,9 +517,9 @@ def run_level(base: nn.Module, tok, sparsity: float, method: str, batches: list[
               compile_mode: str | None = "reduce-overhead") -> LevelReport:
     """Prune a copy of ``base`` (or, given ``masks``, zero what they mark pruned), sparsify, check
     logits, time decoding; ``masks_out`` receives the pruning's keep-masks. ``compile_``: also
-    decode with the sparse model under ``torch.compile(backend="sparserl", mode=compile_mode)``
-    and the dense one under ``torch.compile(mode=compile_mode)`` (inductor), both with a static
-    KV cache (one graph per batch size: ``dynamic=False``)."""
+    decode with copies whose decoding step is compiled (``compile_for_decoding``: the sparse
+    model with ``backend="sparserl"``, the dense one with inductor, ``mode=compile_mode``), both
+    with a static KV cache."""
     dense = copy.deepcopy(base)
     if masks is None:
         pr = prune_(dense, sparsity, method, calib_ids, masks_out)
@@ -582,8 +583,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,16", help="comma list of decoding batch sizes ('': no decoding)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sequence")
     p.add_argument("--compile", action="store_true",
-                   help='also time decoding under torch.compile: the sparse model with backend="sparserl", the '
-                        'dense one with inductor, both with a static KV cache (slow to compile)')
+                   help='also time compiled decoding (static KV cache, the decoding step compiled by '
+                        'transformers): the sparse model with backend="sparserl", the dense one with inductor '
+                        '(slow to compile)')
     p.add_argument("--compile-mode", default="reduce-overhead",
                    help='torch.compile mode= for --compile (default reduce-overhead: CUDA graphs on a GPU; '
                         '"default": none)')
