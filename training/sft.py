@@ -40,11 +40,11 @@ class SFTConfig:
                                  "replaced by a fresh one over raw coordinates before fine-tuning")
     retrieval: bool = opt(False, "prompts carry a retrieval hint: the winner of the nearest other training "
                                  "matrix (policy/retrieval.py); the checkpoint is marked config.retrieval")
-    hints: int = opt(1, "with --retrieval: one example per each of the this many nearest other matrices' "
-                        "winners as the hint, the target being the record's fastest verified variant of the "
-                        "hinted family (the policy learns to write the hinted kernel for this matrix); "
-                        "1: one example per record with the nearest winner as the hint and the record's "
-                        "fastest variants as targets (--top-variants)")
+    hints: int = opt(1, "with --retrieval, N > 1: N examples per record, one per hint, the hints being the "
+                        "first N proposals of the nearest other matrices and each target the record's fastest "
+                        "verified variant of the hinted family (the policy learns to write the hinted kernel "
+                        "for this matrix); 1: one example per record with the nearest winner as the hint and "
+                        "the record's fastest variants as targets (--top-variants)")
     hint_tolerance: float = opt(0.0, "--hints N: the target is the hinted point itself when the record measured "
                                      "it within this fraction of its family's best (0.1: 10 %% slower), so the "
                                      "policy copies a neighbour's parameters unless its own are clearly better")
@@ -170,6 +170,9 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     from training.data import load_supervision, split
     from training.lm import collate, fit
 
+    if cfg.hints < 1 or (cfg.hints > 1 and not cfg.retrieval):
+        raise ValueError(f"--hints {cfg.hints}: give N >= 1, and N > 1 only with --retrieval (the hints are "
+                         "retrieved winners)")
     ctx = tdist.setup(resolve_device(cfg.device))
     log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from policy_fixtures import CSR_SCALAR, structure_dependent_supervision
@@ -119,3 +120,9 @@ def test_rl_max_nnz_filters_the_training_problems(tmp_path, tiny_tok, n_features
                    max_new_tokens=8, max_nnz=1, evaluator="header")
     with pytest.raises(ValueError, match="max-nnz 1 left none"):
         rl(cfg, log=QUIET)
+
+
+def test_sft_rejects_hints_without_retrieval(tmp_path):
+    for bad in (SFTConfig(out_dir=str(tmp_path), hints=4), SFTConfig(out_dir=str(tmp_path), hints=0, retrieval=True)):
+        with pytest.raises(ValueError, match="--hints"):
+            sft(bad)
