@@ -15,6 +15,7 @@ This module builds, runs and saves the network; it does not sample (``decode.py`
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +25,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
 from policy.encoder import StructureBatch, StructureEncoder
+
+#: the name ``LlamaModel.forward`` takes the KV cache under, and its output returns it under:
+#: ``cache`` from transformers 5.2x on (``past_key_values`` then warns that it is deprecated),
+#: ``past_key_values`` before (the device image's 5.17)
+_CACHE = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -161,11 +167,11 @@ class SparseRLPolicy(LlamaPreTrainedModel):
             ones = torch.ones(attention_mask.shape[0], past, dtype=attention_mask.dtype,
                               device=attention_mask.device)
             attention_mask = torch.cat([ones, attention_mask], dim=1)
-        out = self.model(inputs_embeds=emb, attention_mask=attention_mask,
-                         past_key_values=past_key_values, use_cache=use_cache)
+        out = self.model(inputs_embeds=emb, attention_mask=attention_mask, use_cache=use_cache,
+                         **{_CACHE: past_key_values})
         h = out.last_hidden_state[:, n_prefix:]
         return PolicyOutput(self.lm_head(h).float(), self.value_head(h).squeeze(-1).float(),
-                            out.past_key_values if use_cache else None)
+                            out.get(_CACHE) if use_cache else None)
 
 
 def build_policy(hp: PolicyHParams, seed: int = 0) -> SparseRLPolicy:
