@@ -11,7 +11,7 @@
 # ABLATE=1 also trains the ablations from the same start: rl_correctness (RL, correctness-only
 # reward, RL_S) and sft_nosin (SFT without the sinusoidal embedding, SFT_S); EVAL="args" then
 # runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
-# ("name=folder,...") beside them. RL_S=0 skips RL (the eval then covers the SFT checkpoint).
+# ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$(pwd)/device_out}"
@@ -69,9 +69,12 @@ if [ "$RL_S" != 0 ]; then
   TRAINED="$TRAINED,rl=$RUNS/rl"
 fi
 if [ "${ABLATE:-0}" = 1 ]; then
-  rl_stage rl_correctness --reward correctness
+  if [ "$RL_S" != 0 ]; then
+    rl_stage rl_correctness --reward correctness
+    TRAINED="$TRAINED,rl_correctness=$RUNS/rl_correctness"
+  fi
   sft_stage sft_nosin --no-sinusoidal
-  TRAINED="$TRAINED,rl_correctness=$RUNS/rl_correctness,sft_nosin=$RUNS/sft_nosin"
+  TRAINED="$TRAINED,sft_nosin=$RUNS/sft_nosin"
 fi
 TRAINED="$TRAINED${EVAL_CHECKPOINTS:+,$EVAL_CHECKPOINTS}"
 if [ -n "${EVAL:-}" ]; then
