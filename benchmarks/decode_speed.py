@@ -1,4 +1,6 @@
-"""Policy decoding speed: plain vs speculative (``decode.generate(references=...)``).
+"""Policy decoding speed: plain vs speculative (``decode.generate(references=...)``), and for
+greedy also speculative untraced (``DecodeConfig(trace=False)``: no grammar mask where the
+model's top token is grammatical, what the provider and ``sparserl eval`` use).
 
 For each generated matrix and product, the checkpoint's greedy sample and k temperature samples
 are decoded both ways (the retrieval hint and the references as the policy provider gives
@@ -15,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -60,10 +63,16 @@ def run(checkpoint: str, device: str, k: int) -> list[dict]:
                    "tokens_plain": sum(len(r.tokens) for r in plain),
                    "tokens_speculative": sum(len(r.tokens) for r in spec),
                    "same_text": [r.text for r in plain] == [r.text for r in spec]}
-            if mode == "greedy" and not row["same_text"]:
-                raise AssertionError(f"{label}: speculative greedy wrote another kernel than plain greedy")
+            extra = ""
+            if mode == "greedy":  # untraced: no grammar mask where the top token is grammatical
+                fast, tu = _timed(lambda: generate(model, tok, s, op, "f32", n, k=1, hint=hint, references=refs,
+                                                   config=replace(cfg, trace=False)), device)
+                row.update(untraced_s=tu, same_text_untraced=fast[0].text == plain[0].text)
+                extra = f"  untraced {tu:6.2f}s"
+                if not (row["same_text"] and row["same_text_untraced"]):
+                    raise AssertionError(f"{label}: speculative greedy wrote another kernel than plain greedy")
             rows.append(row)
-            print(f"{label:14s} {op} n={n:<3d} {mode:10s} plain {tp:6.2f}s  speculative {ts:6.2f}s  "
+            print(f"{label:14s} {op} n={n:<3d} {mode:10s} plain {tp:6.2f}s  speculative {ts:6.2f}s{extra}  "
                   f"({row['tokens_plain']} / {row['tokens_speculative']} tokens)", flush=True)
     return rows
 

@@ -18,6 +18,7 @@ kernel, without ``<|eos|>``. This module does not parse headers or compile anyth
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,10 @@ class DecodeConfig:
     max_new_tokens: int = 1024  # a sample not finished by then is returned with finished=False
     constrained: bool = True  # llguidance grammar masks; False is the unconstrained ablation
     seed: int | None = None  # torch generator seed for reproducible samples
+    #: record each token's grammar mask and log-probability (PPO needs them). False, with greedy
+    #: speculative decoding: where the model's top token is grammatical it is the masked argmax
+    #: too, so the mask is not computed there (same tokens; ``logprobs`` NaN, ``masks`` None)
+    trace: bool = True
 
 
 @dataclass
@@ -283,6 +288,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     sb = StructureBatch.collate([structure]).to(device)
     ids = torch.tensor([prompt], device=device)
     first = model(ids, sb, use_cache=True)
+    fast = config.greedy and not config.trace
     rollouts = []
     for _ in range(k):
         past = copy.deepcopy(first.past_key_values) if k > 1 else first.past_key_values  # each crops its own
@@ -302,15 +308,24 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
             if not tokens:
                 rows = torch.cat([pending, rows], dim=0) if fed else pending
             taken = 0  # draft tokens chosen
+            # untraced greedy: each position's unmasked top token, in one transfer; the positions
+            # up to the first that leaves the draft take it where the grammar accepts the run
+            top, n_top = ([], 0) if not fast else (rows.float().argmax(-1).tolist(), 0)
+            if fast:
+                run = next((top[:j + 1] for j, t in enumerate(top) if j >= len(draft) or t != draft[j]), top)
+                n_top = matcher.validate_tokens(run) if matcher is not None else len(run)
             for j in range(rows.shape[0]):
-                logits = rows[j:j + 1].float().clone()
-                if matcher is not None:
-                    llt.fill_next_token_bitmask(matcher, bitmask, 0)
-                    logits = _apply_masks(logits, bitmask, vocab, eos)
-                    masks.append(bitmask[0].clone())
-                tok, lp = _pick(logits, config, gen)
-                t, lpv = torch.cat([tok.double(), lp.double()]).tolist()  # one transfer per position
-                t = int(t)
+                if j < n_top:
+                    t, lpv = top[j], math.nan
+                else:
+                    logits = rows[j:j + 1].float().clone()
+                    if matcher is not None:
+                        llt.fill_next_token_bitmask(matcher, bitmask, 0)
+                        logits = _apply_masks(logits, bitmask, vocab, eos)
+                        masks.append(bitmask[0].clone())
+                    tok, lp = _pick(logits, config, gen)
+                    t, lpv = torch.cat([tok.double(), lp.double()]).tolist()  # one transfer per position
+                    t = int(t)
                 tokens.append(t)
                 logps.append(lpv)
                 if matcher is not None and not matcher.consume_token(t) and matcher.is_error():
@@ -331,7 +346,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
         body = tokens[:-1] if finished else tokens
         rollouts.append(Rollout(
             prompt_ids=list(prompt), tokens=tokens, text=tokenizer.decode(body), logprobs=logps,
-            finished=finished, masks=torch.stack(masks) if matcher is not None and masks else None,
+            finished=finished, masks=torch.stack(masks) if matcher is not None and masks and not fast else None,
             grammar_error=error))
         refs.insert(0, tokens)  # samples of one problem are often alike: the last one drafts first
     return rollouts

@@ -145,7 +145,8 @@ class PolicyProvider:
 
             hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), k)
             rolls = hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, hints,
-                                 config=replace(self.decode, greedy=True), references=refs) if hints else []
+                                 config=replace(self.decode, greedy=True, trace=False),  # no PPO bookkeeping
+                                 references=refs) if hints else []
         elif self.samples == "formats":
             cfg = replace(self.decode, greedy=True)
             rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,

@@ -143,7 +143,8 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
                                  hint_entries if hint_entries is not None else default_entries(), m,
                                  count=max(4, k) if samples == "hints" else 4)
-        greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained)
+        # untraced: no logprobs or masks are scored here, so greedy skips the masks it can (same tokens)
+        greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained, trace=False)
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg)
         if samples == "hints":
             from policy.decode import hint_diverse

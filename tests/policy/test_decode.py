@@ -127,6 +127,41 @@ def test_speculative_decoding_writes_the_same_tokens_in_fewer_calls(tiny_model, 
         assert (m.calls * 3 < plain_model.calls) if few else (m.calls <= plain_model.calls + 1)
 
 
+def test_untraced_greedy_skips_the_masks_and_writes_the_same_tokens(tiny_model, tiny_tok):
+    """trace=False: where the model's top token is grammatical it is taken without computing
+    the mask; the tokens are plain greedy's, constrained or not, whatever the reference."""
+    import math
+
+    for constrained in (True, False):
+        g = DecodeConfig(greedy=True, max_new_tokens=60, constrained=constrained)
+        plain = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)[0]
+        for ref in (plain.text, plain.text[: len(plain.text) // 2], "// nothing alike " * 5):
+            fast = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, references=[ref],
+                            config=DecodeConfig(greedy=True, max_new_tokens=60, constrained=constrained,
+                                                trace=False))[0]
+            assert fast.tokens == plain.tokens and fast.text == plain.text and fast.finished == plain.finished
+            assert fast.masks is None and len(fast.logprobs) == len(fast.tokens)
+
+
+def test_untraced_greedy_of_the_shipped_policy_is_its_greedy_kernel():
+    """The shipped retrieval policy writes grammatical top tokens, so untraced greedy decoding
+    takes most positions without a mask; the kernel is plain greedy's, token for token."""
+    import math
+    from pathlib import Path
+
+    from policy.model import load_policy
+
+    model, tok = load_policy(Path(__file__).resolve().parents[2] / "policy" / "checkpoints" / "retrieval", "cpu")
+    m = banded(2000, 3)
+    s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+    hint = "csr_vector[block=128][tpr=8]"
+    plain = generate(model, tok, s, "spmv", "f32", 1, hint=hint, config=DecodeConfig(greedy=True, max_new_tokens=1200))[0]
+    fast = generate(model, tok, s, "spmv", "f32", 1, hint=hint, references=[plain.text],
+                    config=DecodeConfig(greedy=True, max_new_tokens=1200, trace=False))[0]
+    assert plain.finished and fast.tokens == plain.tokens
+    assert sum(map(math.isnan, fast.logprobs)) > len(fast.tokens) // 2  # most positions needed no mask
+
+
 def test_speculative_sampling_keeps_the_masks_and_logprob_bookkeeping(tiny_model, tiny_tok):
     rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=3, references=["// sparserl op=spmv"],
                   config=DecodeConfig(max_new_tokens=80, seed=2))
