@@ -310,8 +310,9 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
             taken = 0  # draft tokens chosen
             # untraced greedy: each position's unmasked top token, in one transfer; the positions
             # up to the first that leaves the draft take it where the grammar accepts the run
-            top, n_top = ([], 0) if not fast else (rows.float().argmax(-1).tolist(), 0)
+            top, n_top = [], 0
             if fast:
+                top = rows.float().argmax(-1).tolist()
                 run = next((top[:j + 1] for j, t in enumerate(top) if j >= len(draft) or t != draft[j]), top)
                 n_top = matcher.validate_tokens(run) if matcher is not None else len(run)
             for j in range(rows.shape[0]):
