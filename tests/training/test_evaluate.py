@@ -49,7 +49,7 @@ def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
     assert st.samples == 4 and len(set(fmts)) == 3
 
 
-def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tiny_tok):
+def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tiny_tok, monkeypatch):
     """samples="hints": after the greedy sample (the first hint's), one greedy sample per further
     hint; a sample that is exactly its hinted point, rendered for the matrix, counts as followed."""
     import copy
@@ -95,15 +95,9 @@ def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tin
         params = {k_: int(v) for k_, v in params.items()}
         return [dec.Rollout([], [], default_render(fam, op, dtype, params, m), [], True) for _ in range(k)]
 
-    import training.evaluate as ev
-
-    orig = dec.generate
-    dec.generate = writes_the_hint
-    try:
-        st = ev.evaluate_policy(rag, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
-                                max_new_tokens=12, constrained=True, samples="hints", hint_entries=table)["banded"]
-    finally:
-        dec.generate = orig
+    monkeypatch.setattr(dec, "generate", writes_the_hint)
+    st = evaluate_policy(rag, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
+                         max_new_tokens=12, constrained=True, samples="hints", hint_entries=table)["banded"]
     assert st.hint_samples == 3 and st.hint_followed == 3
 
 
