@@ -26,6 +26,7 @@ from policy.encoder import prepare_structure
 from policy.model import load_policy
 from policy.retrieval import default_entries, nearest_hint, reference_sources
 from sparserl_compile import matrices
+from timing import sync
 
 #: (label, generator, kwargs, op, n)
 CASES = (
@@ -36,12 +37,10 @@ CASES = (
 
 
 def _timed(fn, device: str):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    sync(device)
     return out, time.perf_counter() - t0
 
 

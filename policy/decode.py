@@ -412,6 +412,23 @@ def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     return rolls
 
 
+#: how a policy's k candidates are drawn (``PolicyProvider(samples=)``, ``sparserl eval --samples``):
+#: k temperature samples, the k most likely formats each written greedily (``format_diverse``), or
+#: one greedy sample per retrieval hint (``hint_diverse``)
+SAMPLE_MODES = ("temperature", "formats", "hints")
+
+
+def check_samples(samples: str, model) -> None:
+    """A ``ValueError`` for an unknown ``samples`` mode, or for ``"hints"`` on a policy trained
+    without retrieval hints (``model.config.retrieval``)."""
+    if samples not in SAMPLE_MODES:
+        raise ValueError(f"samples={samples!r}: choose one of {', '.join(map(repr, SAMPLE_MODES))}")
+    if samples == "hints" and not getattr(model.config, "retrieval", False):
+        raise ValueError("samples='hints' conditions each candidate on a retrieval hint: it needs a policy "
+                         "trained with hints (sparserl train sft --retrieval); this checkpoint was trained "
+                         "without hints (config.retrieval is False)")
+
+
 def hint_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
                  hints: list[str], config: DecodeConfig = DecodeConfig(greedy=True),
                  grammar_text: str | None = None, references: list[str] | None = None) -> list[Rollout]:

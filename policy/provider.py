@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.decode import DecodeConfig, format_diverse, generate, hint_diverse
+from policy.decode import DecodeConfig, check_samples, format_diverse, generate, hint_diverse
 from policy.encoder import prepare_structure
 from sparserl_compile import contract
 
@@ -102,12 +102,7 @@ class PolicyProvider:
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         if samples is None:  # a checkpoint trained to write the hinted kernel: one candidate per hint
             samples = "hints" if getattr(model.config, "retrieval_hints", 1) > 1 else "temperature"
-        if samples not in ("temperature", "formats", "hints"):
-            raise ValueError(f"samples={samples!r}: choose 'temperature' (k samples at the decode "
-                             "temperature), 'formats' or 'hints'")
-        if samples == "hints" and not getattr(model.config, "retrieval", False):
-            raise ValueError("samples='hints' conditions each candidate on a retrieval hint: this "
-                             "checkpoint was trained without hints (config.retrieval is False)")
+        check_samples(samples, model)
         #: how the k candidates are drawn: "temperature" (k samples), "formats" (the model's k
         #: most likely formats, each written greedily: ``decode.format_diverse``) or "hints" (one
         #: greedy sample per nearest measured winner as the hint: ``decode.hint_diverse``)

@@ -119,15 +119,13 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     drawn (``EvalConfig.samples``). ``hint_entries``: a ``nearest`` table for a policy trained
     with retrieval hints (``model.config.retrieval``). ``progress(stats)`` is called after
     every record."""
-    from policy.decode import DecodeConfig, generate
+    from policy.decode import DecodeConfig, check_samples, generate
     from policy.encoder import prepare_structure
     from training.sft import default_render
 
-    if samples not in ("temperature", "formats", "hints"):
-        raise ValueError(f"samples={samples!r}: choose 'temperature', 'formats' or 'hints'")
-    if samples == "hints" and (hint_entries is None or not getattr(model.config, "retrieval", False)):
-        raise ValueError("samples='hints' conditions each sample on a retrieval hint: it needs a policy "
-                         "trained with hints (sparserl train sft --retrieval) and their table")
+    check_samples(samples, model)
+    if samples == "hints" and hint_entries is None:
+        raise ValueError("samples='hints' takes its hints from hint_entries (a nearest table): none given")
 
     stats: dict[str, KindStats] = {}
     for i, (kind, pb) in enumerate(problems):
@@ -196,10 +194,11 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
         st.correct += o.correct
         us = None
         if o.correct and space is not None:
-            if normalized(t) not in space:
+            key = normalized(t)
+            if key not in space:
                 st.novel += 1
             else:
-                us = space[normalized(t)]
+                us = space[key]
         measured.append(us)
     if pb.best_space_us:
         if measured[0]:
