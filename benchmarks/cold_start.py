@@ -10,9 +10,11 @@ worker against cuSPARSE, times them and keeps the winner or cuSPARSE. Measured p
   structure and decoding k kernels);
 * ``steady_us`` / ``torch_us``: the median time of later calls and of torch.sparse on the same
   product, and which plan the runtime kept;
-* ``select_s``, ``reference_wall_s`` and ``candidates`` (each one's worker wall time and its
-  phases: prepare = static checks + format conversion + NVRTC + upload, values, runs,
-  cusparse, time, graph): where the rest of the first call went, from the selection record.
+* ``problem_s`` (the pattern copied to the host), ``select_s``, ``plan_s`` (the winner
+  converted, uploaded and loaded), ``reference_wall_s`` and ``candidates`` (each one's worker
+  wall time and its phases: prepare = static checks + format conversion + NVRTC + upload,
+  values, runs, cusparse, time, graph): where the rest of the first call went, from the
+  runtime's ``first_uses()`` log.
 
 One-time process costs (sandbox worker start, CUDA context in the worker, loading the policy,
 the numba format converters) are paid first by ``sparserl_compile.prewarm()`` (what a serving
@@ -47,21 +49,6 @@ MATRICES = (
 )
 
 
-class TimedProvider:
-    """Delegates to a provider and adds up the wall time of its ``candidates`` calls."""
-
-    def __init__(self, inner):
-        self.inner, self.name, self.seconds = inner, inner.name, 0.0
-        self.checkpoint_hash = getattr(inner, "checkpoint_hash", None)
-
-    def candidates(self, problem, k):
-        t0 = time.perf_counter()
-        try:
-            return self.inner.candidates(problem, k)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-
 def _make_provider(spec: str):
     """``name``, ``policy@CHECKPOINT`` or ``policy+MODE@CHECKPOINT`` (MODE: the provider's
     ``samples``, e.g. ``policy+hints@policy/checkpoints/retrieval``)."""
@@ -74,49 +61,31 @@ def _make_provider(spec: str):
     return providers.resolve(name)
 
 
-class _RecordSpy:
-    """Keeps the verification record of the runtime's last ``search_entry`` (the selection's
-    per-candidate phases) while installed."""
-
-    def __init__(self):
-        self.record: dict = {}
-        self._orig = runtime.search_entry
-
-        def spy(*args, **kwargs):
-            entry = self._orig(*args, **kwargs)
-            self.record = dict(entry.verification or {})
-            return entry
-
-        runtime.search_entry = spy
-
-    def close(self) -> None:
-        runtime.search_entry = self._orig
-
-
-def _breakdown(record: dict) -> dict:
-    return {"select_s": record.get("seconds"), "reference_wall_s": record.get("reference_wall_s"),
+def _breakdown(row: dict | None) -> dict:
+    """The first call's split from the runtime's ``first_uses()`` log (its last row)."""
+    row = row or {}
+    record = row.get("verification") or {}
+    cands = record.get("candidates")
+    return {"propose_s": row.get("propose_s"), "problem_s": row.get("problem_s"), "select_s": row.get("select_s"),
+            "plan_s": row.get("plan_s"), "reference_wall_s": record.get("reference_wall_s"),
             "candidates": [{"name": c.get("name"), "kind": c.get("kind"), "wall_s": c.get("wall_s"),
-                            "phases": c.get("phases")} for c in record.get("candidates", [])]}
+                            "phases": c.get("phases")} for c in cands] if isinstance(cands, list) else []}
 
 
 def run(provider_specs: list[str], widths: list[int], device: str = "cuda", mats=MATRICES,
         on_row=None) -> list[dict]:
     """The rows (one per provider, matrix and width); ``on_row(rows)`` after each one."""
     dev = torch.device(device)
-    rows = []
-    spy = _RecordSpy()
-    try:
-        _run(provider_specs, widths, dev, mats, on_row, rows, spy)
-    finally:
-        spy.close()
+    rows: list[dict] = []
+    _run(provider_specs, widths, dev, mats, on_row, rows)
     return rows
 
 
-def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
+def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
     for spec in provider_specs:
         pspec, _, k = spec.rpartition(":")
         t0 = time.perf_counter()
-        prov = TimedProvider(_make_provider(pspec))
+        prov = _make_provider(pspec)
         load_s = time.perf_counter() - t0
         sr.configure(provider=prov, k=int(k), cache=False, on_miss="search")
         t0 = time.perf_counter()
@@ -135,7 +104,7 @@ def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
             for n in widths:
                 x = torch.randn(m.shape[1], device=dev) if n == 1 else torch.randn(m.shape[1], n, device=dev)
                 runtime.clear()
-                prov.seconds, spy.record = 0.0, {}
+                runtime.reset_stats()
                 sync(dev)
                 t0 = time.perf_counter()
                 y = a @ x
@@ -144,16 +113,17 @@ def _run(provider_specs, widths, dev, mats, on_row, rows, spy) -> None:
                 ref = native @ x if n > 1 else torch.mv(native, x)
                 err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                 plan = next(iter(runtime.plans().values()), None)
+                logged = runtime.first_uses()
                 row = {"provider": pspec, "k": int(k), "matrix": label, "nnz": int(m.nnz), "n": n,
-                       "first_call_s": first, "propose_s": prov.seconds,
+                       "first_call_s": first,
                        "steady_us": wall_median_us(lambda: a @ x, dev),
                        "torch_us": wall_median_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
                        "plan": getattr(getattr(plan, "header", None), "format", None) or repr(plan)[:60],
-                       "rel_err": err, **_breakdown(spy.record)}
+                       "rel_err": err, **_breakdown(logged[-1] if logged else None)}
                 rows.append(row)
                 if on_row is not None:
                     on_row(rows)
-                print(f"  {label:18s} n={n:<4d} first {first:6.2f}s (propose {prov.seconds:5.2f}s)  "
+                print(f"  {label:18s} n={n:<4d} first {first:6.2f}s (propose {row['propose_s'] or 0:5.2f}s)  "
                       f"steady {row['steady_us']:8.1f}us  torch {row['torch_us']:8.1f}us  {row['plan']}",
                       flush=True)
 

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 
@@ -60,6 +61,8 @@ log = logging.getLogger("sparserl_compile.runtime")
 
 #: transposed patterns kept (per structure and device); each holds 2 index arrays + a perm
 TRANSPOSE_MEMO_SIZE = 32
+#: plans built on a miss kept in the ``first_uses()`` log (the oldest are dropped)
+FIRST_USE_LOG_SIZE = 256
 
 
 # ------------------------------------------------------------------------- configuration
@@ -116,6 +119,7 @@ _counts: dict[str, int] = {f.name: 0 for f in fields(RuntimeStats)}
 _table: dict[tuple, "Plan"] = {}
 _lock = threading.RLock()
 _logged: set[tuple] = set()
+_first_uses: deque = deque(maxlen=FIRST_USE_LOG_SIZE)
 
 
 def configure(**kw) -> RuntimeConfig:
@@ -148,8 +152,30 @@ def stats() -> RuntimeStats:
 
 
 def reset_stats() -> None:
+    """Zero the counters and empty the ``first_uses()`` log."""
     for k in _counts:
         _counts[k] = 0
+    _first_uses.clear()
+
+
+def first_uses() -> list[dict]:
+    """Where the time of each plan built on a miss went, oldest first (the last
+    ``FIRST_USE_LOG_SIZE``): what a slow first product on a new structure paid for. Each dict:
+
+    * ``fingerprint``, ``op``, ``n``, ``dtype``, ``nnz``; ``source``: ``"search"`` (the provider
+      was asked), ``"cache"`` (served by the disk cache) or ``"cache+timing"`` (a pre-generated
+      entry never timed on this GPU, timed now);
+    * seconds: ``problem_s`` (the pattern copied to the host), ``cache_s`` (disk-cache lookup),
+      ``propose_s`` (the provider's ``candidates``), ``select_s`` (compile, sandboxed
+      verification and timing, ``select.choose``, and the disk-cache write), ``plan_s`` (format conversion, upload and
+      loading the winner), ``total_s``;
+    * ``plan``: ``"kernel"`` or ``"reference"``; ``verification``: the selection record
+      (per-candidate worker phases, the reference's time, why the reference won), when one ran.
+
+    Background searches (``on_miss="background"``) and products served straight from the
+    plan table are not in it."""
+    with _lock:
+        return [dict(r) for r in _first_uses]
 
 
 def clear() -> None:
@@ -491,13 +517,15 @@ def search_entry(problem: providers.Problem, key, *, candidates=None, executor: 
     from sparserl_compile import select
     from sparserl_compile.cache import CacheEntry
 
+    t0 = time.perf_counter()
     if candidates is None:
         provider = providers.get_provider()
         candidates = provider.candidates(problem, _config.k)
     else:
         provider = None
     _counts["searches"] += 1
-    record: dict = {"provider": getattr(provider, "name", "given"), "candidates": len(candidates)}
+    record: dict = {"provider": getattr(provider, "name", "given"), "candidates": len(candidates),
+                    "propose_s": time.perf_counter() - t0}
     if not candidates:
         record["why"] = f"provider {record['provider']!r} proposed no candidates"
         return CacheEntry(key=key, cubin=None, times={}, verification=record)
@@ -573,7 +601,9 @@ def _kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) -
 
 
 def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
+    t0 = time.perf_counter()
     problem = _problem(op, crow, col, val, x, n_rows, n_cols, fp)
+    t_problem = time.perf_counter()
     store = _store()
     key = entry = candidates = None
     if store is not None:
@@ -583,22 +613,44 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
         except Exception as e:
             _log_once("disk cache unusable, searching without it", fp, f"{type(e).__name__}: {e}")
             store = None
+    t_cache = time.perf_counter()
+    source = "search"
     if entry is not None:
         _counts["cache_hits"] += 1
         if entry.reference_wins:
             return ReferencePlan("cached verdict: " + entry.verification.get("why", "the reference wins"))
         if "kernel_us" in entry.times:
-            return _entry_plan(entry, problem, x.device, key)
+            plan = _entry_plan(entry, problem, x.device, key)
+            _log_first_use(problem, "cache", plan, None, t0, t_problem, t_cache, t_cache)
+            return plan
         # pre-generated without a GPU: verified on the CPU, never timed on this GPU; it is
         # timed against cuSPARSE in the sandbox (one candidate) before it is trusted
         candidates = [contract.Candidate(entry.source, contract.parse_header(entry.header or entry.source))]
+        source = "cache+timing"
     elif _config.on_miss == "reference":
         return ReferencePlan("not in the kernel cache (on_miss='reference')")
     if _config.on_miss == "background":
         return PendingPlan(problem, x.device, key, _background_search(problem, key, store, fp, candidates, x.device))
     entry = search_entry(problem, key, candidates=candidates)
     _put(store, entry, fp)
-    return _entry_plan(entry, problem, x.device, key)
+    t_selected = time.perf_counter()
+    plan = _entry_plan(entry, problem, x.device, key)
+    _log_first_use(problem, source, plan, entry.verification, t0, t_problem, t_cache, t_selected)
+    return plan
+
+
+def _log_first_use(problem, source: str, plan, record, t0, t_problem, t_cache, t_selected) -> None:
+    """Append one plan's time split to the ``first_uses()`` log (times from ``_search``)."""
+    now = time.perf_counter()
+    record = dict(record or {})
+    propose = record.get("propose_s", 0.0)
+    row = {"fingerprint": problem.fingerprint, "op": problem.op, "n": problem.n, "dtype": problem.dtype,
+           "nnz": problem.nnz, "source": source, "problem_s": t_problem - t0, "cache_s": t_cache - t_problem,
+           "propose_s": propose, "select_s": max(t_selected - t_cache - propose, 0.0),
+           "plan_s": now - t_selected, "total_s": now - t0, "plan": plan.kind,
+           "verification": record or None}
+    with _lock:
+        _first_uses.append(row)
 
 
 def _entry_plan(entry, problem, device, key) -> Plan:

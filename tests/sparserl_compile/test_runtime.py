@@ -181,6 +181,21 @@ def test_empty_candidate_list_means_reference(kernels_on_cpu):
     assert runtime.stats().fallbacks == 0
 
 
+def test_first_uses_log_where_a_new_structure_s_time_went(kernels_on_cpu):
+    runtime.configure(provider=RecordingProvider([]), cache=False)
+    a = S.sparsify(matrix())
+    a @ torch.randn(20, 2)
+    a @ torch.randn(20, 2)  # a plan-table hit: not logged
+    (row,) = runtime.first_uses()
+    assert row["fingerprint"] == a.fingerprint and (row["op"], row["n"], row["nnz"]) == ("spmm", 2, a.nnz)
+    assert row["source"] == "search" and row["plan"] == "reference"
+    assert "proposed no candidates" in row["verification"]["why"]
+    parts = [row[k] for k in ("problem_s", "cache_s", "propose_s", "select_s", "plan_s")]
+    assert all(t >= 0 for t in parts) and row["total_s"] >= sum(parts) - 1e-6
+    runtime.reset_stats()
+    assert runtime.first_uses() == []
+
+
 def test_float64_and_disabled_kernels_skip_the_search(kernels_on_cpu):
     rec = RecordingProvider([a_candidate()])
     runtime.configure(provider=rec, cache=False)
@@ -372,11 +387,16 @@ def test_cuda_search_end_to_end_is_correct_and_cached():
     np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
     st = runtime.stats()
     assert st.searches == 1 and st.fallbacks == 0, runtime.plans()
+    (first,) = runtime.first_uses()
+    assert first["source"] == "search" and first["verification"]["candidates"]
+    assert first["select_s"] > 0 and first["total_s"] >= first["select_s"]
     runtime.clear()
     runtime.reset_stats()
     y2 = a @ x
     torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
     assert runtime.stats().cache_hits == 1 and runtime.stats().searches == 0
+    if first["plan"] == "kernel":  # a cached kernel is logged as served by the cache
+        assert [r["source"] for r in runtime.first_uses()] == ["cache"]
 
 
 @pytest.mark.gpu
