@@ -5,10 +5,11 @@ model's top token is grammatical, what the provider and ``sparserl eval`` use).
 For each generated matrix and product, the checkpoint's greedy sample and k temperature samples
 are decoded both ways (the retrieval hint and the references as the policy provider gives
 them) and timed; the greedy texts must be identical (speculative decoding only changes how many
-positions one forward checks).
+positions one forward checks). Untraced greedy is also timed at each ``--draft-lens`` value
+(``DecodeConfig.draft_len``, the longest draft one forward checks).
 
     python benchmarks/decode_speed.py [--checkpoint policy/checkpoints/retrieval] [--device cpu|cuda]
-                                      [--k 4] [--json out.json]
+                                      [--k 4] [--draft-lens 16,64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _timed(fn, device: str):
     return out, time.perf_counter() - t0
 
 
-def run(checkpoint: str, device: str, k: int) -> list[dict]:
+def run(checkpoint: str, device: str, k: int, draft_lens=(16, 64)) -> list[dict]:
     model, tok = load_policy(checkpoint, device)
     rows = []
     for label, gen, kw, op, n in CASES:
@@ -66,8 +67,15 @@ def run(checkpoint: str, device: str, k: int) -> list[dict]:
             if mode == "greedy":  # untraced: no grammar mask where the top token is grammatical
                 fast, tu = _timed(lambda: generate(model, tok, s, op, "f32", n, k=1, hint=hint, references=refs,
                                                    config=replace(cfg, trace=False)), device)
-                row.update(untraced_s=tu, same_text_untraced=fast[0].text == plain[0].text)
-                extra = f"  untraced {tu:6.2f}s"
+                row.update(untraced_s=tu, same_text_untraced=fast[0].text == plain[0].text,
+                           untraced_s_by_draft_len={})
+                for dl in draft_lens:  # the longest draft one forward checks (DecodeConfig.draft_len)
+                    other, td = _timed(lambda: generate(model, tok, s, op, "f32", n, k=1, hint=hint, references=refs,
+                                                        config=replace(cfg, trace=False, draft_len=dl)), device)
+                    row["untraced_s_by_draft_len"][dl] = td
+                    row["same_text_untraced"] &= other[0].text == plain[0].text
+                extra = f"  untraced {tu:6.2f}s (" + ", ".join(
+                    f"draft {dl}: {t:.2f}s" for dl, t in row["untraced_s_by_draft_len"].items()) + ")"
                 if not (row["same_text"] and row["same_text_untraced"]):
                     raise AssertionError(f"{label}: speculative greedy wrote another kernel than plain greedy")
             rows.append(row)
@@ -81,9 +89,11 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default="policy/checkpoints/retrieval")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--draft-lens", default="16,64",
+                   help="untraced greedy is also timed at these draft lengths (DecodeConfig.draft_len)")
     p.add_argument("--json")
     a = p.parse_args(argv)
-    rows = run(a.checkpoint, a.device, a.k)
+    rows = run(a.checkpoint, a.device, a.k, tuple(int(v) for v in a.draft_lens.split(",") if v))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(0),

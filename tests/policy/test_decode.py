@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from policy.decode import DecodeConfig, generate, grammar_accepts, unpack_masks
@@ -125,6 +126,22 @@ def test_speculative_decoding_writes_the_same_tokens_in_fewer_calls(tiny_model, 
         assert torch.allclose(torch.tensor(spec.logprobs), torch.tensor(plain.logprobs), atol=1e-4)
         assert torch.equal(spec.masks, plain.masks)
         assert (m.calls * 3 < plain_model.calls) if few else (m.calls <= plain_model.calls + 1)
+
+
+@pytest.mark.parametrize("draft_len", [1, 5, 200])
+def test_the_draft_length_never_changes_a_sample(tiny_model, tiny_tok, draft_len):
+    g = DecodeConfig(greedy=True, max_new_tokens=60)
+    plain = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)[0]
+    for trace in (True, False):
+        spec = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, references=[plain.text[:40], plain.text],
+                        config=DecodeConfig(greedy=True, max_new_tokens=60, trace=trace, draft_len=draft_len))[0]
+        assert spec.tokens == plain.tokens
+
+
+def test_a_draft_length_below_one_is_refused(tiny_model, tiny_tok):
+    with pytest.raises(ValueError, match="draft_len=0"):
+        generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, references=["x"],
+                 config=DecodeConfig(greedy=True, draft_len=0))
 
 
 def test_untraced_greedy_skips_the_masks_and_writes_the_same_tokens(tiny_model, tiny_tok):
