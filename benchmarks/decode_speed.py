@@ -25,7 +25,7 @@ import torch
 from policy.decode import DecodeConfig, generate
 from policy.encoder import prepare_structure
 from policy.model import load_policy
-from policy.retrieval import default_entries, nearest_hint, reference_sources
+from policy.retrieval import default_entries, nearest_hint, problem_for, reference_sources
 from sparserl_compile import matrices
 from timing import sync
 
@@ -51,7 +51,8 @@ def run(checkpoint: str, device: str, k: int, draft_lens=(16, 64)) -> list[dict]
     for label, gen, kw, op, n in CASES:
         m = matrices.generate(gen, **kw)
         s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
-        hint = nearest_hint(s.features, op, "f32", n, default_entries()) if model.config.retrieval else None
+        hint = (nearest_hint(s.features, op, "f32", n, default_entries(), problem=problem_for(op, "f32", n, m))
+                if model.config.retrieval else None)
         refs = reference_sources(s.features, op, "f32", n, default_entries(), m)
         generate(model, tok, s, op, "f32", n, k=1, hint=hint, config=DecodeConfig(greedy=True, max_new_tokens=32))
         for mode, cfg, kk in (("greedy", DecodeConfig(greedy=True, max_new_tokens=1536), 1),

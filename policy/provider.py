@@ -130,7 +130,7 @@ class PolicyProvider:
 
         hint = None
         if getattr(self.model.config, "retrieval", False):  # trained with hints: give it one
-            hint = nearest_hint(s.features, problem.op, dtype, n, default_entries())
+            hint = nearest_hint(s.features, problem.op, dtype, n, default_entries(), problem=problem)
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
         # (one per hint when each candidate has its own hint)
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
@@ -138,7 +138,7 @@ class PolicyProvider:
         if self.samples == "hints":
             from policy.retrieval import nearest_hints
 
-            hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), k)
+            hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), k, problem=problem)
             rolls = hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, hints,
                                  config=replace(self.decode, greedy=True, trace=False),  # no PPO bookkeeping
                                  references=refs) if hints else []

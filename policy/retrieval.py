@@ -24,27 +24,44 @@ def hint_name(family: str, params) -> str:
 
 
 def nearest_points(features, op: str, dtype: str, n: int, entries, count: int = 1,
-                   exclude: str | None = None) -> list[tuple[str, tuple]]:
+                   exclude: str | None = None, problem=None) -> list[tuple[str, tuple]]:
     """The first ``count`` proposals of the nearest entries (``nearest.proposals`` order: the
     nearest entry's winner first, then the next entries' winners, then runners-up; no
     repeats) as ``(family, ((param, value), ...))`` keys; fewer when the table has fewer, none
-    when no entry fits."""
-    from sparserl_compile.nearest import proposals
+    when no entry fits. ``problem`` (a ``providers.Problem``, e.g. from ``problem_for``): only
+    points it can run (``nearest.suitable``: in its pruned kernel space, its pattern converts
+    to their padded format), as the ``"nearest"`` provider proposes them; a hint the matrix
+    cannot run only wastes a candidate."""
+    from sparserl_compile.nearest import proposals, suitable
 
     pool = [e for e in entries if e.label != exclude] if exclude is not None else entries
-    return proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))[:count]
+    keys = proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))
+    return keys[:count] if problem is None else suitable(keys, problem, count)
 
 
 def nearest_hints(features, op: str, dtype: str, n: int, entries, count: int = 1,
-                  exclude: str | None = None) -> list[str]:
+                  exclude: str | None = None, problem=None) -> list[str]:
     """``nearest_points`` spelled as prompt hints."""
-    return [hint_name(*key) for key in nearest_points(features, op, dtype, n, entries, count, exclude)]
+    return [hint_name(*key) for key in nearest_points(features, op, dtype, n, entries, count, exclude, problem)]
 
 
-def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | None = None) -> str | None:
-    """The hint for a problem: the nearest other entry's winner, or None if no entry fits."""
-    hints = nearest_hints(features, op, dtype, n, entries, 1, exclude)
+def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | None = None,
+                 problem=None) -> str | None:
+    """The hint for a problem: the nearest other entry's winner (that ``problem`` can run, when
+    given), or None if no entry fits."""
+    hints = nearest_hints(features, op, dtype, n, entries, 1, exclude, problem)
     return hints[0] if hints else None
+
+
+def problem_for(op: str, dtype: str, n: int, matrix):
+    """The ``providers.Problem`` of ``op`` at width ``n`` on a CSR ``matrix`` (anything with
+    ``indptr``, ``indices`` and ``shape``), for ``nearest_points(problem=...)`` outside the
+    runtime (training and evaluation)."""
+    from sparserl_compile.runtime import make_problem
+    from sparserl_compile.structure import fingerprint
+
+    return make_problem(op, dtype, 1 if op == "spmv" else int(n), matrix.indptr, matrix.indices, matrix.shape,
+                        fingerprint(matrix.indptr, matrix.indices, matrix.shape), "sm_90")
 
 
 def reference_sources(features, op: str, dtype: str, n: int, entries, structure, count: int = 4,

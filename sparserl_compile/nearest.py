@@ -150,13 +150,13 @@ class NearestProvider:
         # to test suitability cost more than the rest of the proposal on large matrices, so
         # only the points taken are converted (below)
         space = SearchProvider(check_formats=False).candidates(problem, 0, features=f)
-        by_key = {point_key(c.family, c.params): c for c in space}
         alike = nearest_entries(self.entries, f.as_vector(), problem.op, problem.dtype, n)
         self.last_neighbours = [e.label for e in alike[:3]]
-        picked: list[Candidate] = []
         memo: dict = {}
-        # the nearest winners first; too few of them suit: the search's own order fills the rest
-        for c in [by_key[key] for key in winners(alike) if key in by_key] + space:
+        by_key = {point_key(c.family, c.params): c for c in space}
+        picked = [by_key[key] for key in suitable(winners(alike), problem, k, space=space, memo=memo)]
+        # too few of the nearest winners suit: the search's own order fills the rest
+        for c in space:
             if len(picked) >= k:
                 break
             if c not in picked and format_unsuitable(pat, c, memo) is None:
@@ -164,5 +164,27 @@ class NearestProvider:
         return picked
 
 
-__all__ = ["NearestProvider", "Entry", "distance", "nearest_entries", "proposals", "winners", "load_table",
-           "save_table", "TABLE", "point_key", "DEFAULT_K"]
+def suitable(keys, problem, count: int | None = None, *, space=None, memo: dict | None = None) -> list[tuple]:
+    """The point keys of ``keys``, in order and at most ``count``, that ``problem`` can run:
+    points of its pruned kernel space (the search's rules for its op, width and structure;
+    ``space``: those candidates if already built) whose padded format (ELL, SELL, DIA, BSR) its
+    pattern converts to. A neighbour's winner in SELL is no use to a power-law matrix that SELL
+    would pad beyond the limit; only the points taken are converted (``memo``: verdicts per
+    format and parameters, shared between calls on one problem)."""
+    from sparserl_compile.search import SearchProvider, format_unsuitable, pattern_of
+
+    if space is None:
+        space = SearchProvider(check_formats=False).candidates(problem, 0)
+    by_key = {point_key(c.family, c.params): c for c in space}
+    pat, memo = pattern_of(problem), ({} if memo is None else memo)
+    out: list[tuple] = []
+    for key in keys:
+        if count is not None and len(out) >= count:
+            break
+        if key in by_key and key not in out and format_unsuitable(pat, by_key[key], memo) is None:
+            out.append(key)
+    return out
+
+
+__all__ = ["NearestProvider", "Entry", "distance", "nearest_entries", "proposals", "winners", "suitable",
+           "load_table", "save_table", "TABLE", "point_key", "DEFAULT_K"]

@@ -132,11 +132,13 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
         s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
-        from policy.retrieval import default_entries, hint_name, nearest_hint, nearest_points, reference_sources
+        from policy.retrieval import (default_entries, hint_name, nearest_hint, nearest_points, problem_for,
+                                      reference_sources)
 
-        hint = None
+        hint = runnable = None
         if hint_entries is not None and getattr(model.config, "retrieval", False):
-            hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries)
+            runnable = problem_for(pb.op, pb.dtype, pb.n, m)  # hints are points this matrix can run
+            hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable)
         # drafts for speculative decoding (the decoding's speed only, never its samples)
         refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
                                  hint_entries if hint_entries is not None else default_entries(), m,
@@ -147,7 +149,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         if samples == "hints":
             from policy.decode import hint_diverse
 
-            points = nearest_points(s.features, pb.op, pb.dtype, pb.n, hint_entries, k)
+            points = nearest_points(s.features, pb.op, pb.dtype, pb.n, hint_entries, k, problem=runnable)
             # the first hint is the greedy sample's own: its sample is that one, not decoded twice
             sampled = greedy + (hint_diverse(model, tok, s, pb.op, pb.dtype, pb.n,
                                              [hint_name(*p) for p in points[1:]], config=greedy_cfg,
@@ -219,16 +221,14 @@ def evaluate_nearest(table, problems, evaluator, *, k: int, space_sources=None, 
     """Per-kind stats of the ``"nearest"`` provider (``table``: its entries) scored exactly as
     the policy's samples are: its first proposal stands for "greedy", and best-of-k is over its
     first ``k`` proposals (the first included)."""
+    from policy.retrieval import problem_for
     from sparserl_compile.nearest import NearestProvider
-    from sparserl_compile.runtime import make_problem
-    from sparserl_compile.structure import fingerprint
 
     prov = NearestProvider(table, k=k)
     stats: dict[str, KindStats] = {}
     for i, (kind, pb) in enumerate(problems):
         m = pb.matrix
-        problem = make_problem(pb.op, pb.dtype, pb.n, m.indptr, m.indices, m.shape,
-                               fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+        problem = problem_for(pb.op, pb.dtype, pb.n, m)
         texts = [c.source for c in prov.candidates(problem, k)]
         outs = evaluator(pb, texts)
         if log is not None:

@@ -172,10 +172,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
                 m = pb.matrix
                 structs[pi] = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
                 if hint_entries is not None:  # from the other matrices, as in SFT
-                    from policy.retrieval import nearest_hint
+                    from policy.retrieval import nearest_hint, problem_for
 
                     hints[pi] = nearest_hint(structs[pi].features, pb.op, pb.dtype, pb.n, hint_entries,
-                                             exclude=pb.label)
+                                             exclude=pb.label, problem=problem_for(pb.op, pb.dtype, pb.n, m))
                 if cfg.speculative:  # drafts: speed only, the samples' distribution is the model's
                     from policy.retrieval import default_entries, reference_sources
 

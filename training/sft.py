@@ -111,9 +111,10 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             continue
         hint = None
         if hint_entries is not None:
-            from policy.retrieval import nearest_hint
+            from policy.retrieval import nearest_hint, problem_for
 
-            hint = nearest_hint(s.features, r.op, r.dtype, r.n, hint_entries, exclude=r.matrix.label)
+            hint = nearest_hint(s.features, r.op, r.dtype, r.n, hint_entries, exclude=r.matrix.label,
+                                problem=problem_for(r.op, r.dtype, r.n, m))
         seen: set[str] = set()
         for rank, v in enumerate(variants):
             try:
@@ -133,14 +134,14 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
 def _family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints: int, tolerance: float = 0.0) -> list:
     """``build_examples``' ``hints > 1`` examples of one record (see there)."""
     from policy.decode import completion_ids
-    from policy.retrieval import hint_name, nearest_points
+    from policy.retrieval import hint_name, nearest_points, problem_for
     from policy.tokenizer import prompt_text
     from training.lm import LMExample
 
     ranked = ranked_variants(r, len(r.variants))
     out = []
     for family, params in nearest_points(s.features, r.op, r.dtype, r.n, hint_entries, hints,
-                                         exclude=r.matrix.label):
+                                         exclude=r.matrix.label, problem=problem_for(r.op, r.dtype, r.n, m)):
         best = next((v for v in ranked if v.family == family), None)
         if best is None:  # the record measured nothing of this family: no target to learn
             continue

@@ -41,7 +41,7 @@ def test_sft_examples_carry_hints_from_other_matrices(tiny_tok):
         return data.SupervisionRecord(data.MatrixRef("generated", "banded", (("half_bandwidth", 1), ("n", n))),
                                       "spmv", "f32", 1, (data.Variant(family, (("block", 128),), 1.0),))
 
-    recs = [rec(40, "csr_scalar"), rec(48, "csr_vector_absent")]
+    recs = [rec(40, "csr_scalar"), rec(48, "ell")]  # points of both matrices' kernel spaces
     entries = entries_from_records(recs)
     rendered = []
 
@@ -53,7 +53,7 @@ def test_sft_examples_carry_hints_from_other_matrices(tiny_tok):
     assert skipped == 0 and len(ex) == 2
     prompts = [tiny_tok.decode(e.prompt_ids) for e in ex]
     # each record's hint is the *other* matrix's winner, never its own answer
-    assert "near=csr_vector_absent[block=128]" in prompts[0] and "near=csr_scalar[block=128]" in prompts[1]
+    assert "near=ell[block=128]" in prompts[0] and "near=csr_scalar[block=128]" in prompts[1]
     plain, _ = build_examples(recs, tiny_tok, 64, render=render, log=lambda *_: None)
     assert all("near=" not in tiny_tok.decode(e.prompt_ids) for e in plain)
 
@@ -65,13 +65,14 @@ def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_
     from training.neighbours import entries_from_records
     from training.sft import build_examples
 
-    def rec(n, *variants):
+    def rec(n, *variants):  # points of the matrices' kernel spaces (hints are filtered to those)
         return data.SupervisionRecord(data.MatrixRef("generated", "banded", (("half_bandwidth", 1), ("n", n))),
-                                      "spmv", "f32", 1, tuple(data.Variant(f, (("block", b),), us)
-                                                              for f, b, us in variants))
+                                      "spmv", "f32", 1, tuple(data.Variant(f, (("block", b), *extra), us)
+                                                              for f, b, us, *extra in variants))
 
-    recs = [rec(40, ("csr_scalar", 64, 1.0), ("csr_vector", 128, 2.0), ("csr_vector", 256, 3.0)),
-            rec(48, ("csr_vector", 256, 1.0), ("csr_scalar", 32, 2.0)),
+    tpr8 = ("tpr", 8)
+    recs = [rec(40, ("csr_scalar", 64, 1.0), ("csr_vector", 128, 2.0, tpr8), ("csr_vector", 256, 3.0, tpr8)),
+            rec(48, ("csr_vector", 256, 1.0, tpr8), ("csr_scalar", 256, 2.0)),
             rec(56, ("ell", 128, 1.0), ("csr_scalar", 64, 5.0))]
     entries = entries_from_records(recs)
     rendered = []
@@ -87,7 +88,7 @@ def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_
     for hint, target in pairs:
         by_rows.setdefault(target.split("rows=")[1].split("<")[0].strip(), []).append((hint, target.split(" rows")[0]))
     # the 40-row matrix: hints are the others' points; each target is its own best of the hint's family
-    assert ("csr_vector[block=256]", "// csr_vector block=128") in by_rows["40"]
+    assert ("csr_vector[block=256][tpr=8]", "// csr_vector block=128") in by_rows["40"]
     assert ("ell[block=128]", "// csr_scalar block=64") not in by_rows["40"]  # it measured no ell
     assert all(not h.startswith("ell") for h, _ in by_rows["40"] + by_rows["48"])
     # the 56-row matrix: csr_scalar hints give its (slow) csr_scalar, never its ell winner
@@ -102,8 +103,8 @@ def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_
         return {tiny_tok.decode(e.prompt_ids).split("near=")[1].split("<")[0]: tiny_tok.decode(e.target_ids)
                 for e in ex if "rows=40" in tiny_tok.decode(e.target_ids)}
 
-    assert targets(0.4)["csr_vector[block=256]"].startswith("// csr_vector block=128")  # 3.0 > 1.4 x 2.0
-    assert targets(0.6)["csr_vector[block=256]"].startswith("// csr_vector block=256")  # 3.0 <= 1.6 x 2.0
+    assert targets(0.4)["csr_vector[block=256][tpr=8]"].startswith("// csr_vector block=128")  # 3.0 > 1.4 x 2.0
+    assert targets(0.6)["csr_vector[block=256][tpr=8]"].startswith("// csr_vector block=256")  # 3.0 <= 1.6 x 2.0
 
 
 def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkeypatch):
@@ -178,6 +179,25 @@ def test_nearest_hints_are_the_nearest_entries_winners_in_order():
     assert retrieval.nearest_hints([1.0, 1.0], "spmv", "f16", 1, table, 4) == []
     assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f32", 1, table) == \
         retrieval.nearest_hints([1.0, 1.0], "spmv", "f32", 1, table, 1)[0]
+
+
+def test_hints_given_a_problem_are_points_its_pattern_can_run():
+    """A neighbour's SELL or BSR winner is no hint for a power-law matrix that SELL would pad
+    beyond the limit and that has no dense blocks: with the problem given, such points are
+    passed over and the next neighbours' winners take their places."""
+    from sparserl_compile.matrices import rmat
+
+    m = rmat(12, 4, seed=1)
+    table = [entry("a", [1.0, 1.0], "sell", {"C": 32, "sigma": 256}),
+             entry("b", [1.2, 1.0], "bsr", {"R": 2, "C": 4}),
+             entry("c", [1.5, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
+             entry("d", [2.0, 1.0], "merge", {"block": 128, "items_per_part": 16})]
+    every = retrieval.nearest_hints([1.0, 1.0], "spmv", "f32", 1, table, 4)
+    assert every[:2] == ["sell[C=32][sigma=256]", "bsr[C=4][R=2]"]
+    pb = retrieval.problem_for("spmv", "f32", 1, m)
+    assert retrieval.nearest_hints([1.0, 1.0], "spmv", "f32", 1, table, 4, problem=pb) == \
+        ["csr_vector[block=128][tpr=8]", "merge[block=128][items_per_part=16]"]
+    assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f32", 1, table, problem=pb) == "csr_vector[block=128][tpr=8]"
 
 
 def test_provider_hint_samples_condition_each_candidate_on_another_winner(tiny_model, tiny_tok, monkeypatch):
