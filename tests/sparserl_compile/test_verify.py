@@ -90,6 +90,15 @@ def test_every_fault_kernel_is_rejected_for_its_reason_on_cpu(name):
 
 
 @needs_simt
+def test_random_operands_are_float32_of_magnitude_half_to_one_and_a_half_with_either_sign():
+    a = verify._random_operand(np.random.default_rng([3, 1]), (400, 50))
+    b = verify._random_operand(np.random.default_rng([3, 1]), (400, 50))
+    assert a.dtype == np.float32 and a.shape == (400, 50) and np.array_equal(a, b)
+    assert 0.5 <= np.abs(a).min() and np.abs(a).max() < 1.5
+    assert 0.45 < (a < 0).mean() < 0.55 and 0.95 < np.abs(a).mean() < 1.05
+    assert not np.array_equal(a, verify._random_operand(np.random.default_rng([3, 2]), (400, 50)))
+
+
 def test_value_sets_are_shared_by_candidates_of_one_pattern_only():
     pat = verify.Pattern.of(matrices.stencil2d(12))
     wrong = FAULTS["wrong_answer"]
@@ -171,6 +180,19 @@ def test_every_fault_kernel_is_rejected_on_gpu(name):
     f = FAULTS[name]
     r = verify.verify(candidate(f.source), matrices.stencil2d(12), executor="gpu", static=f.static)
     assert not r.ok and r.failed in f.checks, (name, r.reason)
+
+
+@pytest.mark.gpu
+def test_a_kernel_writing_its_inputs_does_not_spoil_the_shared_operands():
+    """The value sets' operands are uploaded once per pattern and shared by the candidates; a
+    kernel that writes into them fails, and the next candidate gets clean copies."""
+    pat = verify.Pattern.of(matrices.stencil2d(12))
+    assert verify.verify(candidate(GOOD), pat, executor="gpu").ok
+    f = FAULTS["writes_input"]
+    r = verify.verify(candidate(f.source), pat, executor="gpu", static=False)
+    assert not r.ok and r.failed == "inputs", r.reason
+    r = verify.verify(candidate(GOOD), pat, executor="gpu")
+    assert r.ok, r.reason
 
 
 @pytest.mark.gpu
