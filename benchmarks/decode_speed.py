@@ -9,7 +9,7 @@ positions one forward checks). Untraced greedy is also timed at each ``--draft-l
 (``DecodeConfig.draft_len``, the longest draft one forward checks).
 
     python benchmarks/decode_speed.py [--checkpoint policy/checkpoints/retrieval] [--device cpu|cuda]
-                                      [--k 4] [--draft-lens 16,64] [--json out.json]
+                                      [--k 4] [--draft-lens 16,64,128] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _timed(fn, device: str):
     return out, time.perf_counter() - t0
 
 
-def run(checkpoint: str, device: str, k: int, draft_lens=(16, 64)) -> list[dict]:
+def run(checkpoint: str, device: str, k: int, draft_lens=(16, 64, 128)) -> list[dict]:
     model, tok = load_policy(checkpoint, device)
     rows = []
     for label, gen, kw, op, n in CASES:
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default="policy/checkpoints/retrieval")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--draft-lens", default="16,64",
+    p.add_argument("--draft-lens", default="16,64,128",
                    help="untraced greedy is also timed at these draft lengths (DecodeConfig.draft_len)")
     p.add_argument("--json")
     a = p.parse_args(argv)

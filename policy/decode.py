@@ -44,9 +44,10 @@ class DecodeConfig:
     trace: bool = True
     #: speculative decoding (``references`` given): the longest draft one forward checks. Longer
     #: drafts cost little more per forward (the model is small; a step is mostly host work) and
-    #: save forwards where the model writes what a reference says: on the CPU, 12 greedy hint
-    #: samples took 7.0 s with 16, 3.7 s with 64 (same tokens). Never changes a sample.
-    draft_len: int = 64
+    #: save forwards where the model writes what a reference says: untraced greedy on the H200
+    #: took 0.18-0.36 s per kernel with 16, 0.09-0.15 s with 64, 0.08-0.10 s with 128 (same
+    #: tokens; benchmarks/results/h200_decode_speed_2026-12-03b.json). Never changes a sample.
+    draft_len: int = 128
 
 
 @dataclass
