@@ -38,6 +38,7 @@ class ProviderStats:
     sampled: int = 0
     unfinished: int = 0  # cut off by max_new_tokens
     unparseable: int = 0  # header rejected by contract.parse_header
+    duplicates: int = 0  # the same kernel as an earlier sample of the request (dropped)
     returned: int = 0
 
 
@@ -150,12 +151,16 @@ class PolicyProvider:
         else:
             rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
                              hint=hint, references=refs)
-        out = []
+        out, seen = [], set()
         for r in rolls:
             self.stats.sampled += 1
             if not r.finished:
                 self.stats.unfinished += 1
                 continue
+            if r.text in seen:  # two hints, one kernel: verifying and timing it twice gains nothing
+                self.stats.duplicates += 1
+                continue
+            seen.add(r.text)
             try:
                 header = contract.parse_header(r.text)
             except contract.ContractError:

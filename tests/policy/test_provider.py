@@ -42,3 +42,18 @@ def test_checkpoint_hash_is_the_weights_sha256(tmp_path, tiny_model, tiny_tok):
     prov = PolicyProvider(checkpoint=tmp_path, device="cpu")
     assert prov.checkpoint_hash == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
     assert PolicyProvider(model=tiny_model, tokenizer=tiny_tok).checkpoint_hash is None
+
+
+def test_a_kernel_written_twice_is_proposed_once(tiny_model, tiny_tok, kernel_source, monkeypatch):
+    """Two samples (e.g. two hints) that give the same kernel are one candidate: selection
+    would compile, verify and time it twice for nothing."""
+    from policy import provider as prov_mod
+    from policy.decode import Rollout
+
+    other = kernel_source.rstrip() + "\n// another kernel"
+    rolls = [Rollout([], [1], text, [0.0], True) for text in (kernel_source, kernel_source, other)]
+    monkeypatch.setattr(prov_mod, "generate", lambda *a, **kw: rolls)
+    prov = PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False)
+    cands = prov.candidates(_Problem(banded(32, 1)), k=3)
+    assert [c.source for c in cands] == [kernel_source, other]
+    assert prov.stats.duplicates == 1 and prov.stats.returned == 2 and prov.stats.sampled == 3
