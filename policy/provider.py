@@ -130,7 +130,8 @@ class PolicyProvider:
         from sparserl_compile.search import pattern_of
 
         hint = None
-        if getattr(self.model.config, "retrieval", False) and self.samples != "hints":  # trained with hints: give it one
+        if getattr(self.model.config, "retrieval", False) and self.samples != "hints":
+            # trained with hints: give it one (in "hints" mode each candidate has its own)
             hint = nearest_hint(s.features, problem.op, dtype, n, default_entries(), problem=problem)
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
         # (one per hint when each candidate has its own hint)

@@ -167,8 +167,8 @@ def first_uses() -> list[dict]:
       entry never timed on this GPU, timed now);
     * seconds: ``problem_s`` (the pattern copied to the host), ``cache_s`` (disk-cache lookup),
       ``propose_s`` (the provider's ``candidates``), ``select_s`` (compile, sandboxed
-      verification and timing, ``select.choose``, and the disk-cache write), ``plan_s`` (format conversion, upload and
-      loading the winner), ``total_s``;
+      verification and timing, ``select.choose``, and the disk-cache write), ``plan_s``
+      (format conversion, upload and loading the winner), ``total_s``;
     * ``plan``: ``"kernel"`` or ``"reference"``; ``verification``: the selection record
       (per-candidate worker phases, the reference's time, why the reference won), when one ran.
 

@@ -197,7 +197,8 @@ def test_hints_given_a_problem_are_points_its_pattern_can_run():
     pb = retrieval.problem_for("spmv", "f32", 1, m)
     assert retrieval.nearest_hints([1.0, 1.0], "spmv", "f32", 1, table, 4, problem=pb) == \
         ["csr_vector[block=128][tpr=8]", "merge[block=128][items_per_part=16]"]
-    assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f32", 1, table, problem=pb) == "csr_vector[block=128][tpr=8]"
+    assert retrieval.nearest_hint([1.0, 1.0], "spmv", "f32", 1, table, problem=pb) == \
+        "csr_vector[block=128][tpr=8]"
 
 
 def test_provider_hint_samples_condition_each_candidate_on_another_winner(tiny_model, tiny_tok, monkeypatch):
