@@ -147,8 +147,6 @@ def test_a_draft_length_below_one_is_refused(tiny_model, tiny_tok):
 def test_untraced_greedy_skips_the_masks_and_writes_the_same_tokens(tiny_model, tiny_tok):
     """trace=False: where the model's top token is grammatical it is taken without computing
     the mask; the tokens are plain greedy's, constrained or not, whatever the reference."""
-    import math
-
     for constrained in (True, False):
         g = DecodeConfig(greedy=True, max_new_tokens=60, constrained=constrained)
         plain = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)[0]

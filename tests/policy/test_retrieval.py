@@ -75,7 +75,6 @@ def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_
             rec(48, ("csr_vector", 256, 1.0, tpr8), ("csr_scalar", 256, 2.0)),
             rec(56, ("ell", 128, 1.0), ("csr_scalar", 64, 5.0))]
     entries = entries_from_records(recs)
-    rendered = []
 
     def render(family, op, dtype, params, m):
         return f"// {family} block={params['block']} rows={m.shape[0]}\n"

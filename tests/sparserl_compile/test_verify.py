@@ -7,7 +7,7 @@ import pytest
 import scipy.sparse as sp
 
 from faults import FAULTS, GOOD, SPMM_GOOD, candidate
-from sparserl_compile import contract, matrices, verify
+from sparserl_compile import matrices, verify
 from sparserl_compile.contract import ContractError
 
 
