@@ -135,10 +135,14 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         from policy.retrieval import (default_entries, hint_name, nearest_hint, nearest_points, problem_for,
                                       reference_sources)
 
-        hint = runnable = None
+        hint = points = None
         if hint_entries is not None and getattr(model.config, "retrieval", False):
             runnable = problem_for(pb.op, pb.dtype, pb.n, m)  # hints are points this matrix can run
-            hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable)
+            if samples == "hints":  # one hint per sample; the greedy sample's is the first
+                points = nearest_points(s.features, pb.op, pb.dtype, pb.n, hint_entries, k, problem=runnable)
+                hint = hint_name(*points[0]) if points else None
+            else:
+                hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable)
         # drafts for speculative decoding (the decoding's speed only, never its samples)
         refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
                                  hint_entries if hint_entries is not None else default_entries(), m,
@@ -149,7 +153,6 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         if samples == "hints":
             from policy.decode import hint_diverse
 
-            points = nearest_points(s.features, pb.op, pb.dtype, pb.n, hint_entries, k, problem=runnable)
             # the first hint is the greedy sample's own: its sample is that one, not decoded twice
             sampled = greedy + (hint_diverse(model, tok, s, pb.op, pb.dtype, pb.n,
                                              [hint_name(*p) for p in points[1:]], config=greedy_cfg,
