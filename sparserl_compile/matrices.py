@@ -212,6 +212,34 @@ def random_geometric(n: int, avg_degree: float, seed: int = 0) -> sp.csr_matrix:
     return m
 
 
+def circuit(n: int, per_row: float, dense_lines: int = 0, dense_fill: float = 0.2, local: float = 0.5,
+            seed: int = 0) -> sp.csr_matrix:
+    """Circuit-simulation-like (MNA) pattern: a full diagonal, Poisson(``per_row``) couplings per
+    row of which a ``local`` fraction sits within a band of about n/100 and the rest anywhere,
+    mirrored to a symmetric pattern, plus ``dense_lines`` supply nets: rows and columns that
+    touch a ``dense_fill`` fraction of all rows (the few very long rows of rajat01-type
+    matrices)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.poisson(per_row / 2, size=n)  # halved: the pattern is mirrored below
+    rows = np.repeat(np.arange(n), lengths)
+    near = rng.random(rows.size) < local
+    width = max(n // 100, 2)
+    cols = np.where(near, rows + rng.integers(-width, width + 1, size=rows.size),
+                    rng.integers(0, n, size=rows.size))
+    cols = np.clip(cols, 0, n - 1)
+    lines = rng.choice(n, size=min(dense_lines, n), replace=False)
+    line_r, line_c = [], []
+    for ln in lines:
+        touched = np.flatnonzero(rng.random(n) < dense_fill)
+        line_r.append(np.full(touched.size, ln))
+        line_c.append(touched)
+    r = np.concatenate([np.arange(n), rows, cols, *line_r, *line_c])
+    c = np.concatenate([np.arange(n), cols, rows, *line_c, *line_r])
+    m = canonical(sp.csr_matrix((np.ones(r.size, np.float32), (r, c)), shape=(n, n)))
+    m.data = _values(m.nnz, rng)
+    return m
+
+
 GENERATORS = {
     "stencil2d": stencil2d,
     "stencil3d": stencil3d,
@@ -221,6 +249,7 @@ GENERATORS = {
     "uniform_random": uniform_random,
     "rmat": rmat,
     "random_geometric": random_geometric,
+    "circuit": circuit,
 }
 
 

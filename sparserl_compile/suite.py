@@ -137,6 +137,65 @@ GRID: tuple[MatrixSpec, ...] = (
 )
 
 
+#: a second grid (eighth session): more of the kinds where the nearest lookup
+#: and the policy missed most on the held-out split (uniform random of every shape and density,
+#: R-MAT, circuit-like), plus one more of each other generator; 1e4 to ~1e6 nonzeros so that one
+#: device call measures all of it. Held out as GRID is (one in five by hash).
+GRID2: tuple[MatrixSpec, ...] = (
+    _g("g2_uniform_3k_d8", "random", "uniform_random", 24_000, n_rows=3_000, n_cols=3_000, per_row=8, seed=2),
+    _g("g2_uniform_30k_d1", "random", "uniform_random", 30_000, n_rows=30_000, n_cols=30_000, per_row=1, seed=2),
+    _g("g2_uniform_10k_d16", "random", "uniform_random", 160_000, n_rows=10_000, n_cols=10_000, per_row=16,
+       seed=2),
+    _g("g2_uniform_40k_d8", "random", "uniform_random", 320_000, n_rows=40_000, n_cols=40_000, per_row=8, seed=2),
+    _g("g2_uniform_100k_d4", "random", "uniform_random", 400_000, n_rows=100_000, n_cols=100_000, per_row=4,
+       seed=2),
+    _g("g2_uniform_8k_d64", "random", "uniform_random", 512_000, n_rows=8_000, n_cols=8_000, per_row=64, seed=2),
+    _g("g2_uniform_2k_d256", "random", "uniform_random", 512_000, n_rows=2_000, n_cols=20_000, per_row=256,
+       seed=2),
+    _g("g2_uniform_tall_d2", "random", "uniform_random", 800_000, n_rows=400_000, n_cols=2_000, per_row=2, seed=2),
+    _g("g2_uniform_wide_d16", "random", "uniform_random", 320_000, n_rows=20_000, n_cols=1_000_000, per_row=16,
+       seed=2),
+    _g("g2_uniform_60k_d12", "random", "uniform_random", 720_000, n_rows=60_000, n_cols=60_000, per_row=12,
+       seed=2),
+    _g("g2_uniform_150k_d6", "random", "uniform_random", 900_000, n_rows=150_000, n_cols=150_000, per_row=6,
+       seed=2),
+    _g("g2_uniform_1k_d300", "random", "uniform_random", 300_000, n_rows=1_000, n_cols=100_000, per_row=300,
+       seed=2),
+    _g("g2_rmat_s13_e8", "powerlaw", "rmat", 60_000, scale=13, edge_factor=8, seed=2),
+    _g("g2_rmat_s14_e16", "powerlaw", "rmat", 230_000, scale=14, edge_factor=16, seed=2),
+    _g("g2_rmat_s16_e8", "powerlaw", "rmat", 500_000, scale=16, edge_factor=8, seed=2),
+    _g("g2_rmat_s14_e32_skew", "powerlaw", "rmat", 400_000, scale=14, edge_factor=32, a=0.6, b=0.2, c=0.15,
+       seed=2),
+    _g("g2_rmat_s18_e2", "powerlaw", "rmat", 500_000, scale=18, edge_factor=2, seed=2),
+    _g("g2_rmat_s12_e64", "powerlaw", "rmat", 171_000, scale=12, edge_factor=64, seed=2),
+    _g("g2_circuit_5k", "circuit", "circuit", 35_500, n=5_000, per_row=5, dense_lines=2, dense_fill=0.3, seed=2),
+    _g("g2_circuit_20k", "circuit", "circuit", 100_000, n=20_000, per_row=3, dense_lines=8, dense_fill=0.05,
+       seed=2),
+    _g("g2_circuit_50k_far", "circuit", "circuit", 250_000, n=50_000, per_row=4, dense_lines=4, dense_fill=0.02,
+       local=0.1, seed=2),
+    _g("g2_circuit_100k", "circuit", "circuit", 440_000, n=100_000, per_row=3, dense_lines=20, dense_fill=0.01,
+       seed=2),
+    _g("g2_circuit_200k_local", "circuit", "circuit", 800_000, n=200_000, per_row=3, dense_lines=0, local=0.9,
+       seed=2),
+    _g("g2_rgg_50k_d4", "geometric", "random_geometric", 200_000, n=50_000, avg_degree=4, seed=2),
+    _g("g2_rgg_10k_d32", "geometric", "random_geometric", 320_000, n=10_000, avg_degree=32, seed=2),
+    _g("g2_rgg_80k_d10", "geometric", "random_geometric", 800_000, n=80_000, avg_degree=10, seed=2),
+    _g("g2_stencil2d_80", "stencil", "stencil2d", 32_000, n=80, seed=2),
+    _g("g2_stencil2d_250", "stencil", "stencil2d", 312_000, n=250, seed=2),
+    _g("g2_stencil3d_20", "stencil", "stencil3d", 54_000, n=20, seed=2),
+    _g("g2_stencil3d_45", "stencil", "stencil3d", 620_000, n=45, seed=2),
+    _g("g2_banded_100k_b2", "banded", "banded", 500_000, n=100_000, half_bandwidth=2, seed=2),
+    _g("g2_banded_10k_b32_half", "banded", "banded", 330_000, n=10_000, half_bandwidth=32, fill=0.5, seed=2),
+    _g("g2_banded_200k_diag", "banded", "banded", 200_000, n=200_000, half_bandwidth=0, seed=2),
+    _g("g2_blockdiag_1000x16", "block", "block_diagonal", 256_000, n_blocks=1_000, block=16, seed=2),
+    _g("g2_blockdiag_20000x2", "block", "block_diagonal", 80_000, n_blocks=20_000, block=2, seed=2),
+    _g("g2_blockrandom_4x4", "block", "block_random", 480_000, n_brows=5_000, n_bcols=5_000, R=4, C=4,
+       blocks_per_row=6, seed=2),
+    _g("g2_blockrandom_2x2_sparse", "block", "block_random", 160_000, n_brows=40_000, n_bcols=40_000, R=2, C=2,
+       blocks_per_row=1, seed=2),
+)
+
+
 def shared_specs() -> list[MatrixSpec]:
     from sparserl_compile import matrices
 
@@ -149,14 +208,16 @@ def shared_specs() -> list[MatrixSpec]:
 
 def suite_specs(which: str, *, quick: bool = False, max_nnz: int | None = None,
                 names: list[str] | None = None) -> list[MatrixSpec]:
-    """Matrices of ``which`` ("generated" | "grid" | "shared" | "all"), smallest first."""
-    if which not in ("generated", "grid", "shared", "all"):
-        raise ValueError(f"--suite {which!r}: use generated, grid, shared or all")
+    """Matrices of ``which`` ("generated" | "grid" | "grid2" | "shared" | "all"), smallest first."""
+    if which not in ("generated", "grid", "grid2", "shared", "all"):
+        raise ValueError(f"--suite {which!r}: use generated, grid, grid2, shared or all")
     specs = []
     if which in ("generated", "all"):
         specs += list(GENERATED)
     if which in ("grid", "all"):
         specs += list(GRID)
+    if which in ("grid2", "all"):
+        specs += list(GRID2)
     if which in ("shared", "all"):
         specs += shared_specs()
     if quick:
@@ -403,8 +464,8 @@ def _summary_line(r: dict) -> str:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark the kernel space against torch.sparse; "
                                             "writes results JSON and the policy's supervision data")
-    p.add_argument("--suite", default="all", choices=("generated", "grid", "shared", "all"),
-                   help="generated: the scale-up suite; grid: the wider small grid (supervision data)")
+    p.add_argument("--suite", default="all", choices=("generated", "grid", "grid2", "shared", "all"),
+                   help="generated: the scale-up suite; grid, grid2: the wider small grids (supervision data)")
     p.add_argument("--quick", action="store_true", help="a small subset (a few minutes on an H200)")
     p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
     p.add_argument("--widths", default="8,32,128", help="SpMM dense widths N")

@@ -17,6 +17,7 @@ CASES = {
     "uniform_random": dict(n_rows=50, n_cols=30, per_row=4.0),
     "rmat": dict(scale=7, edge_factor=4),
     "random_geometric": dict(n=300, avg_degree=6.0),
+    "circuit": dict(n=400, per_row=4.0, dense_lines=2, dense_fill=0.3),
 }
 
 
@@ -67,6 +68,12 @@ def test_generator_shapes_and_counts():
     rg = matrices.random_geometric(300, 6.0)
     assert rg.shape == (300, 300)
     assert (rg != rg.T).nnz == 0 or np.array_equal((rg != 0).toarray(), (rg.T != 0).toarray())
+    ci = matrices.circuit(2000, 4.0, dense_lines=3, dense_fill=0.2, seed=1)
+    pattern = (ci != 0).astype(np.int8)
+    assert ci.shape == (2000, 2000) and (pattern != pattern.T).nnz == 0  # symmetric pattern
+    assert np.all(ci.diagonal() != 0)  # a full diagonal
+    lengths = np.diff(ci.indptr)
+    assert np.sum(lengths > 200) == 3 and np.median(lengths) <= 8  # three supply nets, short rows else
 
 
 def test_canonical_sums_duplicates_and_sorts():

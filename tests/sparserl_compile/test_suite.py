@@ -38,18 +38,26 @@ def test_generated_estimates_are_close(monkeypatch):
         assert abs(s.load().nnz - s.nnz_estimate) <= 0.1 * s.nnz_estimate, s.name
 
 
-def test_grid_covers_every_generator_and_holds_some_out():
-    from sparserl_compile import matrices
+@pytest.mark.parametrize("which", ["grid", "grid2"])
+def test_grids_hold_some_out_and_state_their_sizes(which):
     from training.data import MatrixRef, is_held_out
 
-    grid = suite.suite_specs("grid")
-    assert {s.generator for s in grid} == set(matrices.GENERATORS)
+    grid = suite.suite_specs(which)
     names = [s.name for s in grid]
     assert len(set(names)) == len(names) and not set(names) & {s.name for s in suite.GENERATED}
     held = [s for s in grid if is_held_out(MatrixRef("generated", s.generator, tuple(sorted(s.kwargs.items()))))]
     assert 0 < len(held) < len(grid) / 2  # the split reaches the new matrices too
-    for s in suite.suite_specs("grid", max_nnz=200_000):
+    for s in suite.suite_specs(which, max_nnz=200_000):
         assert abs(s.load().nnz - s.nnz_estimate) <= 0.1 * s.nnz_estimate, s.name
+
+
+def test_the_grids_cover_every_generator_and_no_name_twice():
+    from sparserl_compile import matrices
+
+    grids = suite.suite_specs("grid") + suite.suite_specs("grid2")
+    assert {s.generator for s in suite.GRID} | {s.generator for s in suite.GRID2} == set(matrices.GENERATORS)
+    assert len({s.name for s in grids}) == len(grids)
+    assert {s.name for s in suite.suite_specs("all")} >= {s.name for s in grids}
 
 
 def test_cli_registers_bench():
