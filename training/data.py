@@ -188,9 +188,10 @@ def _read_lines(path: Path) -> list[str]:
 
 
 #: the H200 supervision files every stage reads by default (the scale-up and shared suite of
-#: 2026-12-02, the generated grid of 2026-12-03); ``--data`` takes such a comma list
+#: 2026-12-02, the generated grids of 2026-12-03); ``--data`` takes such a comma list
 DEFAULT_SUPERVISION = ("training/data/h200_supervision_2026-12-02.jsonl.gz,"
-                       "training/data/h200_grid_supervision_2026-12-03.jsonl.gz")
+                       "training/data/h200_grid_supervision_2026-12-03.jsonl.gz,"
+                       "training/data/h200_grid2_supervision_2026-12-03.jsonl.gz")
 
 
 def load_supervision(path: str | Path | Sequence[str | Path]) -> list[SupervisionRecord]:

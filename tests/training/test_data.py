@@ -149,7 +149,7 @@ def test_real_h200_file_loads_and_splits():
     assert {r.matrix for r in s.train}.isdisjoint({r.matrix for r in s.held_out})
 
 
-def test_default_is_both_h200_files_and_a_comma_list_concatenates(tmp_path):
+def test_default_is_the_h200_files_and_a_comma_list_concatenates(tmp_path):
     from training.data import DEFAULT_SUPERVISION
 
     root = REAL.parents[2]
@@ -157,10 +157,11 @@ def test_default_is_both_h200_files_and_a_comma_list_concatenates(tmp_path):
     if not all(f.is_file() for f in files):
         pytest.skip("the H200 supervision files are not in this checkout")
     each = [load_supervision(f) for f in files]
-    both = load_supervision(",".join(map(str, files)))
-    assert both == each[0] + each[1] == load_supervision(files)
-    assert {r.matrix for r in each[0]}.isdisjoint({r.matrix for r in each[1]})  # the grid adds matrices
-    grid = split(each[1])
-    assert grid.train and grid.held_out  # the split reaches the new matrices too
+    together = load_supervision(",".join(map(str, files)))
+    assert together == [r for recs in each for r in recs] == load_supervision(files)
+    for i, recs in enumerate(each[1:], 1):  # each grid adds matrices, and the split reaches them
+        assert {r.matrix for r in recs}.isdisjoint({r.matrix for prev in each[:i] for r in prev})
+        grid = split(recs)
+        assert grid.train and grid.held_out
     with pytest.raises(FileNotFoundError, match="none.jsonl"):
         load_supervision(f"{files[0]},{tmp_path / 'none.jsonl'}")
