@@ -234,32 +234,69 @@ def digest(arrays) -> str:
     return h.hexdigest()
 
 
+def _torch_operand(torch, numel: int, seed: int, device: str):
+    """``_random_operand``'s distribution drawn by torch on ``device`` (Philox on CUDA): float32
+    magnitudes uniform in [0.5, 1.5) on a 2^-23 grid, random sign. Drawing a 10^6 x 256 operand
+    on the H200's host and uploading it took seconds per value set (22 s of a 10^7-nonzero
+    graph's first call for three sets); on the GPU it takes milliseconds."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    bits = torch.randint(0, 1 << 24, (int(numel),), dtype=torch.int32, device=device, generator=g)
+    out = (bits >> 1).to(torch.float32).mul_(2.0 ** -23).add_(0.5)
+    return torch.where((bits & 1).bool(), -out, out)
+
+
+_TORCH_STORAGE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
 class _ValueSet:
     """One value set's operands, shared by every candidate of a pattern, and its float64
-    reference, error bound and cuSPARSE result, each built on first use: on the host by scipy
-    for the CPU executor (``host``), on the GPU by torch.sparse in float64 for the GPU executor
-    (``device``), so a GPU verification never moves an output to the host."""
+    reference, error bound and cuSPARSE result, each built on first use: for the CPU executor
+    on the host (numpy operands, scipy reference: ``host``), for the GPU executor on the GPU
+    (operands drawn there by torch, float64 reference by torch.sparse: ``device``), so a GPU
+    verification moves no operand or output between host and device. The two executors draw
+    different values from the same seed; each is checked against a reference of its own."""
 
-    __slots__ = ("p", "lengths", "dtype", "vals", "x", "_host", "_device", "_operands", "cusparse")
+    __slots__ = ("p", "lengths", "x_shape", "dtype", "seed", "s", "_vals", "_x", "_host", "_device",
+                 "_operands", "cusparse")
 
     def __init__(self, p: "Pattern", lengths, x_shape, dtype: str, seed: int, s: int):
-        rng = np.random.default_rng([seed, s])
-        self.vals = to_dtype(_random_operand(rng, p.nnz), dtype)[0]
-        self.x = to_dtype(_random_operand(rng, x_shape), dtype)[0]
-        self.p, self.lengths, self.dtype = p, lengths, dtype
-        self._host = self._device = self._operands = None
+        if dtype not in _TORCH_STORAGE:
+            raise ValueError(f"dtype={dtype!r}; expected one of {tuple(contract.DTYPES)}")
+        self.p, self.lengths, self.x_shape, self.dtype = p, lengths, tuple(x_shape), dtype
+        self.seed, self.s = seed, s
+        self._vals = self._x = self._host = self._device = self._operands = None
         self.cusparse = None  # filled by the first GPU candidate that compares
 
-    def device_operands(self):
-        """(vals, x) as CUDA tensors of the kernel's storage type, uploaded once and read by
-        every candidate's runs (x alone is 1 GB at 10^6 x 256 in float32, and it was uploaded
-        for each of a candidate's six runs). A run that writes into them is failed by the input
-        check and calls ``drop_device_operands``, so the next run uploads clean copies."""
+    def _host_operands(self):
+        if self._vals is None:
+            rng = np.random.default_rng([self.seed, self.s])
+            self._vals = to_dtype(_random_operand(rng, self.p.nnz), self.dtype)[0]
+            self._x = to_dtype(_random_operand(rng, self.x_shape), self.dtype)[0]
+        return self._vals, self._x
+
+    @property
+    def vals(self) -> np.ndarray:
+        """The host operands (storage arrays, ``to_dtype``) of the CPU executor."""
+        return self._host_operands()[0]
+
+    @property
+    def x(self) -> np.ndarray:
+        return self._host_operands()[1]
+
+    def device_operands(self, device: str = "cuda"):
+        """(vals, x flat) as tensors of the kernel's storage type on ``device``, drawn there once
+        and read by every candidate's runs. A run that writes into them is failed by the input
+        check and calls ``drop_device_operands``; the next run draws them again, the same values
+        from the same seed, so the reference stays valid."""
         if self._operands is None:
             import torch
 
-            self._operands = (_storage_tensor(torch, self.vals, self.dtype),
-                              _storage_tensor(torch, self.x.reshape(-1), self.dtype))
+            st = getattr(torch, _TORCH_STORAGE[self.dtype])
+            seeds = np.random.SeedSequence([self.seed, self.s]).generate_state(2, np.uint64) >> np.uint64(1)
+            n_x = int(np.prod(self.x_shape))
+            self._operands = (_torch_operand(torch, self.p.nnz, seeds[0], device).to(st),
+                              _torch_operand(torch, n_x, seeds[1], device).to(st))
         return self._operands
 
     def drop_device_operands(self) -> None:
@@ -269,28 +306,42 @@ class _ValueSet:
         """(ref, absref, bound), float64 numpy arrays, by scipy from the dtype-rounded inputs."""
         if self._host is None:
             p = self.p
-            x64 = from_storage(self.x, self.dtype)
-            a = sp.csr_matrix((from_storage(self.vals, self.dtype), p.indices, p.indptr), shape=p.shape)
+            vals, x = self._host_operands()
+            x64 = from_storage(x, self.dtype)
+            a = sp.csr_matrix((from_storage(vals, self.dtype), p.indices, p.indptr), shape=p.shape)
             ref = a @ x64
             absref = abs(a) @ np.abs(x64)
             self._host = (ref, absref, error_bound(self.lengths, absref, ref, self.dtype))
         return self._host
 
-    def device(self):
-        """(ref, absref, bound) as CUDA tensors: ref and bound float64 (ref by torch.sparse CSR in
-        float64, i.e. cuSPARSE, whose error is ~1e-16 relative, far below the float32 bound),
-        absref float32 (it only scales the reported relative error). Where torch.sparse cannot
-        (empty patterns), the host reference is uploaded instead."""
+    def device(self, device: str = "cuda"):
+        """(ref, absref, bound) as tensors on ``device``: ref and bound float64 (ref by
+        torch.sparse CSR in float64 from ``device_operands``, i.e. cuSPARSE, whose error is
+        ~1e-16 relative, far below the float32 bound), absref float32 (it only scales the
+        reported relative error). Where torch.sparse cannot (empty patterns), the reference is
+        computed on the host from the same operands and uploaded."""
         if self._device is None:
             import torch
 
+            vals, x = self.device_operands(device)
+            x = x.reshape(self.x_shape)
             try:
-                ref, absref = _device_reference(torch, self.p, self.vals, self.x, self.dtype)
+                ref, absref = _device_reference(torch, self.p, vals, x, self.dtype, device)
             except RuntimeError:
-                ref, absref = (torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in self.host()[:2])
-            bound = error_bound(torch.from_numpy(self.lengths).cuda(), absref, ref, self.dtype)
+                ref, absref = _host_reference(torch, self.p, vals, x, self.dtype, device)
+            bound = error_bound(torch.from_numpy(self.lengths).to(device), absref, ref, self.dtype)
             self._device = (ref, absref.float(), bound)
         return self._device
+
+
+def _host_reference(torch, p: "Pattern", vals, x, dtype: str, device: str):
+    """(A @ x, |A| @ |x|) in float64 by scipy from tensor operands (patterns torch.sparse
+    cannot take, e.g. empty ones), on ``device``."""
+    v64 = vals.detach().to("cpu", torch.float64).numpy()
+    x64 = x.detach().to("cpu", torch.float64).numpy()
+    a = sp.csr_matrix((v64, p.indices, p.indptr), shape=p.shape)
+    return (torch.from_numpy(np.ascontiguousarray(a @ x64)).to(device),
+            torch.from_numpy(np.ascontiguousarray(abs(a) @ np.abs(x64))).to(device))
 
 
 def _storage_tensor(torch, a: np.ndarray, dtype: str, device: str = "cuda"):
@@ -299,17 +350,18 @@ def _storage_tensor(torch, a: np.ndarray, dtype: str, device: str = "cuda"):
     return t.view(torch.bfloat16) if dtype == "bf16" else t
 
 
-def _as_storage(torch, a, dtype: str):
-    """A storage array as a CUDA tensor; a tensor (already uploaded) as it is."""
-    return a if isinstance(a, torch.Tensor) else _storage_tensor(torch, a, dtype)
+def _as_storage(torch, a, dtype: str, device: str = "cuda"):
+    """A storage array as a tensor on ``device``; a tensor (already there) as it is."""
+    return a if isinstance(a, torch.Tensor) else _storage_tensor(torch, a, dtype, device)
 
 
 def _device_reference(torch, p: "Pattern", vals: np.ndarray, x: np.ndarray, dtype: str, device: str = "cuda"):
-    """(A @ x, |A| @ |x|) in float64 on ``device`` from the dtype-rounded operands."""
+    """(A @ x, |A| @ |x|) in float64 on ``device`` from the dtype-rounded operands (storage
+    arrays, or tensors already on ``device``)."""
     if p.nnz == 0 or 0 in p.shape:
         raise RuntimeError("empty pattern: use the host reference")
-    v64 = _storage_tensor(torch, vals, dtype, device).double()
-    x64 = _storage_tensor(torch, x, dtype, device).double()
+    v64 = _as_storage(torch, vals, dtype, device).double()
+    x64 = _as_storage(torch, x, dtype, device).double()
     ip = torch.from_numpy(p.indptr.astype(np.int64)).to(device)
     ix = torch.from_numpy(p.indices.astype(np.int64)).to(device)
 

@@ -133,6 +133,41 @@ def test_torch_float64_reference_matches_scipy(dtype, n):
     np.testing.assert_allclose(t_abs.numpy(), absref, rtol=1e-13)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_gpu_value_sets_draw_their_operands_where_they_run_and_again_the_same(dtype):
+    """The GPU executor's operands are drawn by torch where the kernel runs (shown on CPU
+    tensors): the distribution of ``_random_operand``, the same values when drawn again after a
+    kernel wrote into them, and a float64 reference computed from exactly those values."""
+    torch = pytest.importorskip("torch")
+    m = matrices.generate("uniform_random", n_rows=300, n_cols=200, per_row=6, seed=2)
+    pat = verify.Pattern.of(m)
+    vs = verify._ValueSet(pat, np.diff(pat.indptr), (pat.shape[1], 4), dtype, 0, 1)
+    vals, x = vs.device_operands("cpu")
+    store = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    assert vals.dtype == x.dtype == store and vals.shape == (pat.nnz,) and x.shape == (pat.shape[1] * 4,)
+    mag = x.float().abs()
+    assert float(mag.min()) >= 0.5 and float(mag.max()) <= 1.5 and 0.4 < float((x > 0).float().mean()) < 0.6
+    ref, absref, bound = vs.device("cpu")
+    a = sp.csr_matrix((vals.double().numpy(), pat.indices, pat.indptr), shape=pat.shape)
+    x64 = x.double().numpy().reshape(pat.shape[1], 4)
+    np.testing.assert_allclose(ref.numpy(), a @ x64, rtol=1e-12, atol=1e-12)
+    assert ref.dtype == bound.dtype == torch.float64 and bool((bound > 0).all())
+    x.fill_(7.0)  # a kernel writing its input: the next runs draw clean operands, the same ones
+    vs.drop_device_operands()
+    vals2, x2 = vs.device_operands("cpu")
+    assert torch.equal(vals2, vals) and torch.equal(x2.double(), torch.from_numpy(x64.reshape(-1)))
+    other = verify._ValueSet(pat, np.diff(pat.indptr), (pat.shape[1], 4), dtype, 0, 2)
+    assert not torch.equal(other.device_operands("cpu")[1], x2)
+
+
+def test_an_empty_pattern_gets_its_device_reference_from_the_host():
+    torch = pytest.importorskip("torch")
+    pat = verify.Pattern.of(sp.csr_matrix((5, 3), dtype=np.float32))
+    vs = verify._ValueSet(pat, np.diff(pat.indptr), (3,), "f32", 0, 0)
+    ref, absref, bound = vs.device("cpu")
+    assert ref.shape == (5,) and not bool(ref.any()) and bool((bound > 0).all())
+
+
 def test_output_checks_read_tensors_as_they_read_arrays():
     """``_check_run`` gives the same verdicts on tensors (the GPU path) as on numpy arrays."""
     torch = pytest.importorskip("torch")
@@ -184,8 +219,8 @@ def test_every_fault_kernel_is_rejected_on_gpu(name):
 
 @pytest.mark.gpu
 def test_a_kernel_writing_its_inputs_does_not_spoil_the_shared_operands():
-    """The value sets' operands are uploaded once per pattern and shared by the candidates; a
-    kernel that writes into them fails, and the next candidate gets clean copies."""
+    """The value sets' operands are drawn on the GPU once per pattern and shared by the
+    candidates; a kernel that writes into them fails, and the next candidate gets clean copies."""
     pat = verify.Pattern.of(matrices.stencil2d(12))
     assert verify.verify(candidate(GOOD), pat, executor="gpu").ok
     f = FAULTS["writes_input"]
