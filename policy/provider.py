@@ -9,7 +9,9 @@ that are cut off or whose header does not parse are dropped and counted in ``sta
 
 It does not compile, verify or time anything: the runtime does, and falls back to cuSPARSE
 if no candidate wins. The default checkpoint is package data under
-``policy/checkpoints/default/``; without it, constructing the provider fails with a message
+``policy/checkpoints/retrieval/`` (the retrieval-hinted policy, the best measured on the
+held-out matrices; ``policy/checkpoints/default/`` is the from-scratch three-stage run it was
+fine-tuned from, docs/training.md); without it, constructing the provider fails with a message
 saying how to get one.
 """
 
@@ -27,7 +29,7 @@ from sparserl_compile import contract
 #: samples per miss when the runtime asks for its default (k=0): best-of-4
 DEFAULT_K = 4
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "retrieval"
 
 
 @dataclass
