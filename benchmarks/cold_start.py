@@ -14,7 +14,8 @@ worker against cuSPARSE, times them and keeps the winner or cuSPARSE. Measured p
   converted, uploaded and loaded), ``reference_wall_s`` and ``candidates`` (each one's worker
   wall time and its phases: prepare = static checks + format conversion + NVRTC + upload,
   values, runs, cusparse, time, graph): where the rest of the first call went, from the
-  runtime's ``first_uses()`` log.
+  runtime's ``first_uses()`` log; with ``chosen``, ``reference_us`` and each candidate's
+  ``kernel_us`` (L2-flushed GPU times), what the selection compared.
 
 One-time process costs (sandbox worker start, CUDA context in the worker, loading the policy,
 the numba format converters) are paid first by ``sparserl_compile.prewarm()`` (what a serving
@@ -68,7 +69,9 @@ def _breakdown(row: dict | None) -> dict:
     cands = record.get("candidates")
     return {"propose_s": row.get("propose_s"), "problem_s": row.get("problem_s"), "select_s": row.get("select_s"),
             "plan_s": row.get("plan_s"), "reference_wall_s": record.get("reference_wall_s"),
-            "candidates": [{"name": c.get("name"), "kind": c.get("kind"), "wall_s": c.get("wall_s"),
+            "chosen": record.get("chosen"), "reference_us": record.get("reference_us"),
+            "candidates": [{"name": c.get("name"), "family": c.get("family"), "params": c.get("params"),
+                            "kind": c.get("kind"), "kernel_us": c.get("kernel_us"), "wall_s": c.get("wall_s"),
                             "phases": c.get("phases")} for c in cands] if isinstance(cands, list) else []}
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [DECODE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [DECODE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -86,6 +86,14 @@ if [ -n "${COLD:-}" ]; then
   timeout "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_start.py $COLD --json "$BENCH_DIR/cold_start.json" >"$LOGS/cold.log" 2>&1
   APP_RC="$APP_RC cold=$?"
   grep -v "Warning\|warn\|Loading weights\|sparse_csr_tensor" "$LOGS/cold.log" | tail -60
+fi
+
+# Through the runtime's provider on the held-out split (optional): E2E="args of benchmarks/provider_e2e.py"
+if [ -n "${E2E:-}" ]; then
+  echo "== provider_e2e.py $E2E"
+  timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/provider_e2e.py $E2E --json "$BENCH_DIR/provider_e2e.json" >"$LOGS/e2e.log" 2>&1
+  APP_RC="$APP_RC e2e=$?"
+  grep -v "Warning\|warn\|Loading weights\|sparse_csr_tensor" "$LOGS/e2e.log" | tail -100
 fi
 
 # Policy decoding, plain vs speculative (optional): DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"

@@ -154,7 +154,7 @@ def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAU
         record.update(chosen=None, best=c.name, best_us=r.kernel_us,
                       rule=f"reference wins: best {r.kernel_us:.2f} us not below (1-{margin}) x {ref_us:.2f} us")
         return Choice(None, None, r.kernel_us, ref_us, record)
-    record.update(chosen=c.name, rule="fastest verified candidate beats the reference")
+    record.update(chosen=c.name, chosen_us=r.kernel_us, rule="fastest verified candidate beats the reference")
     return Choice(c, r.cubin, r.kernel_us, ref_us, record)
 
 

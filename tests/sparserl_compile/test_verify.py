@@ -165,7 +165,7 @@ def test_an_empty_pattern_gets_its_device_reference_from_the_host():
     pat = verify.Pattern.of(sp.csr_matrix((5, 3), dtype=np.float32))
     vs = verify._ValueSet(pat, np.diff(pat.indptr), (3,), "f32", 0, 0)
     ref, absref, bound = vs.device("cpu")
-    assert ref.shape == (5,) and not bool(ref.any()) and bool((bound > 0).all())
+    assert ref.shape == (5,) and ref.dtype == torch.float64 and not bool(ref.any()) and bool((bound > 0).all())
 
 
 def test_output_checks_read_tensors_as_they_read_arrays():

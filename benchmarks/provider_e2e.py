@@ -1,0 +1,172 @@
+"""End to end through the runtime's provider, on the policy's held-out split (GPU).
+
+For each provider and each held-out supervision record (matrix, op, width; ``training/data.py``
+split, never trained on), the runtime's plan table is cleared and the disk cache is off, so one
+``SparseRLTensor @ x`` asks the provider for ``k`` candidates, compiles, verifies (sandbox,
+against cuSPARSE and a float64 reference) and times them against cuSPARSE in the same
+process, and keeps the fastest verified one or cuSPARSE. Per product:
+
+* ``speedup``: cuSPARSE's L2-flushed time over the kept kernel's, both measured by that
+  selection (1.0 where cuSPARSE was kept): what the runtime delivers through this provider;
+* ``space_speedup``: the record's kernel-space best over torch.sparse int32, from the H200
+  supervision measurements: what the whole hand-written space reaches on that product;
+* ``rel_err``: the product against torch.sparse on the same tensors (max abs difference over
+  max abs value), ``first_call_s`` and ``plan`` (the format kept, or the reference).
+
+The summary gives the geometric means, the ratio of the provider's to the space's, how often
+cuSPARSE was kept, and how many results were wrong (``rel_err`` above ``--wrong-tol``). The
+policy issue's target: the provider's geometric-mean speedup within 5 % of the kernel space's,
+and never a wrong result.
+
+    python benchmarks/provider_e2e.py [--providers nearest:4,policy:4] [--json out.json]
+
+Shared matrices are read from ``../shared/matrices`` or ``SPARSERL_SHARED_MATRICES``; records
+whose matrix is not there are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+import torch
+
+import sparserl_compile as sr
+from cold_start import _make_provider
+from sparserl_compile import runtime
+from timing import sync
+
+
+def _geomean(xs) -> float | None:
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def _kept_us(record: dict) -> float | None:
+    """The kept kernel's time in the selection record (None where cuSPARSE was kept)."""
+    if not record.get("chosen"):
+        return None
+    if record.get("chosen_us") is not None:
+        return record["chosen_us"]
+    ok = [c["kernel_us"] for c in record.get("candidates", []) if c.get("kind") == "ok" and c.get("kernel_us")]
+    return min(ok) if ok else None
+
+
+def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: float = 1e-3,
+        on_row=None, loaded: dict | None = None) -> tuple[list[dict], dict]:
+    """The rows and the per-provider summary; ``loaded`` (MatrixRef -> CSR) is used and filled."""
+    dev = torch.device(device)
+    rows: list[dict] = []
+    loaded = {} if loaded is None else loaded
+    for spec in provider_specs:
+        pspec, _, k = spec.rpartition(":")
+        prov = _make_provider(pspec)
+        sr.configure(provider=prov, k=int(k), cache=False, on_miss="search")
+        sr.prewarm().join()
+        for r in records:
+            if r.matrix not in loaded:
+                loaded[r.matrix] = r.matrix.load()
+            m = loaded[r.matrix]
+            a = sr.sparsify(m).to(dev)
+            native = torch.sparse_csr_tensor(torch.from_numpy(m.indptr.astype(np.int32)),
+                                             torch.from_numpy(m.indices.astype(np.int32)),
+                                             torch.from_numpy(m.data.astype(np.float32)), m.shape).to(dev)
+            x = torch.randn(m.shape[1], device=dev) if r.op == "spmv" else torch.randn(m.shape[1], r.n, device=dev)
+            runtime.clear()
+            runtime.reset_stats()
+            sync(dev)
+            t0 = time.perf_counter()
+            y = a @ x
+            sync(dev)
+            first = time.perf_counter() - t0
+            ref = torch.mv(native, x) if r.op == "spmv" else native @ x
+            err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if ref.numel() else 0.0
+            logged = runtime.first_uses()
+            rec = (logged[-1].get("verification") or {}) if logged else {}
+            ref_us, kept_us = rec.get("reference_us"), _kept_us(rec)
+            best = r.best()
+            plan = next(iter(runtime.plans().values()), None)
+            row = {"provider": pspec, "k": int(k), "matrix": r.matrix.label, "nnz": int(m.nnz), "op": r.op,
+                   "n": r.n, "first_call_s": round(first, 4), "reference_us": ref_us, "kept_us": kept_us,
+                   "speedup": (ref_us / kept_us) if (ref_us and kept_us) else 1.0,
+                   "space_speedup": (r.reference_us / best.us) if (best and r.reference_us) else None,
+                   "chosen": rec.get("chosen"), "rule": rec.get("rule"),
+                   "plan": getattr(getattr(plan, "header", None), "format", None) or type(plan).__name__,
+                   "rel_err": err, "wrong": err > wrong_tol}
+            rows.append(row)
+            print(f"  {pspec:10s} {r.matrix.label[:44]:44s} {r.op} n={r.n:<3d} first {first:5.2f}s  "
+                  f"x{row['speedup']:5.2f} (space x{row['space_speedup'] or 0:5.2f})  {row['plan']}"
+                  f"{'  WRONG' if row['wrong'] else ''}", flush=True)
+            if on_row is not None:
+                on_row(rows)
+    return rows, summarize(rows)
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {}
+    for p in dict.fromkeys(r["provider"] for r in rows):
+        rs = [r for r in rows if r["provider"] == p]
+        sp, space = _geomean(r["speedup"] for r in rs), _geomean(r["space_speedup"] for r in rs)
+        firsts = sorted(r["first_call_s"] for r in rs)
+        out[p] = {"products": len(rs), "speedup_geomean": sp, "space_speedup_geomean": space,
+                  "ratio_to_space": (sp / space) if (sp and space) else None,
+                  "reference_kept": sum(r["chosen"] is None for r in rs),
+                  "wrong": sum(r["wrong"] for r in rs), "max_rel_err": max(r["rel_err"] for r in rs),
+                  "first_call_median_s": firsts[len(firsts) // 2], "first_call_max_s": firsts[-1]}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--providers", default="nearest:4,policy:4",
+                   help="comma list of NAME[+SAMPLES][@CHECKPOINT]:K, as benchmarks/cold_start.py")
+    p.add_argument("--data", default=None, help="supervision file(s); default: training/data.py's")
+    p.add_argument("--max-records", type=int, default=0, help="first N held-out records (0 = all)")
+    p.add_argument("--wrong-tol", type=float, default=1e-3,
+                   help="relative error against torch.sparse above which a result counts as wrong")
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("provider_e2e.py measures on a CUDA GPU (--device cpu runs the script on the reference)",
+              file=sys.stderr)
+        return 2
+    from training import data
+
+    records = data.split(data.load_supervision(args.data or data.DEFAULT_SUPERVISION)).held_out
+    if args.max_records:
+        records = records[:args.max_records]
+    have, missing, loaded = [], 0, {}
+    for r in records:
+        try:
+            if r.matrix not in loaded:
+                loaded[r.matrix] = r.matrix.load()
+        except FileNotFoundError:
+            missing += 1
+        else:
+            have.append(r)
+    print(f"[e2e] {len(have)} held-out records ({missing} skipped: shared matrix not found)", flush=True)
+
+    def dump(rows, summary=None):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                           "torch": torch.__version__, "skipped_records": missing, "summary": summary,
+                           "rows": rows}, f, indent=1)
+
+    rows, summary = run(args.providers.split(","), have, args.device, args.wrong_tol, on_row=dump, loaded=loaded)
+    dump(rows, summary)
+    for prov, s in summary.items():
+        print(f"[e2e] {prov}: geomean x{s['speedup_geomean']:.2f} over cuSPARSE, kernel space x"
+              f"{s['space_speedup_geomean']:.2f} (ratio {s['ratio_to_space']:.3f}); cuSPARSE kept "
+              f"{s['reference_kept']}/{s['products']}; wrong {s['wrong']}; first call median "
+              f"{s['first_call_median_s']:.2f} s, max {s['first_call_max_s']:.2f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
