@@ -75,6 +75,29 @@ def _breakdown(row: dict | None) -> dict:
                             "phases": c.get("phases")} for c in cands] if isinstance(cands, list) else []}
 
 
+def native_csr(m, dev):
+    """``m`` (scipy CSR) as a torch.sparse CSR tensor with int32 indices on ``dev``."""
+    return torch.sparse_csr_tensor(torch.from_numpy(m.indptr.astype(np.int32)),
+                                   torch.from_numpy(m.indices.astype(np.int32)),
+                                   torch.from_numpy(m.data.astype(np.float32)), m.shape).to(dev)
+
+
+def first_product(a, native, x, dev) -> tuple[float, float]:
+    """(seconds, relative error against torch.sparse) of ``a @ x`` on a cleared plan table:
+    the first call on a structure the runtime has not seen (its ``first_uses()`` log then holds
+    that call's breakdown)."""
+    runtime.clear()
+    runtime.reset_stats()
+    sync(dev)
+    t0 = time.perf_counter()
+    y = a @ x
+    sync(dev)
+    first = time.perf_counter() - t0
+    ref = torch.mv(native, x) if x.dim() == 1 else native @ x
+    err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if ref.numel() else 0.0
+    return first, err
+
+
 def run(provider_specs: list[str], widths: list[int], device: str = "cuda", mats=MATRICES,
         on_row=None) -> list[dict]:
     """The rows (one per provider, matrix and width); ``on_row(rows)`` after each one."""
@@ -101,20 +124,10 @@ def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
         for label, gen, kw in mats:
             m = matrices.generate(gen, **kw)
             a = sr.sparsify(m).to(dev)
-            native = torch.sparse_csr_tensor(torch.from_numpy(m.indptr.astype(np.int32)),
-                                             torch.from_numpy(m.indices.astype(np.int32)),
-                                             torch.from_numpy(m.data.astype(np.float32)), m.shape).to(dev)
+            native = native_csr(m, dev)
             for n in widths:
                 x = torch.randn(m.shape[1], device=dev) if n == 1 else torch.randn(m.shape[1], n, device=dev)
-                runtime.clear()
-                runtime.reset_stats()
-                sync(dev)
-                t0 = time.perf_counter()
-                y = a @ x
-                sync(dev)
-                first = time.perf_counter() - t0
-                ref = native @ x if n > 1 else torch.mv(native, x)
-                err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                first, err = first_product(a, native, x, dev)
                 plan = next(iter(runtime.plans().values()), None)
                 logged = runtime.first_uses()
                 row = {"provider": pspec, "k": int(k), "matrix": label, "nnz": int(m.nnz), "n": n,

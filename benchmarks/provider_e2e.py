@@ -30,15 +30,12 @@ import argparse
 import json
 import math
 import sys
-import time
 
-import numpy as np
 import torch
 
 import sparserl_compile as sr
-from cold_start import _make_provider
+from cold_start import _make_provider, first_product, native_csr
 from sparserl_compile import runtime
-from timing import sync
 
 
 def _geomean(xs) -> float | None:
@@ -72,19 +69,8 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
                 loaded[r.matrix] = r.matrix.load()
             m = loaded[r.matrix]
             a = sr.sparsify(m).to(dev)
-            native = torch.sparse_csr_tensor(torch.from_numpy(m.indptr.astype(np.int32)),
-                                             torch.from_numpy(m.indices.astype(np.int32)),
-                                             torch.from_numpy(m.data.astype(np.float32)), m.shape).to(dev)
             x = torch.randn(m.shape[1], device=dev) if r.op == "spmv" else torch.randn(m.shape[1], r.n, device=dev)
-            runtime.clear()
-            runtime.reset_stats()
-            sync(dev)
-            t0 = time.perf_counter()
-            y = a @ x
-            sync(dev)
-            first = time.perf_counter() - t0
-            ref = torch.mv(native, x) if r.op == "spmv" else native @ x
-            err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if ref.numel() else 0.0
+            first, err = first_product(a, native_csr(m, dev), x, dev)
             logged = runtime.first_uses()
             rec = (logged[-1].get("verification") or {}) if logged else {}
             ref_us, kept_us = rec.get("reference_us"), _kept_us(rec)
