@@ -120,7 +120,9 @@ class PolicyProvider:
                                             if checkpoint_path is not None else None)
 
     def candidates(self, problem, k: int) -> list[contract.Candidate]:
-        """Up to ``k`` parseable candidates for ``problem`` (fewer when samples are dropped)."""
+        """Up to ``k`` distinct parseable candidates for ``problem``. Temperature and format
+        samples: ``k`` decoded, fewer returned when some are dropped. Hints: decoded one per
+        hint, nearest first, until ``k`` are kept or ``2k`` hints are spent."""
         self.stats.requests += 1
         k = k or DEFAULT_K
         s = prepare_structure(_host(problem.indptr), _host(problem.indices),
@@ -139,39 +141,53 @@ class PolicyProvider:
         # (one per hint when each candidate has its own hint)
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
                                  count=max(4, k) if self.samples == "hints" else 4) if self.speculative else None
+        out, seen = [], set()
         if self.samples == "hints":
             from policy.retrieval import nearest_hints
 
-            hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), k, problem=problem)
-            rolls = hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, hints,
-                                 config=replace(self.decode, greedy=True, trace=False),  # no PPO bookkeeping
-                                 references=refs) if hints else []
-        elif self.samples == "formats":
-            cfg = replace(self.decode, greedy=True)
-            rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
-                                   plausible_formats(problem.indptr, problem.indices,
-                                                     (problem.n_rows, problem.n_cols)), config=cfg, hint=hint)
+            # one greedy candidate per hint, nearest first, until k distinct parseable kernels:
+            # two hints often give one kernel (the policy copies its hint), so further hints
+            # (up to 2k) fill the places of repeats and of dropped samples
+            hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), 2 * k, problem=problem)
+            cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
+            for h in hints:
+                if len(out) >= k:
+                    break
+                for r in hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, [h], config=cfg,
+                                      references=refs):
+                    self._accept(r, problem.op, dtype, out, seen)
         else:
-            rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
-                             hint=hint, references=refs)
-        out, seen = [], set()
-        for r in rolls:
-            self.stats.sampled += 1
-            if not r.finished:
-                self.stats.unfinished += 1
-                continue
-            if r.text in seen:  # two hints, one kernel: verifying and timing it twice gains nothing
-                self.stats.duplicates += 1
-                continue
-            seen.add(r.text)
-            try:
-                header = contract.parse_header(r.text)
-            except contract.ContractError:
-                self.stats.unparseable += 1
-                continue
-            if header.op != problem.op or header.dtype != dtype:
-                self.stats.unparseable += 1
-                continue
-            out.append(contract.Candidate(source=r.text, header=header))
+            if self.samples == "formats":
+                cfg = replace(self.decode, greedy=True)
+                rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
+                                       plausible_formats(problem.indptr, problem.indices,
+                                                         (problem.n_rows, problem.n_cols)), config=cfg, hint=hint)
+            else:
+                rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
+                                 hint=hint, references=refs)
+            for r in rolls:
+                self._accept(r, problem.op, dtype, out, seen)
         self.stats.returned += len(out)
         return out
+
+    def _accept(self, r, op: str, dtype: str, out: list, seen: set) -> None:
+        """Append rollout ``r`` to ``out`` as a candidate if it is finished, new (not in
+        ``seen``: two hints, one kernel; verifying and timing it twice gains nothing) and its
+        header parses for this op and dtype; count it in ``stats`` either way."""
+        self.stats.sampled += 1
+        if not r.finished:
+            self.stats.unfinished += 1
+            return
+        if r.text in seen:
+            self.stats.duplicates += 1
+            return
+        seen.add(r.text)
+        try:
+            header = contract.parse_header(r.text)
+        except contract.ContractError:
+            self.stats.unparseable += 1
+            return
+        if header.op != op or header.dtype != dtype:
+            self.stats.unparseable += 1
+            return
+        out.append(contract.Candidate(source=r.text, header=header))

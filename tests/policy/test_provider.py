@@ -57,3 +57,32 @@ def test_a_kernel_written_twice_is_proposed_once(tiny_model, tiny_tok, kernel_so
     cands = prov.candidates(_Problem(banded(32, 1)), k=3)
     assert [c.source for c in cands] == [kernel_source, other]
     assert prov.stats.duplicates == 1 and prov.stats.returned == 2 and prov.stats.sampled == 3
+
+
+def test_hint_candidates_fill_the_places_of_repeated_kernels(tiny_model, tiny_tok, kernel_source, monkeypatch):
+    """samples="hints": when two hints give one kernel, the next hints are decoded until k
+    distinct kernels are kept (at most 2k hints), so the selection still compares k."""
+    import copy
+
+    from policy import provider as prov_mod
+    from policy import retrieval
+    from policy.decode import Rollout
+
+    texts = {f"h{i}": kernel_source.rstrip() + f"\n// {'same' if i < 3 else i}" for i in range(10)}
+    asked = []
+
+    def one_per_hint(model, tok, s, op, dtype, n, hints, **kw):
+        asked.extend(hints)
+        return [Rollout([], [1], texts[h], [0.0], True) for h in hints]
+
+    monkeypatch.setattr(prov_mod, "hint_diverse", one_per_hint)
+    monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: [f"h{i}" for i in range(a[5])])
+    model = copy.deepcopy(tiny_model)
+    model.config.retrieval, model.config.retrieval_hints = True, 8
+    prov = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False)
+    cands = prov.candidates(_Problem(banded(32, 1)), k=3)
+    assert asked == ["h0", "h1", "h2", "h3", "h4"]  # h0-h2 write one kernel: two more hints fill in
+    assert [c.source for c in cands] == [texts["h0"], texts["h3"], texts["h4"]]
+    assert prov.stats.duplicates == 2 and prov.stats.sampled == 5 and prov.stats.returned == 3
+    asked.clear()
+    assert len(prov.candidates(_Problem(banded(32, 1)), k=1)) == 1 and asked == ["h0"]
