@@ -28,6 +28,7 @@ This module only parses and checks; it does not render, compile or launch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -176,7 +177,10 @@ class Candidate:
     """A kernel ready to compile: its full source and parsed header.
 
     ``family``/``params`` name the hand-written family point it came from (None for policy
-    samples that match no family).
+    samples that match no family). ``name`` spells the point, or for a generated kernel
+    ``generated[<format>]#<8 hex of its source's BLAKE2b>``, so that the records of a
+    selection (and ``pregen --share``'s ranking, which keys candidates by name) tell two
+    generated kernels apart.
     """
 
     source: str
@@ -187,7 +191,8 @@ class Candidate:
     @property
     def name(self) -> str:
         if self.family is None:
-            return "generated"
+            digest = hashlib.blake2b(self.source.encode(), digest_size=4).hexdigest()
+            return f"generated[{self.header.format}]#{digest}"
         return self.family + "".join(f"[{k}={v}]" for k, v in self.params)
 
 

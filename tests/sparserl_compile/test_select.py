@@ -6,6 +6,7 @@ import pytest
 
 from faults import FAULTS, GOOD, candidate
 from sparserl_compile import matrices, structure
+from sparserl_compile.contract import Candidate, parse_header
 from sparserl_compile.providers import Problem
 from sparserl_compile.sandbox import SandboxResult
 from sparserl_compile.select import Evaluation, choose, decide
@@ -34,6 +35,18 @@ def test_fastest_verified_candidate_wins_when_it_beats_the_reference():
     c = decide(CANDS, ev)
     assert c.candidate is CANDS[1] and c.kernel_us == 7.0 and c.reference_us == 10.0
     assert c.speedup == pytest.approx(10 / 7)
+
+
+def test_generated_kernels_are_told_apart_in_the_record():
+    """Policy kernels match no family point: their names carry the format and a digest of the
+    source, so a record (and pregen's ranking by name) never confuses two of them."""
+    gen = [Candidate(c.source, c.header) for c in CANDS]  # family None: what the policy proposes
+    names = [c.name for c in gen]
+    assert names[0] != names[1] and all(n.startswith("generated[csr]#") for n in names)
+    assert Candidate(GOOD, parse_header(GOOD)).name == names[0]  # the same source, the same name
+    c = decide(gen, Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0))
+    assert c.record["chosen"] == names[1] and c.record["chosen_us"] == 7.0
+    assert [r["name"] for r in c.record["candidates"]] == names
 
 
 def test_reference_wins_within_the_margin_and_failures_never_win():
