@@ -246,7 +246,8 @@ def _torch_operand(torch, numel: int, seed: int, device: str):
     return torch.where((bits & 1).bool(), -out, out)
 
 
-_TORCH_STORAGE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+#: contract dtype -> the torch dtype's name (the inverse of ``contract.TORCH_DTYPES``)
+_TORCH_STORAGE = {v: k for k, v in contract.TORCH_DTYPES.items()}
 
 
 class _ValueSet:
@@ -512,7 +513,7 @@ class GpuRunner:
         size = int(np.prod(out_shape))
         int_t = torch.int32 if udt == np.uint32 else torch.int16
         signed_bits = int(np.array(bits, dtype=udt).view(np.int32 if udt == np.uint32 else np.int16))
-        store_t = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        store_t = getattr(torch, _TORCH_STORAGE[dtype])
         buf = torch.empty(size + 2 * GUARD, dtype=store_t, device="cuda")
         buf.view(int_t).fill_(signed_bits)
         y = buf[GUARD:GUARD + size]
