@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
@@ -36,11 +35,7 @@ import torch
 import sparserl_compile as sr
 from cold_start import _make_provider, first_product, native_csr
 from sparserl_compile import runtime
-
-
-def _geomean(xs) -> float | None:
-    xs = [x for x in xs if x]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+from training.evaluate import geomean
 
 
 def _kept_us(record: dict) -> float | None:
@@ -96,7 +91,8 @@ def summarize(rows: list[dict]) -> dict:
     out = {}
     for p in dict.fromkeys(r["provider"] for r in rows):
         rs = [r for r in rows if r["provider"] == p]
-        sp, space = _geomean(r["speedup"] for r in rs), _geomean(r["space_speedup"] for r in rs)
+        sp = geomean([r["speedup"] for r in rs if r["speedup"]])
+        space = geomean([r["space_speedup"] for r in rs if r["space_speedup"]])
         firsts = sorted(r["first_call_s"] for r in rs)
         out[p] = {"products": len(rs), "speedup_geomean": sp, "space_speedup_geomean": space,
                   "ratio_to_space": (sp / space) if (sp and space) else None,
