@@ -9,7 +9,9 @@ worker against cuSPARSE, times them and keeps the winner or cuSPARSE. Measured p
 * ``propose_s``: the part spent in the provider's ``candidates`` (for the policy: encoding the
   structure and decoding k kernels);
 * ``steady_us`` / ``torch_us``: the median time of later calls and of torch.sparse on the same
-  product, and which plan the runtime kept;
+  product (each call synchronized), and which plan the runtime kept;
+* ``stream_us`` / ``torch_stream_us``: the same calls back to back with one synchronize at the
+  end, per call (host-bound products show their host cost, the rest their warm-L2 GPU time);
 * ``problem_s`` (the pattern copied to the host), ``select_s``, ``plan_s`` (the winner
   converted, uploaded and loaded), ``reference_wall_s`` and ``candidates`` (each one's worker
   wall time and its phases: prepare = static checks + format conversion + NVRTC + upload,
@@ -38,7 +40,7 @@ import torch
 
 import sparserl_compile as sr
 from sparserl_compile import matrices, providers, runtime
-from timing import sync, wall_median_us
+from timing import stream_us, sync, wall_median_us
 
 #: (label, generator, kwargs): structures none of the supervision files holds (other seeds/sizes)
 MATRICES = (
@@ -71,7 +73,8 @@ def _breakdown(row: dict | None) -> dict:
             "plan_s": row.get("plan_s"), "reference_wall_s": record.get("reference_wall_s"),
             "chosen": record.get("chosen"), "reference_us": record.get("reference_us"),
             "candidates": [{"name": c.get("name"), "family": c.get("family"), "params": c.get("params"),
-                            "kind": c.get("kind"), "kernel_us": c.get("kernel_us"), "wall_s": c.get("wall_s"),
+                            "kind": c.get("kind"), "kernel_us": c.get("kernel_us"), "graph_us": c.get("graph_us"),
+                            "wall_s": c.get("wall_s"),
                             "phases": c.get("phases")} for c in cands] if isinstance(cands, list) else []}
 
 
@@ -134,13 +137,16 @@ def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
                        "first_call_s": first,
                        "steady_us": wall_median_us(lambda: a @ x, dev),
                        "torch_us": wall_median_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
+                       "stream_us": stream_us(lambda: a @ x, dev),
+                       "torch_stream_us": stream_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
                        "plan": getattr(getattr(plan, "header", None), "format", None) or repr(plan)[:60],
                        "rel_err": err, **_breakdown(logged[-1] if logged else None)}
                 rows.append(row)
                 if on_row is not None:
                     on_row(rows)
                 print(f"  {label:18s} n={n:<4d} first {first:6.2f}s (propose {row['propose_s'] or 0:5.2f}s)  "
-                      f"steady {row['steady_us']:8.1f}us  torch {row['torch_us']:8.1f}us  {row['plan']}",
+                      f"steady {row['steady_us']:8.1f}us  torch {row['torch_us']:8.1f}us  back-to-back "
+                      f"{row['stream_us']:7.1f}us  torch {row['torch_stream_us']:7.1f}us  {row['plan']}",
                       flush=True)
 
 

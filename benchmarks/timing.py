@@ -29,3 +29,17 @@ def wall_median_us(fn, device: torch.device | str = "cuda", reps: int = 30, warm
         sync(device)
         ts.append((time.perf_counter() - t0) * 1e6)
     return float(np.median(ts))
+
+
+def stream_us(fn, device: torch.device | str = "cuda", calls: int = 200, warmup: int = 20) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls with one synchronize at the end:
+    the rate of a caller that does not wait for each result. Host-bound products show their
+    host cost here (launches, dispatch), device-bound ones their GPU time with a warm L2."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / calls * 1e6
