@@ -37,6 +37,43 @@ def test_fastest_verified_candidate_wins_when_it_beats_the_reference():
     assert c.speedup == pytest.approx(10 / 7)
 
 
+def test_the_faster_of_the_two_reference_timings_counts():
+    """cuSPARSE is timed before and after the candidates; a slow first timing (the GPU still
+    clocking up) must not let a kernel through that only beats that bad measurement."""
+    ev = Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0, reference_again=_ref(6.0))
+    c = decide(CANDS, ev)
+    assert ev.reference_us() == 6.0 and c.candidate is None and c.reference_us == 6.0
+    assert c.record["reference_runs_us"] == [10.0, 6.0]
+    slower_again = Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0, reference_again=_ref(12.0))
+    assert decide(CANDS, slower_again).candidate is CANDS[1] and slower_again.reference_us() == 10.0
+    failed_again = Evaluation((_timed(7.0),), _ref(10.0), 1.0, reference_again=SandboxResult("timeout"))
+    assert failed_again.reference_us() == 10.0 and failed_again.reference_runs_us() == [10.0, None]
+
+
+class _ScriptedPool:
+    """A SandboxPool stand-in: reference jobs time ``refs`` in turn, candidates ``kernel``."""
+
+    def __init__(self, refs, kernel):
+        self.refs, self.kernel, self.jobs = list(refs), kernel, []
+
+    def run(self, job, pattern, **kw):
+        self.jobs.append("reference" if job.candidate is None else "candidate")
+        return self.refs.pop(0) if job.candidate is None else self.kernel
+
+
+def test_evaluate_times_the_reference_again_only_when_a_candidate_was_timed():
+    from sparserl_compile.select import evaluate
+
+    prob = _problem(matrices.stencil2d(4))
+    pool = _ScriptedPool([_ref(10.0), _ref(8.0)], _timed(9.0))
+    ev = evaluate(prob, CANDS, pool=pool, executor="gpu")
+    assert pool.jobs == ["reference", "candidate", "candidate", "reference"]
+    assert ev.reference_us() == 8.0 and decide(CANDS, ev).candidate is None  # 9 us does not beat 8
+    pool = _ScriptedPool([_ref(10.0)], SandboxResult("wrong", "error_bound: ..."))
+    ev = evaluate(prob, CANDS, pool=pool, executor="gpu")
+    assert pool.jobs == ["reference", "candidate", "candidate"] and ev.reference_again is None
+
+
 def test_generated_kernels_are_told_apart_in_the_record():
     """Policy kernels match no family point: their names carry the format and a digest of the
     source, so a record (and pregen's ranking by name) never confuses two of them."""
