@@ -17,6 +17,7 @@ saying how to get one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +29,12 @@ from sparserl_compile import contract
 
 #: samples per miss when the runtime asks for its default (k=0): best-of-4
 DEFAULT_K = 4
+
+#: hints mode: past the first k hints, further ones (filling the places of repeated kernels)
+#: are decoded only while the proposal has taken less than this many seconds, so filling up
+#: cannot push a first call past the cold-start budget (on the H200 the first four hints take
+#: 0.15-0.35 s; on a CPU they take longer and nothing is filled)
+FILL_BUDGET_S = 0.4
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "retrieval"
 
@@ -83,7 +90,8 @@ class PolicyProvider:
 
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
-                 model=None, tokenizer=None, samples: str | None = None, speculative: bool = True):
+                 model=None, tokenizer=None, samples: str | None = None, speculative: bool = True,
+                 fill_budget_s: float = FILL_BUDGET_S):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -113,6 +121,8 @@ class PolicyProvider:
         #: decode speculatively against the nearest measured winners (``decode.generate_speculative``:
         #: the same samples' distribution, a fraction of the model calls when the policy writes them)
         self.speculative = speculative
+        #: hints mode: seconds of proposal after which no hint past the k-th is decoded
+        self.fill_budget_s = fill_budget_s
         self.stats = ProviderStats()
         #: sha256 of the weights file (None for an in-memory model); the runtime's cache key
         #: reads ``getattr(provider, "checkpoint_hash", None)`` so a new checkpoint misses the cache
@@ -122,7 +132,9 @@ class PolicyProvider:
     def candidates(self, problem, k: int) -> list[contract.Candidate]:
         """Up to ``k`` distinct parseable candidates for ``problem``. Temperature and format
         samples: ``k`` decoded, fewer returned when some are dropped. Hints: decoded one per
-        hint, nearest first, until ``k`` are kept or ``2k`` hints are spent."""
+        hint, nearest first, until ``k`` are kept or ``2k`` hints are spent; hints past the k-th
+        only while the proposal has taken less than ``fill_budget_s``."""
+        t0 = time.perf_counter()
         self.stats.requests += 1
         k = k or DEFAULT_K
         s = prepare_structure(_host(problem.indptr), _host(problem.indices),
@@ -138,9 +150,9 @@ class PolicyProvider:
             # trained with hints: give it one (in "hints" mode each candidate has its own)
             hint = nearest_hint(s.features, problem.op, dtype, n, default_entries(), problem=problem)
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
-        # (one per hint when each candidate has its own hint)
+        # (one per hint, filling hints included, when each candidate has its own hint)
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
-                                 count=max(4, k) if self.samples == "hints" else 4) if self.speculative else None
+                                 count=max(4, 2 * k) if self.samples == "hints" else 4) if self.speculative else None
         out, seen = [], set()
         if self.samples == "hints":
             from policy.retrieval import nearest_hints
@@ -150,8 +162,8 @@ class PolicyProvider:
             # (up to 2k) fill the places of repeats and of dropped samples
             hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), 2 * k, problem=problem)
             cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
-            for h in hints:
-                if len(out) >= k:
+            for i, h in enumerate(hints):
+                if len(out) >= k or (i >= k and time.perf_counter() - t0 > self.fill_budget_s):
                     break
                 for r in hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, [h], config=cfg,
                                       references=refs):

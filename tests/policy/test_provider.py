@@ -86,3 +86,31 @@ def test_hint_candidates_fill_the_places_of_repeated_kernels(tiny_model, tiny_to
     assert prov.stats.duplicates == 2 and prov.stats.sampled == 5 and prov.stats.returned == 3
     asked.clear()
     assert len(prov.candidates(_Problem(banded(32, 1)), k=1)) == 1 and asked == ["h0"]
+
+
+def test_hint_fill_up_stops_at_its_time_budget(tiny_model, tiny_tok, kernel_source, monkeypatch):
+    """Filling the places of repeated kernels never delays a first call past the budget: the
+    first k hints are always decoded, later ones only while the proposal is under budget."""
+    import copy
+
+    from policy import provider as prov_mod
+    from policy import retrieval
+    from policy.decode import Rollout
+
+    asked = []
+
+    def same_kernel(model, tok, s, op, dtype, n, hints, **kw):
+        asked.extend(hints)
+        return [Rollout([], [1], kernel_source, [0.0], True) for _ in hints]
+
+    monkeypatch.setattr(prov_mod, "hint_diverse", same_kernel)
+    monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: [f"h{i}" for i in range(a[5])])
+    model = copy.deepcopy(tiny_model)
+    model.config.retrieval, model.config.retrieval_hints = True, 8
+    spent = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False, fill_budget_s=0.0)
+    assert len(spent.candidates(_Problem(banded(32, 1)), k=3)) == 1
+    assert asked == ["h0", "h1", "h2"]  # the first k only: the budget was spent
+    asked.clear()
+    roomy = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False, fill_budget_s=60.0)
+    assert len(roomy.candidates(_Problem(banded(32, 1)), k=3)) == 1
+    assert asked == [f"h{i}" for i in range(6)]  # up to 2k hints while under budget
