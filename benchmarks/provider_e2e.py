@@ -10,15 +10,28 @@ process, and keeps the fastest verified one or cuSPARSE. Per product:
   selection (1.0 where cuSPARSE was kept): what the runtime delivers through this provider;
 * ``space_speedup``: the record's kernel-space best over torch.sparse int32, from the H200
   supervision measurements: what the whole hand-written space reaches on that product;
+* ``delivered_speedup``: after the selection, the runtime's ``A @ x`` and torch.sparse's
+  product timed again side by side in this process (L2 flushed, CUDA events, a GPU sleep
+  before each call so that neither call's host path enters the time, each timed twice in
+  turn, the faster median of each): the GPU time of what a user's call runs, zeroing of the
+  output and the fallback path included, free of the selection's own timing noise. Its
+  ``delivered_reference_us`` against the selection's ``reference_us`` (flush only) shows how
+  much of torch.sparse's host path leaks into the selection's timing;
 * ``rel_err``: the product against torch.sparse on the same tensors (max abs difference over
   max abs value), ``first_call_s`` and ``plan`` (the format kept, or the reference).
 
-The summary gives the geometric means, the ratio of the provider's to the space's, how often
+The summary gives the geometric means (of both speedups), the ratio of the provider's to the space's, how often
 cuSPARSE was kept, and how many results were wrong (``rel_err`` above ``--wrong-tol``). The
 policy issue's target: the provider's geometric-mean speedup within 5 % of the kernel space's,
 and never a wrong result.
 
-    python benchmarks/provider_e2e.py [--providers nearest:4,policy:4] [--json out.json]
+``search:0`` runs the whole pruned kernel space through the same runtime path (every point
+compiled, verified and timed against cuSPARSE in one selection). When it is among the
+providers, every other provider's summary also has ``ratio_to_search``: its geometric-mean
+speedup over the search's on the products both ran, each measured the same way in the same
+process, so the cuSPARSE timings of other calls do not enter the comparison.
+
+    python benchmarks/provider_e2e.py [--providers nearest:4,policy:4,search:0] [--json out.json]
 
 Shared matrices are read from ``../shared/matrices`` or ``SPARSERL_SHARED_MATRICES``; records
 whose matrix is not there are skipped and counted.
@@ -34,8 +47,35 @@ import torch
 
 import sparserl_compile as sr
 from cold_start import _make_provider, first_product, native_csr
-from sparserl_compile import runtime
+from sparserl_compile import matrices, runtime
 from training.evaluate import geomean
+
+
+#: GPU sleep before each timed call (us): longer than either call's host path, so the events
+#: time the GPU work of the call alone (bench.time_fn)
+HIDE_HOST_US = 100.0
+
+
+def delivered_us(ours, theirs, reps: int = 30, hide_host_us: float = HIDE_HOST_US) -> tuple[float, float]:
+    """Medians (us) of ``ours()`` and ``theirs()``, L2 flushed, host hidden, each timed twice
+    in turn (ours, theirs, ours, theirs) and the faster median of each kept."""
+    from sparserl_compile import bench
+
+    a, b = [], []
+    for _ in range(2):
+        a.append(bench.time_fn(ours, reps=reps, hide_host_us=hide_host_us).median_us)
+        b.append(bench.time_fn(theirs, reps=reps, hide_host_us=hide_host_us).median_us)
+    return min(a), min(b)
+
+
+def _host_leak(native, x) -> dict:
+    """torch.sparse's product timed as the selection times it (L2 flush only) and with its
+    host path hidden, in turn, in this process: medians in us."""
+    from sparserl_compile import bench
+
+    fn = (lambda: torch.mv(native, x)) if x.dim() == 1 else (lambda: torch.mm(native, x))
+    return {"flush_only_us": bench.time_fn(fn).median_us,
+            "host_hidden_us": bench.time_fn(fn, hide_host_us=HIDE_HOST_US).median_us}
 
 
 def _kept_us(record: dict) -> float | None:
@@ -59,28 +99,38 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
         prov = _make_provider(pspec)
         sr.configure(provider=prov, k=int(k), cache=False, on_miss="search")
         sr.prewarm().join()
+        warm = sr.sparsify(matrices.stencil2d(40, seed=3)).to(dev)  # contexts, NVRTC, the GPU's clocks: not
+        warm @ torch.randn(warm.shape[1], device=dev)  # charged to the first record (as cold_start.py)
         for r in records:
             if r.matrix not in loaded:
                 loaded[r.matrix] = r.matrix.load()
             m = loaded[r.matrix]
             a = sr.sparsify(m).to(dev)
             x = torch.randn(m.shape[1], device=dev) if r.op == "spmv" else torch.randn(m.shape[1], r.n, device=dev)
-            first, err = first_product(a, native_csr(m, dev), x, dev)
+            native = native_csr(m, dev)
+            first, err = first_product(a, native, x, dev)
             logged = runtime.first_uses()
             rec = (logged[-1].get("verification") or {}) if logged else {}
+            leak = _host_leak(native, x) if dev.type == "cuda" else None
             ref_us, kept_us = rec.get("reference_us"), _kept_us(rec)
+            ours_us, ref2_us = (delivered_us(lambda: a @ x, lambda: native @ x) if dev.type == "cuda"
+                                else (None, None))
             best = r.best()
             plan = next(iter(runtime.plans().values()), None)
             row = {"provider": pspec, "k": int(k), "matrix": r.matrix.label, "nnz": int(m.nnz), "op": r.op,
                    "n": r.n, "first_call_s": round(first, 4), "reference_us": ref_us, "kept_us": kept_us,
                    "speedup": (ref_us / kept_us) if (ref_us and kept_us) else 1.0,
+                   "reference_runs_us": rec.get("reference_runs_us"), "reference_leak": leak,
+                   "delivered_us": ours_us, "delivered_reference_us": ref2_us,
+                   "delivered_speedup": (ref2_us / ours_us) if (ours_us and ref2_us) else None,
                    "space_speedup": (r.reference_us / best.us) if (best and r.reference_us) else None,
                    "chosen": rec.get("chosen"), "rule": rec.get("rule"),
                    "plan": getattr(getattr(plan, "header", None), "format", None) or type(plan).__name__,
                    "rel_err": err, "wrong": err > wrong_tol}
             rows.append(row)
             print(f"  {pspec:10s} {r.matrix.label[:44]:44s} {r.op} n={r.n:<3d} first {first:5.2f}s  "
-                  f"x{row['speedup']:5.2f} (space x{row['space_speedup'] or 0:5.2f})  {row['plan']}"
+                  f"x{row['speedup']:5.2f} (space x{row['space_speedup'] or 0:5.2f}, delivered "
+                  f"x{row['delivered_speedup'] or 0:5.2f})  {row['plan']}"
                   f"{'  WRONG' if row['wrong'] else ''}", flush=True)
             if on_row is not None:
                 on_row(rows)
@@ -89,16 +139,30 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
 
 def summarize(rows: list[dict]) -> dict:
     out = {}
+    product = lambda r: (r["matrix"], r["op"], r["n"])  # noqa: E731
+    search = {product(r): r for r in rows if r["provider"] == "search"}
     for p in dict.fromkeys(r["provider"] for r in rows):
         rs = [r for r in rows if r["provider"] == p]
         sp = geomean([r["speedup"] for r in rs if r["speedup"]])
         space = geomean([r["space_speedup"] for r in rs if r["space_speedup"]])
         firsts = sorted(r["first_call_s"] for r in rs)
         out[p] = {"products": len(rs), "speedup_geomean": sp, "space_speedup_geomean": space,
+                  "delivered_speedup_geomean": geomean([r["delivered_speedup"] for r in rs
+                                                        if r.get("delivered_speedup")]),
                   "ratio_to_space": (sp / space) if (sp and space) else None,
                   "reference_kept": sum(r["chosen"] is None for r in rs),
                   "wrong": sum(r["wrong"] for r in rs), "max_rel_err": max(r["rel_err"] for r in rs),
                   "first_call_median_s": firsts[len(firsts) // 2], "first_call_max_s": firsts[-1]}
+        both = [r for r in rs if product(r) in search]
+        if search and p != "search" and both:
+            mine = geomean([r["speedup"] for r in both])
+            theirs = geomean([search[product(r)]["speedup"] for r in both])
+            out[p].update(search_products=len(both), search_speedup_geomean=theirs, ratio_to_search=mine / theirs)
+            paired = [r for r in both if r.get("delivered_speedup") and search[product(r)].get("delivered_speedup")]
+            if paired:
+                mine = geomean([r["delivered_speedup"] for r in paired])
+                theirs = geomean([search[product(r)]["delivered_speedup"] for r in paired])
+                out[p].update(search_delivered_speedup_geomean=theirs, delivered_ratio_to_search=mine / theirs)
     return out
 
 
@@ -147,6 +211,15 @@ def main(argv=None) -> int:
               f"{s['space_speedup_geomean']:.2f} (ratio {s['ratio_to_space']:.3f}); cuSPARSE kept "
               f"{s['reference_kept']}/{s['products']}; wrong {s['wrong']}; first call median "
               f"{s['first_call_median_s']:.2f} s, max {s['first_call_max_s']:.2f} s", flush=True)
+        if s.get("delivered_speedup_geomean"):
+            print(f"[e2e] {prov}: delivered x{s['delivered_speedup_geomean']:.2f} (re-timed side by side after "
+                  f"the selection)", flush=True)
+        if "delivered_ratio_to_search" in s:
+            print(f"[e2e] {prov}: delivered, the whole space x{s['search_delivered_speedup_geomean']:.2f} "
+                  f"(ratio {s['delivered_ratio_to_search']:.3f})", flush=True)
+        if "ratio_to_search" in s:
+            print(f"[e2e] {prov}: the whole space through the runtime x{s['search_speedup_geomean']:.2f} on the same "
+                  f"{s['search_products']} products (ratio {s['ratio_to_search']:.3f})", flush=True)
     return 0
 
 

@@ -3,7 +3,10 @@
 * ``time_fn(fn, warmup=, reps=, flush_l2=True)``: each repetition writes a buffer twice the
   size of the device's L2 (so nothing of the operands stays cached), then records a start
   event, runs ``fn`` once and records an end event. The flush also keeps the GPU busy while
-  the host enqueues ``fn``, so the host launch cost does not leak into the event time.
+  the host enqueues ``fn`` (~35 us on the H200), so a short host launch path does not leak
+  into the event time. ``hide_host_us`` adds a GPU sleep of that length after the flush for
+  callables whose host path is longer (torch.sparse's ``mv``, the runtime's Python path),
+  so the events time the GPU work alone.
 * ``time_graph(fn, launches=)``: ``launches`` back-to-back calls captured into one CUDA graph
   and replayed; per-call time = replay time / launches. This is the figure for kernels of a
   few microseconds whose single-launch timing is dominated by the host (anchors README);
@@ -65,6 +68,12 @@ def _torch():
 
 _FLUSH: dict[int, object] = {}
 _BANDWIDTH: dict[int, float] = {}
+_CYCLES: dict[int, float] = {}
+
+#: the sandbox's timings (candidates and reference) keep the GPU busy this long before each
+#: timed call: longer than torch.sparse's host path (~17-30 us per call on the H200's hosts),
+#: which the L2 flush alone (~35 us of GPU time) did not always cover
+HIDE_HOST_US = 100.0
 
 
 def l2_bytes(device: int | None = None) -> int:
@@ -89,17 +98,38 @@ def flush_l2() -> None:
     _flush_buffer().fill_(1)
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, flush_l2: bool = True) -> BenchResult:
-    """Median of ``reps`` CUDA-event timings of one ``fn()`` each, after ``warmup`` calls."""
+def sleep_cycles_per_us() -> float:
+    """GPU clock cycles per microsecond of ``torch.cuda._sleep`` on the current device,
+    measured once per device (a spin of 2e6 cycles timed with events)."""
+    torch = _torch()
+    dev = torch.cuda.current_device()
+    if dev not in _CYCLES:
+        torch.cuda._sleep(1000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(2_000_000)
+        e.record()
+        e.synchronize()
+        _CYCLES[dev] = 2_000_000 / (s.elapsed_time(e) * 1e3)
+    return _CYCLES[dev]
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, flush_l2: bool = True,
+            hide_host_us: float = 0.0) -> BenchResult:
+    """Median of ``reps`` CUDA-event timings of one ``fn()`` each, after ``warmup`` calls;
+    ``hide_host_us``: keep the GPU busy that long before each start event (module doc)."""
     torch = _torch()
     for _ in range(warmup):
         fn()
     buf = _flush_buffer() if flush_l2 else None
+    spin = int(hide_host_us * sleep_cycles_per_us()) if hide_host_us > 0 else 0
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         if buf is not None:
             buf.fill_(i & 0xFF)
+        if spin:
+            torch.cuda._sleep(spin)
         starts[i].record()
         fn()
         ends[i].record()
@@ -178,7 +208,8 @@ def torch_sparse_fn(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, i
 
 
 def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = "f32",
-                   warmup: int = 5, reps: int = 30, seed: int = 0) -> dict[str, BenchResult]:
+                   warmup: int = 5, reps: int = 30, seed: int = 0,
+                   hide_host_us: float = 0.0) -> dict[str, BenchResult]:
     """torch.sparse CSR timings with int32 and int64 indices (L2 flushed), keyed by index type."""
     torch = _torch()
     tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
@@ -191,7 +222,7 @@ def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = 
     for it in ("int32", "int64"):
         try:
             out[it] = time_fn(torch_sparse_fn(indptr, indices, shape, vals, x, index_dtype=it),
-                              warmup=warmup, reps=reps)
+                              warmup=warmup, reps=reps, hide_host_us=hide_host_us)
         except RuntimeError:  # dtype/index combination cuSPARSE does not support
             continue
     return out

@@ -6,8 +6,8 @@ names a candidate kernel, the op/dtype/width, value-set seeds, the executor and 
 time it; the matrix pattern travels once per worker and is reused by the following jobs on
 the same pattern (a search sends ~100 candidates for one matrix). The worker compiles,
 verifies (``verify.verify``, every check) and, on the GPU and when asked, times the kernel
-(``bench.time_fn`` L2-flushed, plus ``bench.time_graph`` for kernels under
-``GRAPH_BELOW_US``) and flags impossible speed against the byte floor. A job without a
+(``bench.time_fn`` L2-flushed, the host path hidden behind a GPU sleep of
+``bench.HIDE_HOST_US``, plus ``bench.time_graph`` for kernels under ``GRAPH_BELOW_US``) and flags impossible speed against the byte floor. A job without a
 candidate times the torch.sparse reference (int32 and int64 indices) in the same worker,
 side by side with the candidates.
 
@@ -61,6 +61,9 @@ class SandboxJob:
     warmup: int = 5
     reps: int = 30
     static: bool = True  # False skips the static checks (fault-injection tests only)
+    #: GPU sleep (us) before each timed call, so no host path enters a timing (bench.time_fn);
+    #: None: ``bench.HIDE_HOST_US``
+    hide_host_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
         from sparserl_compile import bench
 
         ref = bench.time_reference(pattern.indptr, pattern.indices, pattern.shape, op=job.op, n=job.n,
-                                   dtype=job.dtype, warmup=job.warmup, reps=job.reps, seed=job.seed)
+                                   dtype=job.dtype, warmup=job.warmup, reps=job.reps, seed=job.seed,
+                                   hide_host_us=_hide(job))
         return SandboxResult("ok", reference={k: v.to_dict() for k, v in ref.items()},
                              floor_us=_floor(job, pattern), wall_s=time.perf_counter() - t0, worker_pid=os.getpid())
     from sparserl_compile import verify as V
@@ -133,7 +137,7 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
 
         t1 = time.perf_counter()
         fn = runners[0].launch_fn()
-        br = bench.time_fn(fn, warmup=job.warmup, reps=job.reps, flush_l2=True)
+        br = bench.time_fn(fn, warmup=job.warmup, reps=job.reps, flush_l2=True, hide_host_us=_hide(job))
         b = br.to_dict()
         t2 = time.perf_counter()
         phases["time"] = t2 - t1
@@ -146,6 +150,12 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
                                        f"byte floor {floor:.2f} us / {bench.IMPOSSIBLE_SLACK}")
     return SandboxResult(kind, err, vr, b, g, None, floor, cubin, vr.compile_log,
                          time.perf_counter() - t0, os.getpid(), phases)
+
+
+def _hide(job: SandboxJob) -> float:
+    from sparserl_compile import bench
+
+    return bench.HIDE_HOST_US if job.hide_host_us is None else float(job.hide_host_us)
 
 
 def _floor(job: SandboxJob, pattern: Pattern) -> float | None:

@@ -23,6 +23,27 @@ def test_impossible_speed_rule():
 
 
 @pytest.mark.gpu
+def test_hide_host_keeps_a_slow_host_path_out_of_the_event_time():
+    """A call whose host part outlasts the L2 flush leaks that time into its events unless
+    the GPU is kept busy longer (what torch.sparse's mv and the runtime's Python path need)."""
+    import time
+
+    import torch
+
+    a = torch.empty(1024, device="cuda")
+
+    def slow_host():
+        time.sleep(300e-6)  # a host path far longer than the flush
+        a.fill_(1.0)
+
+    leaky = bench.time_fn(slow_host, reps=10).median_us
+    hidden = bench.time_fn(slow_host, reps=10, hide_host_us=2000).median_us
+    assert bench.sleep_cycles_per_us() > 100  # a GPU clock of more than 100 MHz
+    assert leaky > 150 and hidden < 50, (leaky, hidden)
+    print(f"\nslow host path: {leaky:.1f} us flushed only, {hidden:.1f} us with the host hidden")
+
+
+@pytest.mark.gpu
 def test_copy_bandwidth_and_flushed_timing_are_plausible():
     import torch
 
