@@ -75,18 +75,27 @@ def structure_features(indptr, indices, shape) -> np.ndarray:
 
 
 def sample_nonzeros(indptr: np.ndarray, max_points: int, row_blocks: int = 16) -> np.ndarray:
-    """Positions (into ``indices``) of at most ``max_points`` nonzeros, stratified as above."""
+    """Positions (into ``indices``) of at most ``max_points`` nonzeros, stratified as above.
+
+    A nonzero's cell (row block x row-length class) is its row's, so the cells and their
+    sizes are counted over rows and the drawn offsets within a cell are mapped back to
+    positions through the cell's rows: O(rows + points) after one pass over the row lengths,
+    not a sort of all nonzeros (4 s for 10^7 nonzeros on the development CPU). The draws are
+    the ones a per-nonzero grouping would make (same cells, same order, same generator calls)."""
     indptr = np.asarray(indptr, dtype=np.int64)
     nnz = int(indptr[-1]) if indptr.size else 0
     if nnz <= max_points:
         return np.arange(nnz, dtype=np.int64)
     n_rows = indptr.size - 1
     lens = np.diff(indptr)
-    rows = np.repeat(np.arange(n_rows), lens)
-    cls = np.floor(np.log2(np.maximum(lens, 1))).astype(np.int64)[rows]
-    blk = rows * row_blocks // max(n_rows, 1)
-    cell = blk * 64 + cls
-    uniq, inv, counts = np.unique(cell, return_inverse=True, return_counts=True)
+    rows = np.flatnonzero(lens)  # only rows with nonzeros have cells
+    cls = np.floor(np.log2(lens[rows])).astype(np.int64)
+    cell = (rows * row_blocks // max(n_rows, 1)) * 64 + cls
+    present = np.bincount(cell, minlength=row_blocks * 64) > 0  # cells are small ints: no sort
+    uniq = np.flatnonzero(present)
+    rank = np.cumsum(present) - 1
+    inv = rank[cell].astype(np.int16 if uniq.size < 2**15 else np.int64)  # int16: a radix argsort below
+    counts = np.bincount(inv, weights=lens[rows], minlength=uniq.size).astype(np.int64)
     rng = np.random.default_rng(n_rows * 1_000_003 + nnz)
     if uniq.size >= max_points:  # more cells than budget: one point from the largest cells
         keep_cells = np.argsort(-counts, kind="stable")[:max_points]
@@ -96,14 +105,17 @@ def sample_nonzeros(indptr: np.ndarray, max_points: int, row_blocks: int = 16) -
         extra = max_points - uniq.size
         quota = 1 + np.floor(extra * counts / nnz).astype(np.int64)
         quota = np.minimum(quota, counts)
-    order = np.argsort(inv, kind="stable")  # nonzeros grouped by cell
-    starts = np.concatenate([[0], np.cumsum(counts)])
+    by_cell = rows[np.argsort(inv, kind="stable")]  # rows grouped by cell, in row order
+    row_starts = np.concatenate([[0], np.cumsum(np.bincount(inv, minlength=uniq.size))])
     picks = []
     for c in range(uniq.size):
         if quota[c] == 0:
             continue
-        members = order[starts[c]:starts[c + 1]]
-        picks.append(rng.choice(members, size=int(quota[c]), replace=False))
+        cell_rows = by_cell[row_starts[c]:row_starts[c + 1]]
+        before = np.concatenate([[0], np.cumsum(lens[cell_rows])])  # the cell's nonzeros before each row
+        k = rng.choice(int(counts[c]), size=int(quota[c]), replace=False)  # offsets within the cell
+        j = np.searchsorted(before, k, side="right") - 1
+        picks.append(indptr[cell_rows[j]] + (k - before[j]))
     return np.sort(np.concatenate(picks))
 
 
