@@ -137,9 +137,13 @@ class PolicyProvider:
         t0 = time.perf_counter()
         self.stats.requests += 1
         k = k or DEFAULT_K
-        s = prepare_structure(_host(problem.indptr), _host(problem.indices),
-                              (problem.n_rows, problem.n_cols),
-                              max_points=self.model.config.max_points)
+        from sparserl_compile import structure
+        from sparserl_compile.search import SearchProvider
+
+        indptr, indices, shape = _host(problem.indptr), _host(problem.indices), (problem.n_rows, problem.n_cols)
+        feats = structure.features(indptr, indices, shape)  # once: the encoder's and the hints' filter
+        s = prepare_structure(indptr, indices, shape, max_points=self.model.config.max_points,
+                              features=np.asarray(feats.as_vector(), np.float32))
         dtype = contract.TORCH_DTYPES.get(str(problem.dtype).replace("torch.", ""), str(problem.dtype))
         n = int(getattr(problem, "n", 1) or 1)
         from policy.retrieval import default_entries, nearest_hint, reference_sources
@@ -160,7 +164,9 @@ class PolicyProvider:
             # one greedy candidate per hint, nearest first, until k distinct parseable kernels:
             # two hints often give one kernel (the policy copies its hint), so further hints
             # (up to 2k) fill the places of repeats and of dropped samples
-            hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), 2 * k, problem=problem)
+            space = SearchProvider(check_formats=False).candidates(problem, 0, features=feats)
+            hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), 2 * k, problem=problem,
+                                  space=space)
             cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
             for i, h in enumerate(hints):
                 if len(out) >= k or (i >= k and time.perf_counter() - t0 > self.fill_budget_s):

@@ -24,25 +24,27 @@ def hint_name(family: str, params) -> str:
 
 
 def nearest_points(features, op: str, dtype: str, n: int, entries, count: int = 1,
-                   exclude: str | None = None, problem=None) -> list[tuple[str, tuple]]:
+                   exclude: str | None = None, problem=None, space=None) -> list[tuple[str, tuple]]:
     """The first ``count`` proposals of the nearest entries (``nearest.proposals`` order: the
     nearest entry's winner first, then the next entries' winners, then runners-up; no
     repeats) as ``(family, ((param, value), ...))`` keys; fewer when the table has fewer, none
     when no entry fits. ``problem`` (a ``providers.Problem``, e.g. from ``problem_for``): only
     points it can run (``nearest.suitable``: in its pruned kernel space, its pattern converts
     to their padded format), as the ``"nearest"`` provider proposes them; a hint the matrix
-    cannot run only wastes a candidate."""
+    cannot run only wastes a candidate. ``space``: the problem's pruned kernel space, when the
+    caller has built it (``nearest.suitable``)."""
     from sparserl_compile.nearest import proposals, suitable
 
     pool = [e for e in entries if e.label != exclude] if exclude is not None else entries
     keys = proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))
-    return keys[:count] if problem is None else suitable(keys, problem, count)
+    return keys[:count] if problem is None else suitable(keys, problem, count, space=space)
 
 
 def nearest_hints(features, op: str, dtype: str, n: int, entries, count: int = 1,
-                  exclude: str | None = None, problem=None) -> list[str]:
+                  exclude: str | None = None, problem=None, space=None) -> list[str]:
     """``nearest_points`` spelled as prompt hints."""
-    return [hint_name(*key) for key in nearest_points(features, op, dtype, n, entries, count, exclude, problem)]
+    return [hint_name(*key) for key in nearest_points(features, op, dtype, n, entries, count, exclude, problem,
+                                                      space)]
 
 
 def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | None = None,
