@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparserl_compile as S
-from sparserl_compile.matrices import load_npz
+from sparserl_compile.matrices import load_npz, stencil2d
 from sparserl_compile.structure import fingerprint
 from sparserl_compile.tensor import SparseRLTensor
 
@@ -349,3 +349,31 @@ def test_stable_cache_hash_names_the_structure_not_the_values():
     assert a._stable_hash_for_caching() != S.sparsify(rand_csr(6, 5, seed=5))._stable_hash_for_caching()
     assert a._stable_hash_for_caching() != a.t()._stable_hash_for_caching()
     assert a._stable_hash_for_caching() != a.float()._stable_hash_for_caching()  # a is float64
+
+
+def test_matmul_operator_fast_path_keeps_torch_semantics():
+    """``A @ x`` skips the torch-function trip when nothing else must see it: same result and
+    autograd as ``torch.matmul``, the same TypeError for a non-tensor, and an active torch
+    function mode still sees the op."""
+    from torch.overrides import TorchFunctionMode
+
+    m = stencil2d(6)
+    a = S.sparsify(m)
+    x = torch.randn(m.shape[1], 3, requires_grad=True)
+    y = a @ x
+    torch.testing.assert_close(y, torch.matmul(a, x))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.from_numpy(np.asarray(m.T.sum(axis=1))).float().expand(-1, 3))
+    with pytest.raises(TypeError, match="unsupported operand"):
+        a @ 3
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.testing.assert_close(a @ x.detach(), y.detach())
+    assert any("matmul" in name for name in seen)
