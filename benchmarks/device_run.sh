@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [DECODE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] [DECODE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -94,6 +94,17 @@ if [ -n "${E2E:-}" ]; then
   timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/provider_e2e.py $E2E --json "$BENCH_DIR/provider_e2e.json" >"$LOGS/e2e.log" 2>&1
   APP_RC="$APP_RC e2e=$?"
   grep -v "Warning\|warn\|Loading weights\|sparse_csr_tensor" "$LOGS/e2e.log" | tail -100
+fi
+
+# Pre-generation, end to end (optional): PREGEN="args of examples/pregenerate.py", e.g.
+# "$SPARSERL_SHARED_MATRICES --compare-search" (the cache goes to /tmp, the JSON to $OUT/bench/pregen.json)
+if [ -n "${PREGEN:-}" ]; then
+  echo "== pregenerate.py $PREGEN"
+  rm -rf /tmp/sr_pregen_cache
+  timeout "${PREGEN_TIMEOUT:-300}" python3 examples/pregenerate.py $PREGEN --out /tmp/sr_pregen_cache --no-progress \
+    --json "$BENCH_DIR/pregen.json" >"$LOGS/pregen.log" 2>&1
+  APP_RC="$APP_RC pregen=$?"
+  grep -v "Warning\|warn" "$LOGS/pregen.log" | tail -60
 fi
 
 # Policy decoding, plain vs speculative (optional): DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"

@@ -30,6 +30,8 @@ Two phases, as a deployment runs them on two machines:
     python examples/pregenerate.py MATRIX_DIR --out kernels/ --ops spmv \\
         --target-gpu "NVIDIA H200" --target-driver 13000 --target-nvrtc 13.0  # without a GPU
     python examples/pregenerate.py --out kernels/ --ops spmv                  # two generated matrices
+    python examples/pregenerate.py MATRIX_DIR --out kernels/ --compare-search --json out.json
+        # GPU: each product's first call from the cache against the same first call without it
 
 The exit status is 1 if a product failed to build or a served product missed the cache.
 """
@@ -38,11 +40,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +60,7 @@ from sparserl_compile import cache, matrices, pregen, runtime
 DEFAULT_TARGET = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class BuildReport:
     """What the build phase did."""
 
@@ -71,7 +74,7 @@ class BuildReport:
         return sum(r.outcome == "failed" for r in self.rows)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Lookup:
     """One served product and where its plan came from."""
 
@@ -81,9 +84,11 @@ class Lookup:
     found: bool  # the cache holds an entry under the key the GPU runtime computes
     verdict: str  # "kernel", "reference wins", "untimed kernel", or "missing"
     max_rel_err: float  # the sparserl product vs a float64 scipy product
+    first_call_s: float = 0.0  # wall time of the first product (synchronized): the plan from the cache
+    search_first_call_s: float | None = None  # --compare-search: the same first product without the cache
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ServeReport:
     """What the serve phase saw."""
 
@@ -151,6 +156,35 @@ def _rel_err(y: torch.Tensor, ref: np.ndarray) -> float:
     return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30)) if ref.size else 0.0
 
 
+def _first_call(A, x, device: str) -> tuple[torch.Tensor, float]:
+    """``A @ x`` and its wall time in seconds, synchronized (a first call: plan included)."""
+    t0 = time.perf_counter()
+    y = A @ x
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return y, time.perf_counter() - t0
+
+
+def search_first_calls(paths: list[str], *, ops=("spmv", "spmm"), widths=(32,)) -> list[float]:
+    """What serving pays without a pre-generated cache (GPU): each product's first call with the
+    disk cache off, so the runtime's provider proposes and the selection compiles, verifies and
+    times on first use. Same products and order as ``serve``."""
+    out = []
+    rng = np.random.default_rng(0)
+    old = runtime.get_config().cache
+    sr.configure(cache=False)
+    try:
+        for it in pregen.discover(paths):
+            A = sr.sparsify(it.matrix).to("cuda")
+            for op in ops:
+                for n in (1,) if op == "spmv" else widths:
+                    x_np = rng.standard_normal(it.matrix.shape[1] if n == 1 else (it.matrix.shape[1], n))
+                    out.append(_first_call(A, torch.from_numpy(x_np.astype(np.float32)).to("cuda"), "cuda")[1])
+    finally:
+        sr.configure(cache=old)
+    return out
+
+
 def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
           target: runtime.Target | None = None) -> ServeReport:
     """Serve every product from the cache at ``cache_dir`` (see the module docstring)."""
@@ -171,7 +205,7 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                     x_np = rng.standard_normal(it.matrix.shape[1] if n == 1 else (it.matrix.shape[1], n))
                     x = torch.from_numpy(x_np.astype(np.float32)).to(device)
                     before = runtime.stats()
-                    y = A @ x  # on the GPU: plan from the cache; on the CPU: torch's CSR kernel
+                    y, first_s = _first_call(A, x, device)  # GPU: plan from the cache; CPU: torch's CSR kernel
                     err = _rel_err(y, it.matrix.astype(np.float64) @ x_np.astype(np.float32).astype(np.float64))
                     if on_gpu:
                         after = runtime.stats()
@@ -186,7 +220,7 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                         found = entry is not None
                         verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
                                    "kernel" if "kernel_us" in entry.times else "untimed kernel")
-                    lookups.append(Lookup(it.name, op, n, found, verdict, err))
+                    lookups.append(Lookup(it.name, op, n, found, verdict, err, first_s))
         if on_gpu:
             torch.cuda.synchronize()
             stats = runtime.stats()
@@ -195,13 +229,25 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
 
 
 def format_lookups(report: ServeReport) -> str:
-    head = f"{'matrix':34s} {'op':5s} {'n':>4s} {'in cache':8s} {'verdict':15s} {'rel_err':>9s}"
+    searched = any(x.search_first_call_s is not None for x in report.lookups)
+    head = (f"{'matrix':34s} {'op':5s} {'n':>4s} {'in cache':8s} {'verdict':15s} {'rel_err':>9s} "
+            f"{'first call':>10s}" + (f" {'no cache':>9s}" if searched else ""))
     lines = [head, "-" * len(head)]
     for x in report.lookups:
         lines.append(f"{x.name[:34]:34s} {x.op:5s} {x.n:>4d} {'yes' if x.found else 'NO':8s} "
-                     f"{x.verdict:15s} {x.max_rel_err:>9.1e}")
+                     f"{x.verdict:15s} {x.max_rel_err:>9.1e} {x.first_call_s * 1e3:8.1f}ms"
+                     + (f" {x.search_first_call_s:8.2f}s" if x.search_first_call_s is not None else ""))
     lines.append(f"{len(report.lookups) - report.misses}/{len(report.lookups)} products found in "
                  f"{report.cache_dir} ({report.entries} entries)")
+    if report.lookups:
+        cached = sorted(x.first_call_s for x in report.lookups)
+        line = (f"first call from the cache: median {cached[len(cached) // 2] * 1e3:.1f} ms, "
+                f"max {cached[-1] * 1e3:.1f} ms")
+        if searched:
+            cold = sorted(x.search_first_call_s for x in report.lookups if x.search_first_call_s is not None)
+            line += (f"; without it (first-use selection): median {cold[len(cold) // 2]:.2f} s, "
+                     f"max {cold[-1]:.2f} s")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -218,6 +264,9 @@ def main(argv=None) -> int:
                    help="the serving machine's cuDriverGetVersion, e.g. 13000")
     p.add_argument("--target-nvrtc", default=DEFAULT_TARGET.nvrtc_version, help="the serving NVRTC, e.g. 13.0")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--compare-search", action="store_true",
+                   help="GPU: also time each product's first call without the cache (first-use selection)")
+    p.add_argument("--json", default=None, help="write the build rows and the served products here")
     args = p.parse_args(argv)
     ops = tuple(o for o in args.ops.split(",") if o)
     bad = set(ops) - {"spmv", "spmm"}
@@ -245,6 +294,16 @@ def main(argv=None) -> int:
                   "cuSPARSE on first use)")
 
         s = serve(paths, args.out, ops=ops, widths=widths, target=b.target)
+        if args.compare_search and s.device == "cuda":
+            cold = search_first_calls(paths, ops=ops, widths=widths)
+            s = dataclasses.replace(s, lookups=[dataclasses.replace(x, search_first_call_s=c)
+                                                for x, c in zip(s.lookups, cold)])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": s.device, "gpu": torch.cuda.get_device_name(0) if s.device == "cuda" else None,
+                           "torch": torch.__version__, "build_seconds": b.seconds, "executor": b.executor,
+                           "build": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else str(r) for r in b.rows],
+                           "served": [dataclasses.asdict(x) for x in s.lookups]}, f, indent=1, default=str)
         print(f"\n== serve on {s.device} with SPARSERL_CACHE_DIR={args.out}")
         print(format_lookups(s))
         if s.stats is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from dataclasses import replace
 
@@ -28,7 +29,8 @@ def built(tmp_path_factory):
     out = root / "kernels"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = pg.main([str(mats), "--out", str(out), "--ops", "spmv", "--no-progress"])
+        rc = pg.main([str(mats), "--out", str(out), "--ops", "spmv", "--no-progress",
+                      "--json", str(root / "pregen.json")])
     return rc, buf.getvalue(), mats, out
 
 
@@ -39,6 +41,11 @@ def test_main_builds_untimed_entries_and_serves_every_product_from_them(built):
     assert "verified on the cpu executor" in text
     assert "2/2 products found" in text
     assert "$ sparserl cache ls" in text and "2 entries in" in text
+    assert "first call from the cache: median" in text
+    written = json.loads((out.parent / "pregen.json").read_text())
+    assert written["executor"] == "cpu" and len(written["build"]) == 2
+    assert [x["found"] for x in written["served"]] == [True, True]
+    assert all(x["first_call_s"] > 0 and x["search_first_call_s"] is None for x in written["served"])
     assert "2 valid entries, 0 removed" in text
     listings = cache.KernelCache(out).ls()
     assert len(listings) == 2 and all(x.entry is not None for x in listings)
@@ -100,3 +107,5 @@ def test_gpu_build_and_serve_runs_every_product_from_the_cache(tmp_path):
     assert report.stats.searches == 0  # entries built here are timed: nothing is searched at serve time
     assert report.stats.fallbacks == 0
     assert all(x.max_rel_err < 1e-4 for x in report.lookups)
+    cold = pg.search_first_calls([str(mats)], ops=("spmv", "spmm"), widths=(8,))
+    assert len(cold) == 4 and all(c > 0 for c in cold)  # the same products, found without the cache
