@@ -212,7 +212,9 @@ def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = 
                    hide_host_us: float = 0.0) -> dict[str, BenchResult]:
     """torch.sparse CSR timings with int32 and int64 indices (L2 flushed), keyed by index type."""
     torch = _torch()
-    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    from sparserl_compile.contract import TORCH_NAMES
+
+    tdt = getattr(torch, TORCH_NAMES[dtype])
     g = torch.Generator(device="cuda").manual_seed(seed)
     nnz = int(np.asarray(indices).size)
     vals = (torch.rand(nnz, generator=g, device="cuda") + 0.5).to(tdt)

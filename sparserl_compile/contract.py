@@ -42,6 +42,8 @@ DTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16"}
 
 #: torch dtype name -> contract dtype name
 TORCH_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+#: contract dtype -> the torch dtype's name (``getattr(torch, ...)``): the inverse of TORCH_DTYPES
+TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -246,8 +246,7 @@ def _torch_operand(torch, numel: int, seed: int, device: str):
     return torch.where((bits & 1).bool(), -out, out)
 
 
-#: contract dtype -> the torch dtype's name (the inverse of ``contract.TORCH_DTYPES``)
-_TORCH_STORAGE = {v: k for k, v in contract.TORCH_DTYPES.items()}
+_TORCH_STORAGE = contract.TORCH_NAMES  # contract dtype -> the torch dtype's name
 
 
 class _ValueSet:
