@@ -7,8 +7,8 @@ time it; the matrix pattern travels once per worker and is reused by the followi
 the same pattern (a search sends ~100 candidates for one matrix). The worker compiles,
 verifies (``verify.verify``, every check) and, on the GPU and when asked, times the kernel
 (``bench.time_fn`` L2-flushed, the host path hidden behind a GPU sleep of
-``bench.HIDE_HOST_US``, plus ``bench.time_graph`` for kernels under ``GRAPH_BELOW_US``) and flags impossible speed against the byte floor. A job without a
-candidate times the torch.sparse reference (int32 and int64 indices) in the same worker,
+``bench.HIDE_HOST_US``, plus ``bench.time_graph`` for kernels under ``GRAPH_BELOW_US``) and
+flags impossible speed against the byte floor. A job without a candidate times the torch.sparse reference (int32 and int64 indices) in the same worker,
 side by side with the candidates.
 
 The parent waits at most ``timeout_s`` per job: a hang is killed (``timeout``); a worker that
