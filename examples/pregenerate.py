@@ -165,24 +165,29 @@ def _first_call(A, x, device: str) -> tuple[torch.Tensor, float]:
     return y, time.perf_counter() - t0
 
 
+def _products(paths: list[str], ops, widths, device: str):
+    """Every (matrix, op, width) under ``paths`` in one fixed order: the matrix item, its
+    ``SparseRLTensor`` on ``device``, op, width, and a dense operand (float64 draws from a fixed
+    seed, and as float32 on ``device``), the same for every pass over the same arguments."""
+    rng = np.random.default_rng(0)
+    for it in pregen.discover(paths):
+        A = sr.sparsify(it.matrix).to(device)
+        for op in ops:
+            for n in (1,) if op == "spmv" else widths:
+                x_np = rng.standard_normal(it.matrix.shape[1] if n == 1 else (it.matrix.shape[1], n))
+                yield it, A, op, n, x_np, torch.from_numpy(x_np.astype(np.float32)).to(device)
+
+
 def search_first_calls(paths: list[str], *, ops=("spmv", "spmm"), widths=(32,)) -> list[float]:
     """What serving pays without a pre-generated cache (GPU): each product's first call with the
     disk cache off, so the runtime's provider proposes and the selection compiles, verifies and
     times on first use. Same products and order as ``serve``."""
-    out = []
-    rng = np.random.default_rng(0)
     old = runtime.get_config().cache
     sr.configure(cache=False)
     try:
-        for it in pregen.discover(paths):
-            A = sr.sparsify(it.matrix).to("cuda")
-            for op in ops:
-                for n in (1,) if op == "spmv" else widths:
-                    x_np = rng.standard_normal(it.matrix.shape[1] if n == 1 else (it.matrix.shape[1], n))
-                    out.append(_first_call(A, torch.from_numpy(x_np.astype(np.float32)).to("cuda"), "cuda")[1])
+        return [_first_call(A, x, "cuda")[1] for _, A, _, _, _, x in _products(paths, ops, widths, "cuda")]
     finally:
         sr.configure(cache=old)
-    return out
 
 
 def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
@@ -190,37 +195,30 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
     """Serve every product from the cache at ``cache_dir`` (see the module docstring)."""
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
-    items = pregen.discover(paths)
     lookups: list[Lookup] = []
     stats = None
     with serving_from(cache_dir):
         store = cache.KernelCache.default()
         if not on_gpu:
             target = target or DEFAULT_TARGET
-        rng = np.random.default_rng(0)
-        for it in items:
-            A = sr.sparsify(it.matrix).to(device)
-            for op in ops:
-                for n in (1,) if op == "spmv" else widths:
-                    x_np = rng.standard_normal(it.matrix.shape[1] if n == 1 else (it.matrix.shape[1], n))
-                    x = torch.from_numpy(x_np.astype(np.float32)).to(device)
-                    before = runtime.stats()
-                    y, first_s = _first_call(A, x, device)  # GPU: plan from the cache; CPU: torch's CSR kernel
-                    err = _rel_err(y, it.matrix.astype(np.float64) @ x_np.astype(np.float32).astype(np.float64))
-                    if on_gpu:
-                        after = runtime.stats()
-                        found = after.cache_hits > before.cache_hits
-                        verdict = ("missing" if not found else
-                                   "kernel" if after.kernel_calls > before.kernel_calls else "reference wins")
-                    else:
-                        key = runtime.cache_key(
-                            runtime.make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
-                                                 target.arch), target)
-                        entry = store.get(key)
-                        found = entry is not None
-                        verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
-                                   "kernel" if "kernel_us" in entry.times else "untimed kernel")
-                    lookups.append(Lookup(it.name, op, n, found, verdict, err, first_s))
+        for it, A, op, n, x_np, x in _products(paths, ops, widths, device):
+            before = runtime.stats()
+            y, first_s = _first_call(A, x, device)  # GPU: plan from the cache; CPU: torch's CSR kernel
+            err = _rel_err(y, it.matrix.astype(np.float64) @ x_np.astype(np.float32).astype(np.float64))
+            if on_gpu:
+                after = runtime.stats()
+                found = after.cache_hits > before.cache_hits
+                verdict = ("missing" if not found else
+                           "kernel" if after.kernel_calls > before.kernel_calls else "reference wins")
+            else:
+                key = runtime.cache_key(
+                    runtime.make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
+                                         target.arch), target)
+                entry = store.get(key)
+                found = entry is not None
+                verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
+                           "kernel" if "kernel_us" in entry.times else "untimed kernel")
+            lookups.append(Lookup(it.name, op, n, found, verdict, err, first_s))
         if on_gpu:
             torch.cuda.synchronize()
             stats = runtime.stats()
