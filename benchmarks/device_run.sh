@@ -53,67 +53,53 @@ CPU_RC=$?
 tail -8 "$LOGS/pytest_cpu.log"
 fi
 
-# Applications, before the suite (each optional): GNN="args of examples/gnn_inference.py",
-# LLM="args of examples/pruned_llm.py" (their JSON goes to $OUT/bench/{gnn,llm}.json)
+# The optional steps, each set by a variable holding its arguments. run_hook NAME ARGS LIMIT
+# LINES FILTER CMD... runs `CMD... ARGS` when ARGS is not empty, cut at LIMIT seconds, output
+# in $LOGS/NAME.log (the last LINES lines not matching FILTER printed), NAME=rc added to APP_RC.
+# Every CMD writes its JSON under $OUT/bench.
 APP_RC=
-if [ -n "${GNN:-}" ]; then
-  echo "== gnn_inference.py $GNN"
-  timeout "${GNN_TIMEOUT:-400}" python3 examples/gnn_inference.py $GNN --json "$BENCH_DIR/gnn.json" >"$LOGS/gnn.log" 2>&1
-  APP_RC="gnn=$?"
-  grep -v "^ *warn\|UserWarning" "$LOGS/gnn.log" | tail -60
-fi
-if [ -n "${LLM:-}" ]; then
-  echo "== pruned_llm.py $LLM"
-  timeout "${LLM_TIMEOUT:-400}" python3 examples/pruned_llm.py $LLM --json "$BENCH_DIR/llm.json" >"$LOGS/llm.log" 2>&1
-  APP_RC="$APP_RC llm=$?"
-  grep -v "^ *warn\|UserWarning" "$LOGS/llm.log" | tail -40
-fi
+run_hook() {
+  local name=$1 args=$2 limit=$3 lines=$4 filter=$5
+  shift 5
+  [ -n "$args" ] || return 0
+  echo "== $name: $* $args"
+  timeout "$limit" "$@" $args >"$LOGS/$name.log" 2>&1
+  APP_RC="$APP_RC $name=$?"
+  grep -v "$filter" "$LOGS/$name.log" | tail -"$lines"
+}
+QUIET="Warning\|warn\|Loading weights\|sparse_csr_tensor"
 
-# The policy's held-out evaluation (optional): EVAL="args of sparserl eval" (JSON to $OUT/bench/eval*.json);
-# EVAL2 runs a second one after it (e.g. another checkpoint), each cut at EVAL_TIMEOUT seconds
+# Applications, before the suite: GNN="args of examples/gnn_inference.py", LLM="args of examples/pruned_llm.py"
+run_hook gnn "${GNN:-}" "${GNN_TIMEOUT:-400}" 60 "^ *warn\|UserWarning" \
+  python3 examples/gnn_inference.py --json "$BENCH_DIR/gnn.json"
+run_hook llm "${LLM:-}" "${LLM_TIMEOUT:-400}" 40 "^ *warn\|UserWarning" \
+  python3 examples/pruned_llm.py --json "$BENCH_DIR/llm.json"
+
+# The policy's held-out evaluation: EVAL="args of sparserl eval"; EVAL2 runs a second one after
+# it (e.g. another checkpoint), each cut at EVAL_TIMEOUT seconds
 for i in "" 2; do
-  v="EVAL$i"; args="${!v:-}"
-  [ -n "$args" ] || continue
-  echo "== sparserl eval $args"
-  timeout "${EVAL_TIMEOUT:-300}" python3 -m sparserl_compile.cli eval $args --out "$BENCH_DIR/eval$i.json" >"$LOGS/eval$i.log" 2>&1
-  APP_RC="$APP_RC eval$i=$?"
-  grep -v "^ *warn\|Warning\|Loading weights" "$LOGS/eval$i.log" | tail -40
+  v="EVAL$i"
+  run_hook "eval$i" "${!v:-}" "${EVAL_TIMEOUT:-300}" 40 "^ *warn\|Warning\|Loading weights" \
+    python3 -m sparserl_compile.cli eval --out "$BENCH_DIR/eval$i.json"
 done
 
-# Cold start per provider (optional): COLD="args of benchmarks/cold_start.py" (JSON to $OUT/bench/cold_start.json)
-if [ -n "${COLD:-}" ]; then
-  echo "== cold_start.py $COLD"
-  timeout "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_start.py $COLD --json "$BENCH_DIR/cold_start.json" >"$LOGS/cold.log" 2>&1
-  APP_RC="$APP_RC cold=$?"
-  grep -v "Warning\|warn\|Loading weights\|sparse_csr_tensor" "$LOGS/cold.log" | tail -60
-fi
+# Cold start per provider: COLD="args of benchmarks/cold_start.py"
+run_hook cold "${COLD:-}" "${COLD_TIMEOUT:-240}" 60 "$QUIET" \
+  python3 benchmarks/cold_start.py --json "$BENCH_DIR/cold_start.json"
 
-# Through the runtime's provider on the held-out split (optional): E2E="args of benchmarks/provider_e2e.py"
-if [ -n "${E2E:-}" ]; then
-  echo "== provider_e2e.py $E2E"
-  timeout "${E2E_TIMEOUT:-300}" python3 benchmarks/provider_e2e.py $E2E --json "$BENCH_DIR/provider_e2e.json" >"$LOGS/e2e.log" 2>&1
-  APP_RC="$APP_RC e2e=$?"
-  grep -v "Warning\|warn\|Loading weights\|sparse_csr_tensor" "$LOGS/e2e.log" | tail -100
-fi
+# Through the runtime's provider on the held-out split: E2E="args of benchmarks/provider_e2e.py"
+run_hook e2e "${E2E:-}" "${E2E_TIMEOUT:-300}" 100 "$QUIET" \
+  python3 benchmarks/provider_e2e.py --json "$BENCH_DIR/provider_e2e.json"
 
-# Pre-generation, end to end (optional): PREGEN="args of examples/pregenerate.py", e.g.
-# "$SPARSERL_SHARED_MATRICES --compare-search" (the cache goes to /tmp, the JSON to $OUT/bench/pregen.json)
-if [ -n "${PREGEN:-}" ]; then
-  echo "== pregenerate.py $PREGEN"
-  rm -rf /tmp/sr_pregen_cache
-  timeout "${PREGEN_TIMEOUT:-300}" python3 examples/pregenerate.py $PREGEN --out /tmp/sr_pregen_cache --no-progress \
-    --json "$BENCH_DIR/pregen.json" >"$LOGS/pregen.log" 2>&1
-  APP_RC="$APP_RC pregen=$?"
-  grep -v "Warning\|warn" "$LOGS/pregen.log" | tail -60
-fi
+# Pre-generation, end to end: PREGEN="args of examples/pregenerate.py", e.g.
+# "$SPARSERL_SHARED_MATRICES --compare-search" (the cache goes to /tmp)
+[ -z "${PREGEN:-}" ] || rm -rf /tmp/sr_pregen_cache
+run_hook pregen "${PREGEN:-}" "${PREGEN_TIMEOUT:-300}" 60 "Warning\|warn" \
+  python3 examples/pregenerate.py --out /tmp/sr_pregen_cache --no-progress --json "$BENCH_DIR/pregen.json"
 
-# Policy decoding, plain vs speculative (optional): DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"
-if [ -n "${DECODE:-}" ]; then
-  echo "== decode_speed.py $DECODE"
-  timeout "${DECODE_TIMEOUT:-180}" python3 benchmarks/decode_speed.py $DECODE --json "$BENCH_DIR/decode_speed.json" >"$LOGS/decode.log" 2>&1
-  APP_RC="$APP_RC decode=$?"
-  grep -v "Warning\|warn\|Loading weights\|forward_call" "$LOGS/decode.log" | tail -20
-fi
+# Policy decoding, plain vs speculative: DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"
+run_hook decode "${DECODE:-}" "${DECODE_TIMEOUT:-180}" 20 "Warning\|warn\|Loading weights\|forward_call" \
+  python3 benchmarks/decode_speed.py --json "$BENCH_DIR/decode_speed.json"
 
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then
