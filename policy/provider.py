@@ -150,9 +150,13 @@ class PolicyProvider:
         from sparserl_compile.search import pattern_of
 
         hint = None
-        if getattr(self.model.config, "retrieval", False) and self.samples != "hints":
+        retrieval = getattr(self.model.config, "retrieval", False)
+        # the pruned space, built once: the filter of every hint (nearest.suitable)
+        space = (SearchProvider(check_formats=False).candidates(problem, 0, features=feats)
+                 if retrieval or self.samples == "hints" else None)
+        if retrieval and self.samples != "hints":
             # trained with hints: give it one (in "hints" mode each candidate has its own)
-            hint = nearest_hint(s.features, problem.op, dtype, n, default_entries(), problem=problem)
+            hint = nearest_hint(s.features, problem.op, dtype, n, default_entries(), problem=problem, space=space)
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
         # (one per hint, filling hints included, when each candidate has its own hint)
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
@@ -164,7 +168,6 @@ class PolicyProvider:
             # one greedy candidate per hint, nearest first, until k distinct parseable kernels:
             # two hints often give one kernel (the policy copies its hint), so further hints
             # (up to 2k) fill the places of repeats and of dropped samples
-            space = SearchProvider(check_formats=False).candidates(problem, 0, features=feats)
             hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), 2 * k, problem=problem,
                                   space=space)
             cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping

@@ -48,10 +48,10 @@ def nearest_hints(features, op: str, dtype: str, n: int, entries, count: int = 1
 
 
 def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | None = None,
-                 problem=None) -> str | None:
+                 problem=None, space=None) -> str | None:
     """The hint for a problem: the nearest other entry's winner (that ``problem`` can run, when
-    given), or None if no entry fits."""
-    hints = nearest_hints(features, op, dtype, n, entries, 1, exclude, problem)
+    given), or None if no entry fits. ``space``: as ``nearest_points``."""
+    hints = nearest_hints(features, op, dtype, n, entries, 1, exclude, problem, space)
     return hints[0] if hints else None
 
 
