@@ -92,10 +92,16 @@ run_hook e2e "${E2E:-}" "${E2E_TIMEOUT:-300}" 100 "$QUIET" \
   python3 benchmarks/provider_e2e.py --json "$BENCH_DIR/provider_e2e.json"
 
 # Pre-generation, end to end: PREGEN="args of examples/pregenerate.py", e.g.
-# "$SPARSERL_SHARED_MATRICES --compare-search" (the cache goes to /tmp)
-[ -z "${PREGEN:-}" ] || rm -rf /tmp/sr_pregen_cache
+# "$PWD/.device_carry/pregen --provider search --compare-search --time". The cache is built in
+# PREGEN_CACHE (default: a fresh /tmp/sr_pregen_cache) and comes back as $OUT/pregen_cache.tgz;
+# a later call on another machine serves it: carry it unpacked, e.g. in .device_carry/pregen_cache,
+# and set PREGEN_CACHE=$PWD/.device_carry/pregen_cache PREGEN="... --serve-only --time".
+PREGEN_CACHE="${PREGEN_CACHE:-/tmp/sr_pregen_cache}"
+[ -z "${PREGEN:-}" ] || [ "$PREGEN_CACHE" != /tmp/sr_pregen_cache ] || rm -rf "$PREGEN_CACHE"
 run_hook pregen "${PREGEN:-}" "${PREGEN_TIMEOUT:-300}" 60 "Warning\|warn" \
-  python3 examples/pregenerate.py --out /tmp/sr_pregen_cache --no-progress --json "$BENCH_DIR/pregen.json"
+  python3 examples/pregenerate.py --out "$PREGEN_CACHE" --no-progress --json "$BENCH_DIR/pregen.json"
+[ -z "${PREGEN:-}" ] || [ ! -d "$PREGEN_CACHE" ] \
+  || tar czf "$OUT/pregen_cache.tgz" -C "$(dirname "$PREGEN_CACHE")" "$(basename "$PREGEN_CACHE")"
 
 # Policy decoding, plain vs speculative: DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"
 run_hook decode "${DECODE:-}" "${DECODE_TIMEOUT:-180}" 20 "Warning\|warn\|Loading weights\|forward_call" \

@@ -48,28 +48,13 @@ import torch
 
 import sparserl_compile as sr
 from cold_start import _make_provider, first_product, native_csr
-from sparserl_compile import matrices, runtime
+from sparserl_compile import bench, matrices, runtime
 from training.evaluate import geomean
-
-
-def delivered_us(ours, theirs, reps: int = 30) -> tuple[float, float]:
-    """Medians (us) of ``ours()`` and ``theirs()``, L2 flushed, host hidden
-    (``bench.HIDE_HOST_US``), each timed twice in turn (ours, theirs, ours, theirs) and the
-    faster median of each kept."""
-    from sparserl_compile import bench
-
-    a, b = [], []
-    for _ in range(2):
-        a.append(bench.time_fn(ours, reps=reps, hide_host_us=bench.HIDE_HOST_US).median_us)
-        b.append(bench.time_fn(theirs, reps=reps, hide_host_us=bench.HIDE_HOST_US).median_us)
-    return min(a), min(b)
 
 
 def _host_leak(native, x) -> dict:
     """torch.sparse's product timed as the selection times it (L2 flush only) and with its
     host path hidden, in turn, in this process: medians in us."""
-    from sparserl_compile import bench
-
     fn = (lambda: torch.mv(native, x)) if x.dim() == 1 else (lambda: torch.mm(native, x))
     return {"flush_only_us": bench.time_fn(fn).median_us,
             "host_hidden_us": bench.time_fn(fn, hide_host_us=bench.HIDE_HOST_US).median_us}
@@ -110,7 +95,7 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
             rec = (logged[-1].get("verification") or {}) if logged else {}
             leak = _host_leak(native, x) if dev.type == "cuda" else None
             ref_us, kept_us = rec.get("reference_us"), _kept_us(rec)
-            ours_us, ref2_us = (delivered_us(lambda: a @ x, lambda: native @ x) if dev.type == "cuda"
+            ours_us, ref2_us = (bench.time_side_by_side(lambda: a @ x, lambda: native @ x) if dev.type == "cuda"
                                 else (None, None))
             best = r.best()
             plan = next(iter(runtime.plans().values()), None)

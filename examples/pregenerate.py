@@ -30,8 +30,12 @@ Two phases, as a deployment runs them on two machines:
     python examples/pregenerate.py MATRIX_DIR --out kernels/ --ops spmv \\
         --target-gpu "NVIDIA H200" --target-driver 13000 --target-nvrtc 13.0  # without a GPU
     python examples/pregenerate.py --out kernels/ --ops spmv                  # two generated matrices
-    python examples/pregenerate.py MATRIX_DIR --out kernels/ --compare-search --json out.json
-        # GPU: each product's first call from the cache against the same first call without it
+    python examples/pregenerate.py MATRIX_DIR --out kernels/ --provider search --compare-search --time
+        # GPU: build with the whole kernel space (offline, no hurry); then each product's first
+        # call from the cache against the same first call without it (the serving default
+        # provider, on first use), and each served product's steady time against torch.sparse's
+    python examples/pregenerate.py MATRIX_DIR --out kernels/ --serve-only --time
+        # another machine of the same GPU kind: serve a cache built elsewhere, build nothing
 
 The exit status is 1 if a product failed to build or a served product missed the cache.
 """
@@ -53,7 +57,7 @@ import scipy.sparse as sp
 import torch
 
 import sparserl_compile as sr
-from sparserl_compile import cache, matrices, pregen, runtime
+from sparserl_compile import bench, cache, matrices, pregen, providers, runtime
 
 #: the serving GPU assumed when none is named and this machine has none (the H200 image:
 #: CUDA 13 driver, NVRTC 13.0); a wrong driver/NVRTC version makes every lookup miss
@@ -86,6 +90,8 @@ class Lookup:
     max_rel_err: float  # the sparserl product vs a float64 scipy product
     first_call_s: float = 0.0  # wall time of the first product (synchronized): the plan from the cache
     search_first_call_s: float | None = None  # --compare-search: the same first product without the cache
+    served_us: float | None = None  # --time (GPU): the served product's median, after its first call
+    torch_us: float | None = None  # --time (GPU): torch.sparse's CSR product, timed side by side with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +125,10 @@ def write_demo_matrices(folder: Path) -> list[Path]:
 
 
 def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
-          target: runtime.Target | None = None, progress: bool = True) -> BuildReport:
-    """Fill the cache at ``out`` for every matrix under ``paths`` (``sparserl pregen``'s API)."""
+          target: runtime.Target | None = None, progress: bool = True, provider: str | None = None) -> BuildReport:
+    """Fill the cache at ``out`` for every matrix under ``paths`` (``sparserl pregen``'s API).
+    ``provider``: who proposes the candidates while building (``"search"``: the whole pruned
+    kernel space); the runtime's provider is restored afterwards, so serving uses its own."""
     on_gpu = torch.cuda.is_available()
     if target is None:
         target = runtime.local_target() if on_gpu else DEFAULT_TARGET
@@ -128,9 +136,15 @@ def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), wid
     items = pregen.discover(paths)
     if not items:
         raise SystemExit(f"no matrices (.npz, .mtx, .onnx) under {paths}")
+    before = providers.get_provider()
+    if provider:
+        providers.set_provider(provider)
     t0 = time.perf_counter()
-    rows = pregen.pregenerate(items, cache_dir=out, ops=tuple(ops), widths=tuple(widths), target=target,
-                              executor=executor, progress=progress)
+    try:
+        rows = pregen.pregenerate(items, cache_dir=out, ops=tuple(ops), widths=tuple(widths), target=target,
+                                  executor=executor, progress=progress)
+    finally:
+        providers.set_provider(before)
     return BuildReport(target, executor, rows, time.perf_counter() - t0)
 
 
@@ -191,8 +205,10 @@ def search_first_calls(paths: list[str], *, ops=("spmv", "spmm"), widths=(32,)) 
 
 
 def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
-          target: runtime.Target | None = None) -> ServeReport:
-    """Serve every product from the cache at ``cache_dir`` (see the module docstring)."""
+          target: runtime.Target | None = None, timed: bool = False) -> ServeReport:
+    """Serve every product from the cache at ``cache_dir`` (see the module docstring).
+    ``timed`` (GPU): also time each served product against torch.sparse's CSR product, side by
+    side (``bench.time_side_by_side``: L2 flushed, host hidden)."""
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     lookups: list[Lookup] = []
@@ -218,7 +234,12 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                 found = entry is not None
                 verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
                            "kernel" if "kernel_us" in entry.times else "untimed kernel")
-            lookups.append(Lookup(it.name, op, n, found, verdict, err, first_s))
+            served_us = torch_us = None
+            if timed and on_gpu:
+                native = torch.sparse_csr_tensor(A.crow, A.col, A.val, size=tuple(A.shape))
+                served_us, torch_us = bench.time_side_by_side(lambda: A @ x, lambda: native @ x)
+            lookups.append(Lookup(it.name, op, n, found, verdict, err, first_s, served_us=served_us,
+                                  torch_us=torch_us))
         if on_gpu:
             torch.cuda.synchronize()
             stats = runtime.stats()
@@ -228,13 +249,18 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
 
 def format_lookups(report: ServeReport) -> str:
     searched = any(x.search_first_call_s is not None for x in report.lookups)
+    timed = [x for x in report.lookups if x.served_us and x.torch_us]
     head = (f"{'matrix':34s} {'op':5s} {'n':>4s} {'in cache':8s} {'verdict':15s} {'rel_err':>9s} "
-            f"{'first call':>10s}" + (f" {'no cache':>9s}" if searched else ""))
+            f"{'first call':>10s}" + (f" {'no cache':>9s}" if searched else "")
+            + (f" {'served_us':>9s} {'torch_us':>8s} {'speedup':>7s}" if timed else ""))
     lines = [head, "-" * len(head)]
     for x in report.lookups:
-        lines.append(f"{x.name[:34]:34s} {x.op:5s} {x.n:>4d} {'yes' if x.found else 'NO':8s} "
-                     f"{x.verdict:15s} {x.max_rel_err:>9.1e} {x.first_call_s * 1e3:8.1f}ms"
-                     + (f" {x.search_first_call_s:8.2f}s" if x.search_first_call_s is not None else ""))
+        line = (f"{x.name[:34]:34s} {x.op:5s} {x.n:>4d} {'yes' if x.found else 'NO':8s} "
+                f"{x.verdict:15s} {x.max_rel_err:>9.1e} {x.first_call_s * 1e3:8.1f}ms"
+                + (f" {x.search_first_call_s:8.2f}s" if x.search_first_call_s is not None else ""))
+        if x.served_us and x.torch_us:
+            line += f" {x.served_us:9.1f} {x.torch_us:8.1f} {x.torch_us / x.served_us:6.2f}x"
+        lines.append(line)
     lines.append(f"{len(report.lookups) - report.misses}/{len(report.lookups)} products found in "
                  f"{report.cache_dir} ({report.entries} entries)")
     if report.lookups:
@@ -246,7 +272,16 @@ def format_lookups(report: ServeReport) -> str:
             line += (f"; without it (first-use selection): median {cold[len(cold) // 2]:.2f} s, "
                      f"max {cold[-1]:.2f} s")
         lines.append(line)
+    if timed:
+        lines.append(f"served products against torch.sparse, side by side: geomean "
+                     f"{speedup_geomean(report):.2f}x over {len(timed)} products")
     return "\n".join(lines)
+
+
+def speedup_geomean(report: ServeReport) -> float | None:
+    """Geomean of torch.sparse's time over the served product's (``--time``), or None."""
+    r = [x.torch_us / x.served_us for x in report.lookups if x.served_us and x.torch_us]
+    return float(np.exp(np.mean(np.log(r)))) if r else None
 
 
 def main(argv=None) -> int:
@@ -265,6 +300,12 @@ def main(argv=None) -> int:
     p.add_argument("--compare-search", action="store_true",
                    help="GPU: also time each product's first call without the cache (first-use selection)")
     p.add_argument("--json", default=None, help="write the build rows and the served products here")
+    p.add_argument("--provider", default=None,
+                   help="build with this provider (search | nearest | policy; default: the runtime's)")
+    p.add_argument("--serve-only", action="store_true",
+                   help="build nothing: serve from a cache built elsewhere (--out must hold it)")
+    p.add_argument("--time", action="store_true",
+                   help="GPU: time each served product against torch.sparse's CSR product, side by side")
     args = p.parse_args(argv)
     ops = tuple(o for o in args.ops.split(",") if o)
     bad = set(ops) - {"spmv", "spmm"}
@@ -282,16 +323,23 @@ def main(argv=None) -> int:
             print(f"no matrices named: using two generated ones in {folder}")
             paths = [str(folder)]
 
-        b = build(paths, args.out, ops=ops, widths=widths, target=target, progress=not args.no_progress)
-        print(f"== build: {len(b.rows)} products for {b.target.gpu_name} ({b.target.arch}, driver "
-              f"{b.target.driver_version}, NVRTC {b.target.nvrtc_version}), verified on the {b.executor} "
-              f"executor, {b.seconds:.1f} s")
-        print(pregen.format_table(b.rows))
-        if b.executor == "cpu":
-            print("(entries built without the serving GPU carry no timings; its runtime times each one against "
-                  "cuSPARSE on first use)")
+        if args.serve_only:
+            if not cache.KernelCache(args.out).ls():
+                p.error(f"--serve-only: no cache entries in {args.out}; build one first (without --serve-only)")
+            b = None
+            print(f"== serve only: the cache in {args.out} was built elsewhere; nothing is built here")
+        else:
+            b = build(paths, args.out, ops=ops, widths=widths, target=target, progress=not args.no_progress,
+                      provider=args.provider)
+            print(f"== build: {len(b.rows)} products for {b.target.gpu_name} ({b.target.arch}, driver "
+                  f"{b.target.driver_version}, NVRTC {b.target.nvrtc_version}), verified on the {b.executor} "
+                  f"executor, with the {args.provider or providers.get_provider().name} provider, {b.seconds:.1f} s")
+            print(pregen.format_table(b.rows))
+            if b.executor == "cpu":
+                print("(entries built without the serving GPU carry no timings; its runtime times each one "
+                      "against cuSPARSE on first use)")
 
-        s = serve(paths, args.out, ops=ops, widths=widths, target=b.target)
+        s = serve(paths, args.out, ops=ops, widths=widths, target=b.target if b else target, timed=args.time)
         if args.compare_search and s.device == "cuda":
             cold = search_first_calls(paths, ops=ops, widths=widths)
             s = dataclasses.replace(s, lookups=[dataclasses.replace(x, search_first_call_s=c)
@@ -299,9 +347,15 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": s.device, "gpu": torch.cuda.get_device_name(0) if s.device == "cuda" else None,
-                           "torch": torch.__version__, "build_seconds": b.seconds, "executor": b.executor,
-                           "build": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else str(r) for r in b.rows],
-                           "served": [dataclasses.asdict(x) for x in s.lookups]}, f, indent=1, default=str)
+                           "torch": torch.__version__, "serve_only": b is None,
+                           "build_provider": None if b is None else (args.provider or "runtime default"),
+                           "build_seconds": None if b is None else b.seconds,
+                           "executor": None if b is None else b.executor,
+                           "build": [] if b is None else [dataclasses.asdict(r) for r in b.rows],
+                           "served": [dataclasses.asdict(x) for x in s.lookups],
+                           "served_speedup_geomean": speedup_geomean(s),
+                           "stats": None if s.stats is None else dataclasses.asdict(s.stats)},
+                          f, indent=1, default=str)
         print(f"\n== serve on {s.device} with SPARSERL_CACHE_DIR={args.out}")
         print(format_lookups(s))
         if s.stats is not None:
@@ -316,7 +370,7 @@ def main(argv=None) -> int:
             sparserl(["cache", "--dir", str(args.out), "ls"])
             print("\n$ sparserl cache verify")
             sparserl(["cache", "--dir", str(args.out), "verify"])
-    return 1 if b.failed or s.misses else 0
+    return 1 if (b is not None and b.failed) or s.misses else 0
 
 
 if __name__ == "__main__":  # the guard matters: the verification sandbox spawns workers

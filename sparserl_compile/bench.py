@@ -138,6 +138,18 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, flush_
     return BenchResult.from_samples(samples, "events", flush_l2)
 
 
+def time_side_by_side(ours: Callable[[], object], theirs: Callable[[], object], *,
+                      reps: int = 30) -> tuple[float, float]:
+    """Medians (us) of ``ours()`` and ``theirs()``, L2 flushed, host hidden (``HIDE_HOST_US``),
+    each timed twice in turn (ours, theirs, ours, theirs) and the faster median of each kept: a
+    ratio of the two is measured side by side, in one process, on one machine."""
+    a, b = [], []
+    for _ in range(2):
+        a.append(time_fn(ours, reps=reps, hide_host_us=HIDE_HOST_US).median_us)
+        b.append(time_fn(theirs, reps=reps, hide_host_us=HIDE_HOST_US).median_us)
+    return min(a), min(b)
+
+
 def time_graph(fn: Callable[[], object], *, launches: int = 100, reps: int = 10, warmup: int = 3) -> BenchResult:
     """Per-call time of ``launches`` back-to-back calls captured in one CUDA graph (hot L2)."""
     torch = _torch()

@@ -105,8 +105,12 @@ def onnx_matrices(path: Path, min_sparsity: float = 0.5) -> list[Item]:
         name = sparse.values.name
         items.append(Item(f"{path.name}:{name}", matrices.canonical(m.T if name in transposed else m)))
     for init in g.initializer:
-        if len(init.dims) != 2 or init.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                                                         onnx.TensorProto.BFLOAT16):
+        if len(init.dims) != 2:
+            continue
+        if init.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
+            kind = onnx.TensorProto.DataType.Name(init.data_type)
+            print(f"skipping {path.name}:{init.name}: {kind} weights (sparserl runs float32, float16 and bfloat16)",
+                  file=sys.stderr)
             continue
         w = numpy_helper.to_array(init).astype(np.float32)
         if w.size == 0 or float(np.mean(w == 0)) < min_sparsity:

@@ -6,13 +6,14 @@ import contextlib
 import io
 import json
 import os
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 from example_loader import load_example
 
-from sparserl_compile import cache
+from sparserl_compile import cache, providers
 
 pg = load_example("pregenerate")
 
@@ -89,6 +90,41 @@ def test_a_second_build_resumes_from_the_cache(built):
     assert [r.outcome for r in b.rows] == ["cached", "cached"]
 
 
+@cpu_only
+def test_serve_only_uses_a_cache_built_elsewhere_and_builds_nothing(built, tmp_path):
+    _, _, mats, out = built
+    copied = tmp_path / "carried"  # the folder as another machine receives it
+    shutil.copytree(out, copied)
+    before = sorted(p.name for p in copied.rglob("*"))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = pg.main([str(mats), "--out", str(copied), "--ops", "spmv", "--serve-only",
+                      "--json", str(tmp_path / "served.json")])
+    text = buf.getvalue()
+    assert rc == 0, text
+    assert "== serve only" in text and "== build" not in text and "2/2 products found" in text
+    assert sorted(p.name for p in copied.rglob("*")) == before  # nothing written into the cache
+    written = json.loads((tmp_path / "served.json").read_text())
+    assert written["serve_only"] is True and written["build"] == [] and written["build_seconds"] is None
+    assert [x["found"] for x in written["served"]] == [True, True]
+
+
+def test_serve_only_without_a_cache_says_to_build_one(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        pg.main(["--out", str(tmp_path / "empty"), "--ops", "spmv", "--serve-only"])
+    assert "no cache entries" in capsys.readouterr().err
+
+
+@cpu_only
+def test_build_with_a_named_provider_restores_the_runtime_provider(tmp_path):
+    mats = tmp_path / "matrices"
+    pg.write_demo_matrices(mats)
+    before = providers.get_provider()
+    b = pg.build([str(mats)], tmp_path / "k", ops=("spmv",), progress=False, provider="reference")
+    assert b.failed == 0 and [r.outcome for r in b.rows] == ["reference", "reference"]
+    assert providers.get_provider() is before
+
+
 def test_main_rejects_an_unknown_op(tmp_path):
     with pytest.raises(SystemExit):
         pg.main(["--out", str(tmp_path / "k"), "--ops", "spmv,gemm"])
@@ -101,8 +137,10 @@ def test_gpu_build_and_serve_runs_every_product_from_the_cache(tmp_path):
     out = tmp_path / "kernels"
     b = pg.build([str(mats)], out, ops=("spmv", "spmm"), widths=(8,), progress=False)
     assert b.executor == "gpu" and b.failed == 0
-    report = pg.serve([str(mats)], out, ops=("spmv", "spmm"), widths=(8,))
+    report = pg.serve([str(mats)], out, ops=("spmv", "spmm"), widths=(8,), timed=True)
     assert report.device == "cuda" and report.misses == 0
+    assert all(x.served_us > 0 and x.torch_us > 0 for x in report.lookups)  # --time: side by side
+    assert pg.speedup_geomean(report) > 0
     assert report.stats.cache_hits == len(report.lookups) == 4
     assert report.stats.searches == 0  # entries built here are timed: nothing is searched at serve time
     assert report.stats.fallbacks == 0

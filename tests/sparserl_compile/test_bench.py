@@ -67,3 +67,13 @@ def test_reference_timing_int32_and_int64():
     assert set(ref) == {"int32", "int64"} and all(r.median_us > 0 for r in ref.values())
     floor = bench.floor_us(formats.floor_bytes("spmv", *m.shape, m.nnz))
     assert not bench.is_impossible(ref["int32"].median_us, floor)
+
+
+@pytest.mark.gpu
+def test_side_by_side_timing_orders_a_small_and_a_large_fill():
+    import torch
+
+    big = torch.empty(64 * 2**20 // 4, device="cuda")
+    small = big[: 2**16]
+    ours, theirs = bench.time_side_by_side(lambda: small.fill_(1.0), lambda: big.fill_(1.0), reps=10)
+    assert 0 < ours < theirs, (ours, theirs)  # 256 KiB written vs 64 MiB

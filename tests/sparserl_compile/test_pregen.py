@@ -55,6 +55,22 @@ def test_onnx_pruned_weights_become_out_by_in_matrices(tmp_path):
     np.testing.assert_array_equal(item.matrix.toarray(), w.T)
 
 
+def test_onnx_float64_weights_are_skipped_with_a_reason(tmp_path, capsys):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.zeros((4, 6))  # float64, all zeros: sparse, but not a dtype sparserl runs
+    w[0, 1] = 1.0
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [1, 6])],
+                          initializer=[numpy_helper.from_array(w, "w")])
+    path = tmp_path / "f64.onnx"
+    onnx.save(helper.make_model(g), str(path))
+    assert pregen.discover([str(path)]) == []
+    assert "skipping f64.onnx:w: DOUBLE weights" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cpu_build_machine_run_writes_untimed_entries_and_resumes(tmp_path):
     _save_npz(tmp_path / "s.npz", matrices.stencil2d(8))
