@@ -1,7 +1,7 @@
 """Assemble the folder the pre-generation benchmark serves (docs/benchmarks.md, "Pre-generation").
 
 A deployment's model folder holds matrices in several formats; this one holds, from the shared
-matrices, eight ``.npz`` files of different kinds (circuit, FEM, mesh, social, road, DNN), one of
+matrices, seven ``.npz`` files of different kinds (circuit, FEM, mesh, social, road, DNN), one of
 them written as Matrix Market ``.mtx`` instead, and one ONNX model: a two-layer MLP
 (1024 -> 1024 -> 1024, float32) whose weights are magnitude-pruned to 90 % zeros, so that
 ``sparserl pregen`` finds its two initializers as sparse matrices.
@@ -22,7 +22,7 @@ import scipy.io
 from sparserl_compile import matrices
 
 #: the shared matrices copied as .npz (kind in the MANIFEST: one or two of each)
-NPZ = ("rajat01", "bcsstk17", "fe_body", "wiki-Vote", "MIT8", "rgg_n_2_15_s0", "dnn_n1024_l1", "pushpull")
+NPZ = ("rajat01", "bcsstk17", "fe_body", "wiki-Vote", "rgg_n_2_15_s0", "dnn_n1024_l1", "pushpull")
 #: the shared matrix written as Matrix Market instead
 MTX = "4elt"
 
