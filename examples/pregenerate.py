@@ -92,6 +92,8 @@ class Lookup:
     search_first_call_s: float | None = None  # --compare-search: the same first product without the cache
     served_us: float | None = None  # --time (GPU): the served product's median, after its first call
     torch_us: float | None = None  # --time (GPU): torch.sparse's CSR product, timed side by side with it
+    search_served_us: float | None = None  # --compare-search --time: the first-use plan's median after
+    search_torch_us: float | None = None  # its first call, and torch.sparse's timed side by side with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +194,26 @@ def _products(paths: list[str], ops, widths, device: str):
                 yield it, A, op, n, x_np, torch.from_numpy(x_np.astype(np.float32)).to(device)
 
 
-def search_first_calls(paths: list[str], *, ops=("spmv", "spmm"), widths=(32,)) -> list[float]:
+def _side_by_side_with_torch(A, x) -> tuple[float, float]:
+    """(sparserl us, torch.sparse us) of ``A @ x``, timed side by side (``bench.time_side_by_side``)."""
+    native = torch.sparse_csr_tensor(A.crow, A.col, A.val, size=tuple(A.shape))
+    return bench.time_side_by_side(lambda: A @ x, lambda: native @ x)
+
+
+def search_first_calls(paths: list[str], *, ops=("spmv", "spmm"), widths=(32,),
+                       timed: bool = False) -> list[tuple[float, float | None, float | None]]:
     """What serving pays without a pre-generated cache (GPU): each product's first call with the
     disk cache off, so the runtime's provider proposes and the selection compiles, verifies and
-    times on first use. Same products and order as ``serve``."""
+    times on first use. Same products and order as ``serve``. One ``(first call s, us, torch us)``
+    each; ``timed``: the plan's median after that first call and torch.sparse's beside it (else None)."""
     old = runtime.get_config().cache
     sr.configure(cache=False)
     try:
-        return [_first_call(A, x, "cuda")[1] for _, A, _, _, _, x in _products(paths, ops, widths, "cuda")]
+        out = []
+        for _, A, _, _, _, x in _products(paths, ops, widths, "cuda"):
+            first = _first_call(A, x, "cuda")[1]
+            out.append((first, *(_side_by_side_with_torch(A, x) if timed else (None, None))))
+        return out
     finally:
         sr.configure(cache=old)
 
@@ -236,8 +250,7 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                            "kernel" if "kernel_us" in entry.times else "untimed kernel")
             served_us = torch_us = None
             if timed and on_gpu:
-                native = torch.sparse_csr_tensor(A.crow, A.col, A.val, size=tuple(A.shape))
-                served_us, torch_us = bench.time_side_by_side(lambda: A @ x, lambda: native @ x)
+                served_us, torch_us = _side_by_side_with_torch(A, x)
             lookups.append(Lookup(it.name, op, n, found, verdict, err, first_s, served_us=served_us,
                                   torch_us=torch_us))
         if on_gpu:
@@ -275,6 +288,11 @@ def format_lookups(report: ServeReport) -> str:
     if timed:
         lines.append(f"served products against torch.sparse, side by side: geomean "
                      f"{speedup_geomean(report):.2f}x over {len(timed)} products")
+        cold = [x for x in timed if x.search_served_us and x.search_torch_us]
+        if cold:
+            g = float(np.exp(np.mean([np.log(x.search_torch_us / x.search_served_us) for x in cold])))
+            lines.append(f"the same products planned on first use without the cache, against torch.sparse: "
+                         f"geomean {g:.2f}x")
     return "\n".join(lines)
 
 
@@ -341,9 +359,10 @@ def main(argv=None) -> int:
 
         s = serve(paths, args.out, ops=ops, widths=widths, target=b.target if b else target, timed=args.time)
         if args.compare_search and s.device == "cuda":
-            cold = search_first_calls(paths, ops=ops, widths=widths)
-            s = dataclasses.replace(s, lookups=[dataclasses.replace(x, search_first_call_s=c)
-                                                for x, c in zip(s.lookups, cold)])
+            cold = search_first_calls(paths, ops=ops, widths=widths, timed=args.time)
+            s = dataclasses.replace(s, lookups=[dataclasses.replace(x, search_first_call_s=c, search_served_us=us,
+                                                                    search_torch_us=t)
+                                                for x, (c, us, t) in zip(s.lookups, cold)])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": s.device, "gpu": torch.cuda.get_device_name(0) if s.device == "cuda" else None,

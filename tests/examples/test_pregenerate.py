@@ -145,5 +145,10 @@ def test_gpu_build_and_serve_runs_every_product_from_the_cache(tmp_path):
     assert report.stats.searches == 0  # entries built here are timed: nothing is searched at serve time
     assert report.stats.fallbacks == 0
     assert all(x.max_rel_err < 1e-4 for x in report.lookups)
-    cold = pg.search_first_calls([str(mats)], ops=("spmv", "spmm"), widths=(8,))
-    assert len(cold) == 4 and all(c > 0 for c in cold)  # the same products, found without the cache
+    cold = pg.search_first_calls([str(mats)], ops=("spmv", "spmm"), widths=(8,), timed=True)
+    assert len(cold) == 4  # the same products, planned without the cache
+    assert all(first > 0 and us > 0 and torch_us > 0 for first, us, torch_us in cold)
+    text = pg.format_lookups(replace(report, lookups=[
+        replace(x, search_first_call_s=c[0], search_served_us=c[1], search_torch_us=c[2])
+        for x, c in zip(report.lookups, cold)]))
+    assert "planned on first use without the cache, against torch.sparse: geomean" in text
