@@ -604,9 +604,14 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=0,
                    help="candidates the runtime tries per weight matrix and width (0: the provider's "
                         "default); a decoder has hundreds of matrices, each searched on first use")
+    p.add_argument("--provider", default=None,
+                   help="who proposes the candidates (search | nearest | policy; default: the runtime's), "
+                        "at --pregen time and on first use")
     args = p.parse_args(argv)
     if args.k:
         sr.configure(k=args.k)
+    if args.provider:
+        sr.configure(provider=args.provider)
     batches = [int(b) for b in args.batches.split(",") if b]
     if args.patterns and (args.tiny or args.gguf):
         p.error("--patterns builds its model from DIR/config.json: drop --tiny / --gguf")
@@ -670,6 +675,7 @@ def main(argv=None) -> int:
                "ppl_dense": ppl_dense, "method": method, "new_tokens": args.new_tokens,
                "threads": torch.get_num_threads(), "patterns_from": args.patterns, "patterns_saved_to": args.save_patterns,
                "compile_mode": args.compile_mode if args.compile else None,
+               "provider": sr.get_config().provider, "k": sr.get_config().k,
                "levels": [{**asdict(r), "achieved_sparsity": r.prune.achieved} for r in reports]}
         if meta:
             out["ppl_source"] = (f"CPU, {'real' if meta['real'] else 'saved tiny model'} weights, {meta['date']} "

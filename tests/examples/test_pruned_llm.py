@@ -165,6 +165,21 @@ def test_patterns_mode_needs_a_saved_folder(tmp_path, capsys):
     assert "no meta.json" in capsys.readouterr().err
 
 
+def test_provider_is_set_for_the_run_and_recorded(tmp_path, capsys):
+    import sparserl_compile as sr
+
+    before = sr.get_config().provider
+    out = tmp_path / "r.json"
+    try:
+        assert llm.main(["--tiny", "--sparsity", "0.8", "--batches", "1", "--new-tokens", "2",
+                         "--provider", "reference", "--k", "3", "--json", str(out)]) == 0
+        assert sr.get_config().provider == "reference"
+    finally:
+        sr.configure(provider=before, k=0)
+    r = json.loads(out.read_text())
+    assert r["provider"] == "reference" and r["k"] == 3
+
+
 def test_pregen_needs_a_gpu_device(capsys):
     with pytest.raises(SystemExit):
         llm.main(["--tiny", "--sparsity", "0.8", "--pregen", "2"])
