@@ -36,6 +36,9 @@ Two phases, as a deployment runs them on two machines:
         # provider, on first use), and each served product's steady time against torch.sparse's
     python examples/pregenerate.py MATRIX_DIR --out kernels/ --serve-only --time
         # another machine of the same GPU kind: serve a cache built elsewhere, build nothing
+    python examples/pregenerate.py MATRIX_DIR --out kernels/ --provider policy --serve-provider policy
+        # entries the policy builds are keyed to its checkpoint: the serving process runs it too
+        # (a process running the policy also finds entries built with search or nearest)
 
 The exit status is 1 if a product failed to build or a served product missed the cache.
 """
@@ -72,6 +75,7 @@ class BuildReport:
     executor: str  # "gpu" (verified and timed here) or "cpu" (verified, untimed)
     rows: list[pregen.Row]
     seconds: float
+    policy_hash: str = "none"  # the entries' key field: a policy checkpoint's hash, "none" for the families
 
     @property
     def failed(self) -> int:
@@ -127,10 +131,11 @@ def write_demo_matrices(folder: Path) -> list[Path]:
 
 
 def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
-          target: runtime.Target | None = None, progress: bool = True, provider: str | None = None) -> BuildReport:
+          target: runtime.Target | None = None, progress: bool = True, provider=None) -> BuildReport:
     """Fill the cache at ``out`` for every matrix under ``paths`` (``sparserl pregen``'s API).
-    ``provider``: who proposes the candidates while building (``"search"``: the whole pruned
-    kernel space); the runtime's provider is restored afterwards, so serving uses its own."""
+    ``provider`` (a name or a provider object): who proposes the candidates while building
+    (``"search"``: the whole pruned kernel space); the runtime's provider is restored afterwards,
+    so serving uses its own."""
     on_gpu = torch.cuda.is_available()
     if target is None:
         target = runtime.local_target() if on_gpu else DEFAULT_TARGET
@@ -139,15 +144,19 @@ def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), wid
     if not items:
         raise SystemExit(f"no matrices (.npz, .mtx, .onnx) under {paths}")
     before = providers.get_provider()
-    if provider:
-        providers.set_provider(provider)
+    builder = providers.set_provider(provider) if provider else before
     t0 = time.perf_counter()
     try:
         rows = pregen.pregenerate(items, cache_dir=out, ops=tuple(ops), widths=tuple(widths), target=target,
                                   executor=executor, progress=progress)
     finally:
         providers.set_provider(before)
-    return BuildReport(target, executor, rows, time.perf_counter() - t0)
+    return BuildReport(target, executor, rows, time.perf_counter() - t0, _policy_hash(builder))
+
+
+def _policy_hash(provider) -> str:
+    """The cache key's ``policy_hash`` of entries ``provider`` builds (``runtime.cache_key``)."""
+    return str(getattr(provider, "checkpoint_hash", None) or "none")
 
 
 @contextlib.contextmanager
@@ -320,6 +329,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the build rows and the served products here")
     p.add_argument("--provider", default=None,
                    help="build with this provider (search | nearest | policy; default: the runtime's)")
+    p.add_argument("--serve-provider", default=None,
+                   help="the serving process's provider (default: the runtime's). Entries built by the policy "
+                        "are keyed to its checkpoint: serve them with --serve-provider policy")
     p.add_argument("--serve-only", action="store_true",
                    help="build nothing: serve from a cache built elsewhere (--out must hold it)")
     p.add_argument("--time", action="store_true",
@@ -357,6 +369,13 @@ def main(argv=None) -> int:
                 print("(entries built without the serving GPU carry no timings; its runtime times each one "
                       "against cuSPARSE on first use)")
 
+        if args.serve_provider:
+            providers.set_provider(args.serve_provider)
+        serving = _policy_hash(providers.get_provider())
+        if b is not None and b.policy_hash not in ("none", serving):
+            print(f"note: these entries are keyed to the policy checkpoint {b.policy_hash[:12]}, and the serving "
+                  f"provider ({providers.get_provider().name}) will not find them: serve with --serve-provider "
+                  f"policy (sparserl.configure(provider='policy') in a serving process)")
         s = serve(paths, args.out, ops=ops, widths=widths, target=b.target if b else target, timed=args.time)
         if args.compare_search and s.device == "cuda":
             cold = search_first_calls(paths, ops=ops, widths=widths, timed=args.time)
@@ -368,6 +387,8 @@ def main(argv=None) -> int:
                 json.dump({"device": s.device, "gpu": torch.cuda.get_device_name(0) if s.device == "cuda" else None,
                            "torch": torch.__version__, "serve_only": b is None,
                            "build_provider": None if b is None else (args.provider or "runtime default"),
+                           "build_policy_hash": None if b is None else b.policy_hash,
+                           "serve_provider": providers.get_provider().name,
                            "build_seconds": None if b is None else b.seconds,
                            "executor": None if b is None else b.executor,
                            "build": [] if b is None else [dataclasses.asdict(r) for r in b.rows],

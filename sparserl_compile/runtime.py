@@ -497,6 +497,21 @@ def cache_key(problem: providers.Problem, target: Target):
     )
 
 
+def lookup(store, key):
+    """``store``'s entry for ``key``; where a policy is active (``key.policy_hash`` is its
+    checkpoint's) and has none, the families-only entry (``policy_hash="none"``: built with the
+    search or nearest provider) of the same problem and target: a kernel verified and timed on
+    this GPU kind is as valid whoever proposed it, so a cache pre-generated with the search
+    serves a process running the policy. The reverse does not hold: entries built by a policy
+    are keyed to its checkpoint and only a process running that checkpoint finds them."""
+    from dataclasses import replace
+
+    entry = store.get(key)
+    if entry is None and key.policy_hash != "none":
+        entry = store.get(replace(key, policy_hash="none"))
+    return entry
+
+
 _targets: dict[tuple, Target] = {}
 
 
@@ -609,7 +624,7 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
     if store is not None:
         try:
             key = _cache_key(problem, x.device)
-            entry = store.get(key)
+            entry = lookup(store, key)
         except Exception as e:
             _log_once("disk cache unusable, searching without it", fp, f"{type(e).__name__}: {e}")
             store = None
@@ -620,7 +635,7 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
         if entry.reference_wins:
             return ReferencePlan("cached verdict: " + entry.verification.get("why", "the reference wins"))
         if "kernel_us" in entry.times:
-            plan = _entry_plan(entry, problem, x.device, key)
+            plan = _entry_plan(entry, problem, x.device, entry.key)  # its own key: dropped if the re-check fails
             _log_first_use(problem, "cache", plan, None, t0, t_problem, t_cache, t_cache)
             return plan
         # pre-generated without a GPU: verified on the CPU, never timed on this GPU; it is

@@ -125,6 +125,29 @@ def test_build_with_a_named_provider_restores_the_runtime_provider(tmp_path):
     assert providers.get_provider() is before
 
 
+class _CheckpointedReference(providers.ReferenceProvider):
+    """A provider with a checkpoint hash, as the policy has (its entries are keyed to it)."""
+
+    name = "checkpointed"
+    checkpoint_hash = "ab12" * 16
+
+
+@cpu_only
+def test_entries_built_by_a_policy_are_found_by_that_policy_only(tmp_path):
+    mats = tmp_path / "matrices"
+    pg.write_demo_matrices(mats)
+    out = tmp_path / "k"
+    before = providers.get_provider()
+    b = pg.build([str(mats)], out, ops=("spmv",), progress=False, provider=_CheckpointedReference())
+    assert b.policy_hash == "ab12" * 16 and providers.get_provider() is before
+    assert pg.serve([str(mats)], out, ops=("spmv",)).misses == 2  # the default provider: no hash, no hit
+    providers.set_provider(_CheckpointedReference())
+    try:
+        assert pg.serve([str(mats)], out, ops=("spmv",)).misses == 0
+    finally:
+        providers.set_provider(before)
+
+
 def test_main_rejects_an_unknown_op(tmp_path):
     with pytest.raises(SystemExit):
         pg.main(["--out", str(tmp_path / "k"), "--ops", "spmv,gemm"])

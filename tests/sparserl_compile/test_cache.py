@@ -259,3 +259,17 @@ def test_numpy_and_nonfinite_record_values_round_trip(tmp_path):
     assert got.verification == {"errs": [1e-7, 0.0], "worst": float("inf")}
     with pytest.raises(TypeError, match="JSON only"):
         c.put(CacheEntry(_key(op="spmm"), None, verification={"obj": object()}))
+
+
+def test_a_policy_runtime_finds_families_only_entries_but_not_the_reverse(tmp_path):
+    from sparserl_compile import runtime
+
+    store = KernelCache(tmp_path / "c")
+    families = _key()  # built with the search or nearest provider
+    store.put(_entry(families))
+    policy = _key(policy_hash="ab12")
+    assert runtime.lookup(store, policy).key == families  # a policy process serves a search-built cache
+    store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
+    assert runtime.lookup(store, _key(fp="cd" * 16)) is None  # a policy's entries need that policy
+    assert runtime.lookup(store, _key(fp="cd" * 16, policy_hash="ab12")).key.policy_hash == "ab12"
+    assert runtime.lookup(store, _key(fp="ef" * 16, policy_hash="ab12")) is None
