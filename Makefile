@@ -1,6 +1,7 @@
 # sparserl: two commands on a fresh machine.
 #   make demo   set up, then run the main job (generated matrices, the default provider;
-#               `sparserl demo --provider policy` asks the bundled policy) and print a table
+#               `sparserl demo --provider policy` asks the bundled policy) and print a table,
+#               then the three applications, short (examples/applications.py), and their table
 #   make test   set up, then run the test suite (what CI runs)
 PY ?= python3
 VENV ?= .venv
@@ -21,6 +22,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(BIN)/sparserl demo
+	$(BIN)/python examples/applications.py
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
