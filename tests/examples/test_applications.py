@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from example_loader import load_example
 
 apps = load_example("applications")
@@ -26,3 +28,12 @@ def test_a_failed_check_is_shown_as_failed():
     table = apps.format_rows([row, apps.Row("GNN", "w", "1 ms", "2 ms", "max rel err 0", ok=True)])
     lines = table.splitlines()
     assert lines[2].endswith("FAILED") and lines[3].endswith("ok")
+
+
+@pytest.mark.gpu
+def test_the_applications_on_a_gpu_agree_with_their_comparisons(tmp_path):
+    out = tmp_path / "apps.json"
+    assert apps.main(["--quick", "--device", "cuda", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["ok"] for r in rows), rows
+    assert "for this GPU" in rows[3]["what"]  # built and timed here, then served from the cache
