@@ -46,6 +46,9 @@ class RLConfig:
     device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda' for the policy")
     max_nnz: int = opt(0, "train only on problems with at most this many nonzeros (0 = all; e.g. for the "
                           "CPU evaluators, whose executor is slow on large matrices)")
+    unlabelled: int = opt(0, "also this many generated problems no supervision record covers "
+                             "(training/unlabelled.py), rewarded against cuSPARSE timed by the evaluator")
+    labelled: bool = opt(True, "the training records' problems (off with --unlabelled N: new structures only)")
     speculative: bool = opt(True, "decode rollouts speculatively against the nearest measured kernels "
                                   "(the same samples' distribution, fewer model calls)")
     time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
@@ -141,7 +144,12 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
 
     if problems is None:  # every training record gives hints (below); --max-nnz only picks problems
         picked = [r for r in train_records() if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records()
-        problems = problems_from_records(picked, loaded)
+        problems = problems_from_records(picked, loaded) if cfg.labelled else []
+        if cfg.unlabelled:
+            from training.unlabelled import unlabelled_problems
+
+            problems += unlabelled_problems(cfg.unlabelled, cfg.seed, cfg.max_nnz,
+                                            exclude_labels={r.matrix.label for r in train_records()})
     if not problems:
         raise ValueError("RL needs at least one training problem" + (f" (--max-nnz {cfg.max_nnz} left none)"
                                                                       if cfg.max_nnz else ""))

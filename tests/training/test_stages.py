@@ -11,7 +11,7 @@ from training.pretrain import PretrainConfig, pretrain
 from training.rewards import KernelOutcome, RLProblem
 from training.rl import RLConfig, rl
 from training.sft import SFTConfig, sft
-from sparserl_compile.matrices import banded, uniform_random
+from sparserl_compile.matrices import banded
 
 QUIET = lambda *a: None  # noqa: E731
 
@@ -120,6 +120,18 @@ def test_rl_max_nnz_filters_the_training_problems(tmp_path, tiny_tok, n_features
                    max_new_tokens=8, max_nnz=1, evaluator="header")
     with pytest.raises(ValueError, match="max-nnz 1 left none"):
         rl(cfg, log=QUIET)
+
+
+def test_rl_on_unlabelled_problems_only(tmp_path, tiny_tok, n_features):
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "rl"), steps=1, k=2, problems_per_step=2,
+                   max_new_tokens=8, max_nnz=20_000, evaluator="header", labelled=False, unlabelled=2,
+                   speculative=False)
+    r = rl(cfg, log=QUIET)
+    assert r.step == 1 and len(r.mean_rewards) == 1
 
 
 def test_sft_rejects_hints_without_retrieval(tmp_path):
