@@ -15,7 +15,7 @@ comparison's. Without a GPU every sparserl product runs torch's CPU CSR kernel (
 kernels are GPU-only), so the CPU rows show that the plumbing changes nothing and costs
 little; the speedups are measured on the H200 (``docs/benchmarks.md``, "Applications").
 
-    python examples/applications.py            # about a minute on 2 CPU cores
+    python examples/applications.py            # 20-45 s on 2 CPU cores (the first run: JIT caches)
     python examples/applications.py --quick    # smaller sizes (CI)
     python examples/applications.py --json apps.json
 
