@@ -9,7 +9,8 @@ products the supervision mostly holds), float32.
 
 Such a problem has no measured reference and no kernel-space best. The GPU evaluator times
 cuSPARSE itself, so the speed term of the reward is ``log2(cuSPARSE / kernel)`` alone
-(``training/rewards.py``). The CPU evaluators estimate it with the cost model.
+(``training/rewards.py``). The CPU evaluators have no cuSPARSE time for these problems: there
+the reward is compiling and being correct only.
 
 A drawn matrix whose generator and arguments fall on the held-out side of the split rule
 (``training.data.is_held_out``) is skipped. So are matrices above ``max_nnz`` and labels the
