@@ -253,7 +253,7 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                 key = runtime.cache_key(
                     runtime.make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
                                          target.arch), target)
-                entry = store.get(key)
+                entry = runtime.lookup(store, key)  # as the GPU runtime looks it up
                 found = entry is not None
                 verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
                            "kernel" if "kernel_us" in entry.times else "untimed kernel")
