@@ -151,12 +151,7 @@ def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), wid
                                   executor=executor, progress=progress)
     finally:
         providers.set_provider(before)
-    return BuildReport(target, executor, rows, time.perf_counter() - t0, _policy_hash(builder))
-
-
-def _policy_hash(provider) -> str:
-    """The cache key's ``policy_hash`` of entries ``provider`` builds (``runtime.cache_key``)."""
-    return str(getattr(provider, "checkpoint_hash", None) or "none")
+    return BuildReport(target, executor, rows, time.perf_counter() - t0, runtime.policy_hash(builder))
 
 
 @contextlib.contextmanager
@@ -371,7 +366,7 @@ def main(argv=None) -> int:
 
         if args.serve_provider:
             providers.set_provider(args.serve_provider)
-        serving = _policy_hash(providers.get_provider())
+        serving = runtime.policy_hash(providers.get_provider())
         if b is not None and b.policy_hash not in ("none", serving):
             print(f"note: these entries are keyed to the policy checkpoint {b.policy_hash[:12]}, and the serving "
                   f"provider ({providers.get_provider().name}) will not find them: serve with --serve-provider "

@@ -274,9 +274,9 @@ def _cmd(args) -> int:
                        dtype=args.dtype, target=target, executor=args.executor, progress=not args.no_progress,
                        share=args.share)
     print(format_table(rows))
-    digest = getattr(providers.get_provider(), "checkpoint_hash", None)
-    if digest:
-        print(f"note: the entries are keyed to the policy checkpoint {str(digest)[:12]}: a serving process finds "
+    digest = runtime.policy_hash(providers.get_provider())
+    if digest != "none":
+        print(f"note: the entries are keyed to the policy checkpoint {digest[:12]}: a serving process finds "
               f"them only while running that policy (sparserl.configure(provider='policy')); entries built "
               f"with --provider search or nearest serve every provider")
     return 1 if any(r.outcome == "failed" for r in rows) else 0

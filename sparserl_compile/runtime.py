@@ -482,18 +482,23 @@ def local_target(device: torch.device | None = None) -> Target:
     return Target(device_arch(device), torch.cuda.get_device_name(device), driver, nv)
 
 
+def policy_hash(provider) -> str:
+    """The cache key's ``policy_hash`` for entries ``provider`` proposes: its checkpoint's
+    sha256 (the policy), or ``"none"`` (search, nearest: the hand-written families only)."""
+    return str(getattr(provider, "checkpoint_hash", None) or "none")
+
+
 def cache_key(problem: providers.Problem, target: Target):
     """The disk-cache key of ``problem`` on ``target`` under the active provider."""
     from sparserl_compile import cache
     from sparserl_compile.kernels import KERNEL_SPACE_VERSION
 
-    prov = providers.get_provider()
     return cache.CacheKey(
         fingerprint=problem.fingerprint, op=problem.op, dtype=problem.dtype,
         width=cache.width_bucket(problem.n), arch=target.arch, gpu_name=target.gpu_name,
         driver_version=target.driver_version, nvrtc_version=target.nvrtc_version,
         kernel_space_version=KERNEL_SPACE_VERSION,
-        policy_hash=str(getattr(prov, "checkpoint_hash", None) or "none"),
+        policy_hash=policy_hash(providers.get_provider()),
     )
 
 
