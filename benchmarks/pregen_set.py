@@ -16,43 +16,17 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import scipy.io
 
-from sparserl_compile import matrices
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from pregenerate import pruned_mlp_onnx  # noqa: E402  (the example's writer of a pruned ONNX model)
+
+from sparserl_compile import matrices  # noqa: E402
 
 #: the shared matrices copied as .npz (kind in the MANIFEST: one or two of each)
 NPZ = ("rajat01", "bcsstk17", "fe_body", "wiki-Vote", "rgg_n_2_15_s0", "dnn_n1024_l1", "pushpull")
 #: the shared matrix written as Matrix Market instead
 MTX = "4elt"
-
-
-def pruned_mlp_onnx(path: Path, sizes=(1024, 1024, 1024), sparsity: float = 0.9, seed: int = 0) -> None:
-    """An MLP ``x -> relu(x W1^T + b1) W2^T + b2`` as ONNX, its weights magnitude-pruned."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(seed)
-    inits, nodes, prev = [], [], "x"
-    for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        w = (rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)).astype(np.float32)
-        w[np.abs(w) < np.quantile(np.abs(w), sparsity)] = 0.0
-        inits += [numpy_helper.from_array(w, f"fc{i}.weight"),
-                  numpy_helper.from_array(np.zeros(d_out, np.float32), f"fc{i}.bias")]
-        out = f"h{i}" if i < len(sizes) - 2 else "y"
-        # Gemm with transB=1: y = x W^T + b, as torch.onnx exports nn.Linear
-        nodes.append(helper.make_node("Gemm", [prev, f"fc{i}.weight", f"fc{i}.bias"],
-                                      [out + "_lin" if out != "y" else "y"], transB=1))
-        if out != "y":
-            nodes.append(helper.make_node("Relu", [out + "_lin"], [out]))
-        prev = out
-    graph = helper.make_graph(nodes, "pruned_mlp",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", sizes[0]])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", sizes[-1]])],
-                              initializer=inits)
-    model = helper.make_model(graph)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
 
 
 def assemble(shared: Path, out: Path) -> list[Path]:

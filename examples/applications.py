@@ -116,20 +116,13 @@ def llm_rows(sparsity: float, batch: int, new_tokens: int, device: str) -> list[
                 f"same tokens {same:.0%}", same == 1.0)]
 
 
-def _pruned_mlp_onnx(path: Path, d: int = 96, sparsity: float = 0.8) -> bool:
-    """A one-layer ONNX model with a magnitude-pruned ``d x d`` weight; False without ``onnx``."""
+def _pruned_mlp_onnx(path: Path) -> bool:
+    """A one-layer ONNX model (96 x 96, 80 % pruned, ``pregenerate.pruned_mlp_onnx``); False
+    without the ``onnx`` package."""
     try:
-        import onnx
-        from onnx import TensorProto, helper, numpy_helper
+        pg.pruned_mlp_onnx(path, sizes=(96, 96), sparsity=0.8)
     except ImportError:
         return False
-    w = np.random.default_rng(0).standard_normal((d, d)).astype(np.float32)
-    w[np.abs(w) < np.quantile(np.abs(w), sparsity)] = 0.0
-    graph = helper.make_graph([helper.make_node("Gemm", ["x", "fc.weight"], ["y"], transB=1)], "mlp",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", d])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", d])],
-                              initializer=[numpy_helper.from_array(w, "fc.weight")])
-    onnx.save(helper.make_model(graph), str(path))
     return True
 
 

@@ -130,6 +130,36 @@ def write_demo_matrices(folder: Path) -> list[Path]:
     return paths
 
 
+def pruned_mlp_onnx(path: str | os.PathLike, sizes=(1024, 1024, 1024), sparsity: float = 0.9,
+                    seed: int = 0) -> None:
+    """An MLP ``x -> relu(x W1^T + b1) W2^T + b2 ...`` as ONNX (``Gemm`` with ``transB=1``, as
+    torch.onnx exports ``nn.Linear``), float32, each weight magnitude-pruned to ``sparsity``
+    zeros: what ``sparserl pregen`` finds in a pruned model. Needs the ``onnx`` package."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    inits, nodes, prev = [], [], "x"
+    last = len(sizes) - 2
+    for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        w = (rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)).astype(np.float32)
+        w[np.abs(w) < np.quantile(np.abs(w), sparsity)] = 0.0
+        inits += [numpy_helper.from_array(w, f"fc{i}.weight"),
+                  numpy_helper.from_array(np.zeros(d_out, np.float32), f"fc{i}.bias")]
+        lin = "y" if i == last else f"lin{i}"
+        nodes.append(helper.make_node("Gemm", [prev, f"fc{i}.weight", f"fc{i}.bias"], [lin], transB=1))
+        if i < last:
+            nodes.append(helper.make_node("Relu", [lin], [f"h{i}"]))
+            prev = f"h{i}"
+    graph = helper.make_graph(nodes, "pruned_mlp",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", sizes[0]])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", sizes[-1]])],
+                              initializer=inits)
+    model = helper.make_model(graph)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
 def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
           target: runtime.Target | None = None, progress: bool = True, provider=None) -> BuildReport:
     """Fill the cache at ``out`` for every matrix under ``paths`` (``sparserl pregen``'s API).
