@@ -40,7 +40,7 @@ import torch
 
 import sparserl_compile as sr
 from sparserl_compile import matrices, providers, runtime
-from timing import stream_us, sync, wall_median_us
+from sparserl_compile.bench import stream_us, sync, wall_median_us
 
 #: (label, generator, kwargs): structures none of the supervision files holds (other seeds/sizes)
 MATRICES = (

@@ -24,7 +24,7 @@ import gnn_inference as g  # noqa: E402
 
 import sparserl_compile as sr  # noqa: E402
 from sparserl_compile import matrices, runtime  # noqa: E402
-from timing import wall_median_us  # noqa: E402
+from sparserl_compile.bench import wall_median_us  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:

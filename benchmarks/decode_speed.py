@@ -27,7 +27,7 @@ from policy.encoder import prepare_structure
 from policy.model import load_policy
 from policy.retrieval import default_entries, nearest_hint, problem_for, reference_sources
 from sparserl_compile import matrices
-from timing import sync
+from sparserl_compile.bench import sync
 
 #: (label, generator, kwargs, op, n)
 CASES = (

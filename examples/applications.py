@@ -36,7 +36,6 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling examples
@@ -46,7 +45,7 @@ import pregenerate as pg  # noqa: E402
 import pruned_llm as llm  # noqa: E402
 
 import sparserl_compile as sr  # noqa: E402
-from sparserl_compile import matrices  # noqa: E402
+from sparserl_compile import bench, matrices  # noqa: E402
 
 
 @dataclass
@@ -60,19 +59,8 @@ class Row:
 
 
 def _median_ms(fn, device: str, reps: int) -> float:
-    """Median wall time of ``fn()`` in ms (synchronized on a GPU), after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
+    """Median wall time of ``fn()`` in ms, synchronized after each call, after two warm-up calls."""
+    return bench.wall_median_us(fn, device, reps=reps, warmup=2) / 1e3
 
 
 def gnn_rows(n_nodes: int, hidden: int, device: str, reps: int) -> list[Row]:

@@ -18,12 +18,17 @@
 * ``torch_sparse_fn(...)``: the reference users have: ``torch.mv``/``torch.mm`` on a CSR
   tensor (cuSPARSE) with int32 or int64 indices.
 
-Nothing here runs on the CPU: all functions need a CUDA device.
+* ``wall_median_us(fn, device)`` / ``stream_us(fn, device)``: wall-clock time per call,
+  synchronized after each call or once after many back-to-back calls (host cost included);
+  these two also run on the CPU (the benchmark scripts' and examples' end-to-end figures).
+
+Everything else needs a CUDA device.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -176,6 +181,47 @@ def time_graph(fn: Callable[[], object], *, launches: int = 100, reps: int = 10,
         samples.append(s.elapsed_time(e) * 1e3 / launches)
     del graph
     return BenchResult.from_samples(samples, "graph", False)
+
+
+# ------------------------------------------------ wall-clock timing (CPU or GPU)
+
+
+def sync(device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    import torch  # not _torch(): this one also runs without a GPU
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def wall_median_us(fn, device: object = "cuda", reps: int = 30, warmup: int = 3) -> float:
+    """Median wall time of ``fn()`` in microseconds, each call followed by a synchronize of
+    ``device`` (none on the CPU): what a caller that waits for every result pays, host
+    overhead included (not a kernel time)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(ts))
+
+
+def stream_us(fn, device: object = "cuda", calls: int = 200, warmup: int = 20) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls with one synchronize at the end:
+    the rate of a caller that does not wait for each result. Host-bound products show their
+    host cost here (launches, dispatch), device-bound ones their GPU time with a warm L2."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
