@@ -246,9 +246,6 @@ def _torch_operand(torch, numel: int, seed: int, device: str):
     return torch.where((bits & 1).bool(), -out, out)
 
 
-_TORCH_STORAGE = contract.TORCH_NAMES  # contract dtype -> the torch dtype's name
-
-
 class _ValueSet:
     """One value set's operands, shared by every candidate of a pattern, and its float64
     reference, error bound and cuSPARSE result, each built on first use: for the CPU executor
@@ -261,7 +258,7 @@ class _ValueSet:
                  "_operands", "cusparse")
 
     def __init__(self, p: "Pattern", lengths, x_shape, dtype: str, seed: int, s: int):
-        if dtype not in _TORCH_STORAGE:
+        if dtype not in contract.TORCH_NAMES:
             raise ValueError(f"dtype={dtype!r}; expected one of {tuple(contract.DTYPES)}")
         self.p, self.lengths, self.x_shape, self.dtype = p, lengths, tuple(x_shape), dtype
         self.seed, self.s = seed, s
@@ -292,7 +289,7 @@ class _ValueSet:
         if self._operands is None:
             import torch
 
-            st = getattr(torch, _TORCH_STORAGE[self.dtype])
+            st = getattr(torch, contract.TORCH_NAMES[self.dtype])
             seeds = np.random.SeedSequence([self.seed, self.s]).generate_state(2, np.uint64) >> np.uint64(1)
             n_x = int(np.prod(self.x_shape))
             self._operands = (_torch_operand(torch, self.p.nnz, seeds[0], device).to(st),
@@ -512,7 +509,7 @@ class GpuRunner:
         size = int(np.prod(out_shape))
         int_t = torch.int32 if udt == np.uint32 else torch.int16
         signed_bits = int(np.array(bits, dtype=udt).view(np.int32 if udt == np.uint32 else np.int16))
-        store_t = getattr(torch, _TORCH_STORAGE[dtype])
+        store_t = getattr(torch, contract.TORCH_NAMES[dtype])
         buf = torch.empty(size + 2 * GUARD, dtype=store_t, device="cuda")
         buf.view(int_t).fill_(signed_bits)
         y = buf[GUARD:GUARD + size]
