@@ -12,6 +12,7 @@
 # reward, RL_S) and sft_nosin (SFT without the sinusoidal embedding, SFT_S); EVAL="args" then
 # runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
+# SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$(pwd)/device_out}"
@@ -56,27 +57,34 @@ sft_stage() {  # name, extra args
 rl_stage() {  # name, extra args
   local name="$1"; shift
   echo "== $name ($RL_S s, ${RL_EVALUATOR:-gpu} rewards) ${RL_ARGS:-} $*"
-  timeout $((RL_S + 150)) $SR train rl --init "$RUNS/sft" --out-dir "$RUNS/$name" --data "$DATA" --steps 10000 \
+  timeout $((RL_S + 150)) $SR train rl --init "${RL_INIT:-$RUNS/sft}" --out-dir "$RUNS/$name" --data "$DATA" --steps 10000 \
     --evaluator "${RL_EVALUATOR:-gpu}" --workers 4 --k 8 --problems-per-step 2 --lr 1e-5 --save-every 100000 \
     --time-budget-s "$RL_S" ${RL_ARGS:-} "$@" >"$LOGS/$name.log" 2>&1
   echo "rc=$?"; grep -E "^\[rl\]" "$LOGS/$name.log" | tail -6; keep "$name"
 }
 
-sft_stage sft
-TRAINED="sft=$RUNS/sft"
+TRAINED=""
+if [ "$SFT_S" != 0 ]; then
+  sft_stage sft
+  TRAINED="sft=$RUNS/sft"
+elif [ -z "${RL_INIT:-}" ] && [ "$RL_S" != 0 ]; then
+  echo "SFT_S=0 skips SFT: set RL_INIT to the checkpoint RL starts from"; exit 2
+fi
 if [ "$RL_S" != 0 ]; then
   rl_stage rl
-  TRAINED="$TRAINED,rl=$RUNS/rl"
+  TRAINED="${TRAINED:+$TRAINED,}rl=$RUNS/rl"
 fi
 if [ "${ABLATE:-0}" = 1 ]; then
   if [ "$RL_S" != 0 ]; then
     rl_stage rl_correctness --reward correctness
-    TRAINED="$TRAINED,rl_correctness=$RUNS/rl_correctness"
+    TRAINED="${TRAINED:+$TRAINED,}rl_correctness=$RUNS/rl_correctness"
   fi
-  sft_stage sft_nosin --no-sinusoidal
-  TRAINED="$TRAINED,sft_nosin=$RUNS/sft_nosin"
+  if [ "$SFT_S" != 0 ]; then
+    sft_stage sft_nosin --no-sinusoidal
+    TRAINED="${TRAINED:+$TRAINED,}sft_nosin=$RUNS/sft_nosin"
+  fi
 fi
-TRAINED="$TRAINED${EVAL_CHECKPOINTS:+,$EVAL_CHECKPOINTS}"
+TRAINED="$TRAINED${EVAL_CHECKPOINTS:+${TRAINED:+,}$EVAL_CHECKPOINTS}"
 if [ -n "${EVAL:-}" ]; then
   echo "== sparserl eval --checkpoints $TRAINED $EVAL"
   timeout "${EVAL_TIMEOUT:-300}" $SR eval --checkpoints "$TRAINED" $EVAL --out "$OUT/eval.json" >"$LOGS/eval.log" 2>&1

@@ -6,6 +6,10 @@ returns the masks), scores them with an evaluator (``rewards.py``: sandboxed GPU
 verification, or header-only for smoke runs), turns outcomes into rewards (hierarchical, or
 correctness-only for the ablation) and applies one PPO/GRPO update (``ppo.py``) with a KL
 penalty to the frozen starting (SFT) model. Resumes from ``out_dir``.
+
+``algo="raft"`` (``raft.py``) draws the k candidates across the k nearest retrieval hints
+instead (one greedy kernel per hint) and fine-tunes the first hint's prompt toward the best
+of them; its replay buffer is not checkpointed (a resumed run starts it empty).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ class RLConfig:
     temperature: float = opt(1.0, "sampling temperature (the loss uses the same)")
     max_new_tokens: int = opt(1024, "tokens per sample")
     constrained: bool = opt(True, "grammar-constrained sampling (off: the unconstrained ablation)")
-    algo: str = opt("ppo", "'ppo' or 'grpo'")
+    algo: str = opt("ppo", "'ppo', 'grpo' or 'raft' (reward-ranked fine-tuning over the k nearest hints' "
+                           "kernels, for a policy trained with hints: training/raft.py)")
     kl_coef: float = opt(0.05, "KL penalty to the starting model")
     lr: float = opt(1e-5, "learning rate")
     reward: str = opt("hierarchical", "'hierarchical' or 'correctness' (ablation)")
@@ -52,6 +57,11 @@ class RLConfig:
     speculative: bool = opt(True, "decode rollouts speculatively against the nearest measured kernels "
                                   "(the same samples' distribution, fewer model calls)")
     time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
+    raft_margin: float = opt(0.05, "raft: another hint's kernel replaces the first's as its prompt's target only "
+                                   "when this much faster (a fraction; timing noise)")
+    raft_steps: int = opt(4, "raft: gradient steps per update, on batches from every target so far")
+    raft_batch: int = opt(16, "raft: examples per gradient step (this update's targets first)")
+    max_len: int = opt(1536, "raft: prompt + kernel tokens kept per example (as SFT's --max-len)")
 
 
 @dataclass
@@ -167,7 +177,21 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
 
         hint_entries = entries_from_records(train_records(), loaded=loaded)
     loaded.clear()  # the problems keep their own references
+    raft = cfg.algo == "raft"
+    if raft:
+        from training.raft import RaftBuffer
+
+        if hint_entries is None:
+            raise ValueError(f"--algo raft explores across retrieval hints: {cfg.init} was trained without them "
+                             "(sparserl train sft --retrieval); use --algo ppo or grpo")
+        if ctx.distributed:
+            raise ValueError("--algo raft runs in one process (its replay buffer is not sharded); "
+                             "launch without torchrun, or use --algo ppo or grpo")
+        buffer = RaftBuffer()
+    elif cfg.algo not in ("ppo", "grpo"):
+        raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
     res = RLResult(str(out), state.step, state.step)
+    raft_rec = {"new": 0, "switched": 0, "first": [], "best": []}  # raft: this update's problems
     t0 = time.perf_counter()
     for step in range(state.step, cfg.steps):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
@@ -180,34 +204,58 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
                 m = pb.matrix
                 structs[pi] = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
                 if hint_entries is not None:  # from the other matrices, as in SFT
-                    from policy.retrieval import nearest_hint, problem_for
+                    from policy.retrieval import nearest_hints, problem_for
 
-                    hints[pi] = nearest_hint(structs[pi].features, pb.op, pb.dtype, pb.n, hint_entries,
-                                             exclude=pb.label, problem=problem_for(pb.op, pb.dtype, pb.n, m))
+                    # raft: one hint per candidate, the first is the greedy prompt's
+                    hints[pi] = nearest_hints(structs[pi].features, pb.op, pb.dtype, pb.n, hint_entries,
+                                              cfg.k if raft else 1, exclude=pb.label,
+                                              problem=problem_for(pb.op, pb.dtype, pb.n, m))
                 if cfg.speculative:  # drafts: speed only, the samples' distribution is the model's
                     from policy.retrieval import default_entries, reference_sources
 
                     refs[pi] = reference_sources(structs[pi].features, pb.op, pb.dtype, pb.n,
-                                                 hint_entries or default_entries(), m, exclude=pb.label)
-            dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                              constrained=cfg.constrained, seed=cfg.seed * 7919 + step * 31 + g)
-            rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hints.get(pi),
-                          references=refs.get(pi))
+                                                 hint_entries or default_entries(), m,
+                                                 count=max(4, cfg.k) if raft else 4, exclude=pb.label)
+            if raft:
+                if not hints[pi]:
+                    continue  # the table has no runnable point for this problem: nothing to compare
+                from policy.decode import hint_diverse
+
+                rs = hint_diverse(model, tok, structs[pi], pb.op, pb.dtype, pb.n, hints[pi],
+                                  config=DecodeConfig(greedy=True, max_new_tokens=cfg.max_new_tokens,
+                                                      constrained=cfg.constrained, trace=False),
+                                  references=refs.get(pi))
+            else:
+                dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                  constrained=cfg.constrained, seed=cfg.seed * 7919 + step * 31 + g)
+                hint = hints[pi][0] if hints.get(pi) else None
+                rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hint,
+                              references=refs.get(pi))
             outcomes = evaluator(pb, [r.text for r in rs])
+            if raft:
+                _raft_collect(buffer, tok, structs[pi], rs, outcomes, cfg.raft_margin, raft_rec, reward_fn)
             rolls += rs
             sts += [structs[pi]] * len(rs)
             groups += [g] * len(rs)
             rewards += [float(reward_fn(o)) for o in outcomes]
-        batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
-        st = ppo_update(model, ref_model, optim, batch, rewards, pcfg, ctx=ctx)
+        if raft:
+            rec = _raft_step(model, optim, buffer, raft_rec, rewards, cfg, step, tok.pad_token_id, device)
+            raft_rec = {"new": 0, "switched": 0, "first": [], "best": []}
+        else:
+            batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
+            rec = {"step": step + 1, **ppo_update(model, ref_model, optim, batch, rewards, pcfg, ctx=ctx).__dict__}
         state.step = step + 1
-        res.mean_rewards.append(st.mean_reward)
-        rec = {"step": step + 1, **st.__dict__}
+        res.mean_rewards.append(rec["mean_reward"])
         res.stats.append(rec)
         if (step + 1) % cfg.log_every == 0:
             state.log.append(rec)
-            log(f"[rl] step {step + 1}/{cfg.steps} reward {st.mean_reward:.3f} kl {st.kl:.4f} "
-                f"loss {st.loss:.4f} entropy {st.entropy:.3f}")
+            if raft:
+                log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} first {rec['first_reward']:.3f} "
+                    f"best {rec['best_reward']:.3f} switched {rec['switched']}/{rec['targets']} "
+                    f"buffer {rec['buffer']} loss {rec['loss']:.4f}")
+            else:
+                log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} kl {rec['kl']:.4f} "
+                    f"loss {rec['loss']:.4f} entropy {rec['entropy']:.3f}")
         over = cfg.time_budget_s > 0 and time.perf_counter() - t0 > cfg.time_budget_s
         if ctx.distributed and cfg.time_budget_s > 0:
             over = tdist.broadcast_scalar(over)  # rank 0's clock: every rank stops after the same step
@@ -222,6 +270,40 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     if ctx.distributed:
         tdist.barrier()  # rank 0's checkpoint is complete before any rank moves on
     return res
+
+
+def _raft_collect(buffer, tok, structure, rolls, outcomes, margin: float, rec: dict, reward_fn) -> None:
+    """Add one problem's target to the RAFT buffer (``raft.pick_target``: the first hint's
+    prompt, the chosen candidate's kernel) and the first and best rewards to ``rec``."""
+    from policy.decode import completion_ids
+    from training.lm import LMExample
+    from training.raft import pick_target
+
+    rs = [float(reward_fn(o)) for o in outcomes]
+    rec["first"].append(rs[0])
+    rec["best"].append(max(rs))
+    j = pick_target(outcomes, margin)
+    if j is None:
+        return
+    buffer.add(LMExample(list(rolls[0].prompt_ids), completion_ids(tok, rolls[j].text), structure), j != 0)
+    rec["new"] += 1
+    rec["switched"] += j != 0
+
+
+def _raft_step(model, optim, buffer, rec: dict, rewards: list, cfg: RLConfig, step: int, pad_id: int,
+               device) -> dict:
+    """One RAFT update (``raft.raft_update``) and its logged record."""
+    from training.raft import raft_update
+
+    loss = float("nan")
+    if buffer.examples:
+        loss = raft_update(model, optim, buffer, np.random.default_rng(cfg.seed * 1_000_003 + step),
+                           steps=cfg.raft_steps, batch_size=cfg.raft_batch, pad_id=pad_id, max_len=cfg.max_len,
+                           device=device, newest=rec["new"])
+    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
+    return {"step": step + 1, "mean_reward": mean(rewards), "first_reward": mean(rec["first"]),
+            "best_reward": mean(rec["best"]), "targets": rec["new"], "switched": rec["switched"],
+            "buffer": len(buffer.examples), "buffer_switched": buffer.switched, "loss": loss}
 
 
 def _nnz(record, loaded: dict) -> int:

@@ -1,0 +1,115 @@
+"""Stage 3's reward-ranked fine-tuning (``--algo raft``): which candidate becomes the target,
+the replay buffer, and a run that distils the best hint's kernel into the first hint's prompt."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from policy_fixtures import structure_dependent_supervision
+from policy.model import PolicyHParams, build_policy, load_policy, save_policy
+from sparserl_compile.matrices import banded
+from training.lm import LMExample, collate, lm_loss
+from training.raft import RaftBuffer, pick_target, raft_update
+from training.rewards import KernelOutcome, RLProblem
+from training.rl import RLConfig, rl
+
+QUIET = lambda *a: None  # noqa: E731
+
+
+def _o(correct=True, us=None):
+    return KernelOutcome(True, True, correct, us, reference_us=20.0 if us else None)
+
+
+def test_pick_target_keeps_the_first_kernel_unless_another_is_clearly_faster():
+    assert pick_target([_o(us=10.0), _o(us=9.7), _o(us=12.0)], margin=0.05) == 0  # 3 %: noise
+    assert pick_target([_o(us=10.0), _o(us=9.0), _o(us=8.0)], margin=0.05) == 2  # the fastest
+    assert pick_target([_o(correct=False), _o(us=9.0), _o(us=8.0)]) == 2  # first wrong: the fastest correct
+    assert pick_target([_o(correct=False), _o(correct=False)]) is None  # nothing to learn
+    assert pick_target([_o(us=10.0), _o(correct=False, us=1.0)]) == 0  # a fast wrong kernel never wins
+    assert pick_target([_o(), _o()]) == 0  # untimed (CPU evaluators): the first keeps its place
+    assert pick_target([_o(correct=False), _o(), _o()]) == 1  # untimed, first wrong: the first correct
+
+
+def test_buffer_batches_put_this_updates_targets_first():
+    ex = [LMExample([i], [i + 100]) for i in range(10)]
+    buf = RaftBuffer()
+    for i, e in enumerate(ex):
+        buf.add(e, switched=i % 2 == 0)
+    assert buf.switched == 5
+    b = buf.batch(np.random.default_rng(0), 4, newest=2)
+    assert b[:2] == ex[8:] and len(b) == 4 and len({id(x) for x in b}) == 4
+    assert buf.batch(np.random.default_rng(0), 50) and len(buf.batch(np.random.default_rng(0), 50)) == 10
+    with pytest.raises(ValueError, match="buffer is empty"):
+        RaftBuffer().batch(np.random.default_rng(0), 4)
+
+
+def test_raft_update_fits_the_buffer(tiny_tok, n_features):
+    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=0)
+    buf = RaftBuffer()
+    buf.add(LMExample(tiny_tok.encode("spmv f32"), tiny_tok.encode("__global__ void k() {}")), switched=True)
+    b = collate(buf.examples, tiny_tok.pad_token_id, 256)
+    with torch.no_grad():
+        before = float(lm_loss(model, b))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    raft_update(model, opt, buf, np.random.default_rng(0), steps=20, batch_size=1, pad_id=tiny_tok.pad_token_id,
+                max_len=256, device="cpu")
+    with torch.no_grad():
+        assert float(lm_loss(model, b)) < before * 0.5
+
+
+def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok, n_features, monkeypatch):
+    """Three hints per problem; the evaluator times the second hint's kernel 5x faster than the
+    first's and calls the third's wrong. After the run, the first hint's prompt is far likelier
+    to write the kernel that the second hint's prompt wrote at the first update."""
+    import policy.retrieval as retrieval
+    from policy.decode import completion_ids
+    from policy.encoder import prepare_structure
+    from policy.tokenizer import prompt_text
+
+    init = tmp_path / "init"
+    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1)
+    model.config.retrieval = True
+    save_policy(model, tiny_tok, init)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    hints = ["csr_scalar[block=32]", "csr_scalar[block=128]", "csr_scalar[block=512]"]
+    monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: hints[: a[5]])
+    seen = []
+
+    def timed(pb, sources):
+        seen.append(list(sources))
+        return [_o(us=10.0), _o(us=2.0), _o(correct=False)][: len(sources)]
+
+    m = banded(48, 2)
+    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=6, problems_per_step=1,
+                   k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=4, raft_batch=4, speculative=False,
+                   save_every=100)
+    r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=QUIET)
+    assert r.step == 6 and all(len(s) == 3 for s in seen)
+    assert [s["switched"] for s in r.stats] == [1] * 6 and r.stats[-1]["buffer"] == 6
+    assert r.stats[0]["first_reward"] < r.stats[0]["best_reward"]
+
+    structure = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+    ex = LMExample(tiny_tok.encode(prompt_text("spmv", "f32", 1, hints[0])), completion_ids(tiny_tok, seen[0][1]),
+                   structure)
+    b = collate([ex], tiny_tok.pad_token_id, 256)
+    with torch.no_grad():
+        before = float(lm_loss(load_policy(init)[0], b))
+        after = float(lm_loss(load_policy(tmp_path / "raft")[0], b))
+    assert after < before * 0.5
+
+
+def test_raft_needs_a_hinted_policy(tmp_path, tiny_tok, n_features):
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=1, k=2, algo="raft",
+                   evaluator="header", speculative=False)
+    with pytest.raises(ValueError, match="trained without them"):
+        rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
+    cfg.algo = "dpo"
+    with pytest.raises(ValueError, match="use 'ppo', 'grpo' or 'raft'"):
+        rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
