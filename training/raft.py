@@ -13,7 +13,10 @@ evaluator. The fastest correct one becomes the target of the *first* hint's prom
 greedy decoding and the provider's first candidate use) when it beats that prompt's own kernel
 by more than ``margin`` (timing noise); otherwise that kernel is its own target, an anchor that
 keeps the policy where it already chose well. Every update then takes a few causal-LM steps on
-batches drawn from all targets collected so far (a replay buffer). The policy so distils its
+batches drawn from all targets collected so far (a replay buffer), mixed with examples of the
+SFT stage (``--raft-anchor``: every hint of the SFT recipe, so prompts other than the first keep
+their meaning; without them a first run forgot how to read hints, docs/training.md). The
+policy so distils its
 best of k into its first kernel, on structures the supervision never measured when the
 problems are unlabelled (``--unlabelled``), rewarded by real timings.
 
@@ -87,13 +90,19 @@ class RaftBuffer:
 
 
 def raft_update(model, optimizer, buffer: RaftBuffer, rng: np.random.Generator, *, steps: int, batch_size: int,
-                pad_id: int, max_len: int, device, newest: int = 0, max_grad_norm: float = 1.0) -> float:
+                pad_id: int, max_len: int, device, newest: int = 0, max_grad_norm: float = 1.0,
+                anchors: list[LMExample] | None = None, anchor_count: int = 0) -> float:
     """``steps`` causal-LM steps on batches from ``buffer`` (each holding the ``newest``
-    examples first); returns the mean loss."""
+    examples first), each batch with ``anchor_count`` examples drawn from ``anchors`` (the SFT
+    examples, replayed so that the policy keeps reading every hint as SFT taught it); returns
+    the mean loss."""
     model.train()
     losses = []
     for _ in range(steps):
-        b = collate(buffer.batch(rng, batch_size, newest), pad_id, max_len).to(device)
+        exs = buffer.batch(rng, batch_size, newest)
+        if anchors and anchor_count:
+            exs += [anchors[i] for i in rng.choice(len(anchors), size=min(anchor_count, len(anchors)), replace=False)]
+        b = collate(exs, pad_id, max_len).to(device)
         loss = lm_loss(model, b)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -62,6 +62,9 @@ class RLConfig:
     raft_steps: int = opt(4, "raft: gradient steps per update, on batches from every target so far")
     raft_batch: int = opt(16, "raft: examples per gradient step (this update's targets first)")
     max_len: int = opt(1536, "raft: prompt + kernel tokens kept per example (as SFT's --max-len)")
+    raft_anchor: int = opt(0, "raft: SFT examples added to each gradient step's batch (the training records "
+                              "with the shipped SFT recipe: one example per hint, --raft-anchor-tolerance)")
+    raft_anchor_tolerance: float = opt(0.25, "raft: the anchors' SFT --hint-tolerance")
 
 
 @dataclass
@@ -176,6 +179,15 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         from training.neighbours import entries_from_records
 
         hint_entries = entries_from_records(train_records(), loaded=loaded)
+    anchors = []
+    if cfg.algo == "raft" and cfg.raft_anchor and hint_entries is not None:
+        from training.sft import build_examples
+
+        anchors, _ = build_examples(train_records(), tok, model.config.max_points, log=log,
+                                    hint_entries=hint_entries, loaded=loaded,
+                                    hints=max(1, int(getattr(model.config, "retrieval_hints", 1) or 1)),
+                                    hint_tolerance=cfg.raft_anchor_tolerance)
+        log(f"[rl] raft: {len(anchors)} SFT examples replayed, {cfg.raft_anchor} per gradient step")
     loaded.clear()  # the problems keep their own references
     raft = cfg.algo == "raft"
     if raft:
@@ -239,7 +251,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             groups += [g] * len(rs)
             rewards += [float(reward_fn(o)) for o in outcomes]
         if raft:
-            rec = _raft_step(model, optim, buffer, raft_rec, rewards, cfg, step, tok.pad_token_id, device)
+            rec = _raft_step(model, optim, buffer, raft_rec, rewards, cfg, step, tok.pad_token_id, device, anchors)
             raft_rec = {"new": 0, "switched": 0, "first": [], "best": []}
         else:
             batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
@@ -291,7 +303,7 @@ def _raft_collect(buffer, tok, structure, rolls, outcomes, margin: float, rec: d
 
 
 def _raft_step(model, optim, buffer, rec: dict, rewards: list, cfg: RLConfig, step: int, pad_id: int,
-               device) -> dict:
+               device, anchors: list) -> dict:
     """One RAFT update (``raft.raft_update``) and its logged record."""
     from training.raft import raft_update
 
@@ -299,7 +311,7 @@ def _raft_step(model, optim, buffer, rec: dict, rewards: list, cfg: RLConfig, st
     if buffer.examples:
         loss = raft_update(model, optim, buffer, np.random.default_rng(cfg.seed * 1_000_003 + step),
                            steps=cfg.raft_steps, batch_size=cfg.raft_batch, pad_id=pad_id, max_len=cfg.max_len,
-                           device=device, newest=rec["new"])
+                           device=device, newest=rec["new"], anchors=anchors, anchor_count=cfg.raft_anchor)
     mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
     return {"step": step + 1, "mean_reward": mean(rewards), "first_reward": mean(rec["first"]),
             "best_reward": mean(rec["best"]), "targets": rec["new"], "switched": rec["switched"],

@@ -59,6 +59,21 @@ def test_raft_update_fits_the_buffer(tiny_tok, n_features):
         assert float(lm_loss(model, b)) < before * 0.5
 
 
+def test_raft_update_replays_the_anchors(tiny_tok, n_features):
+    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=0)
+    buf = RaftBuffer()
+    buf.add(LMExample(tiny_tok.encode("spmv f32"), tiny_tok.encode("__global__ void k() {}")), switched=False)
+    anchor = LMExample(tiny_tok.encode("spmm f32"), tiny_tok.encode("__global__ void other(int n) {}"))
+    b = collate([anchor], tiny_tok.pad_token_id, 256)
+    with torch.no_grad():
+        before = float(lm_loss(model, b))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    raft_update(model, opt, buf, np.random.default_rng(0), steps=20, batch_size=1, pad_id=tiny_tok.pad_token_id,
+                max_len=256, device="cpu", anchors=[anchor], anchor_count=1)
+    with torch.no_grad():
+        assert float(lm_loss(model, b)) < before * 0.5  # trained on, though never in the buffer
+
+
 def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok, n_features, monkeypatch):
     """Three hints per problem; the evaluator times the second hint's kernel 5x faster than the
     first's and calls the third's wrong. After the run, the first hint's prompt is far likelier
@@ -85,9 +100,11 @@ def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok
     m = banded(48, 2)
     cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=6, problems_per_step=1,
                    k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=4, raft_batch=4, speculative=False,
-                   save_every=100)
-    r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=QUIET)
+                   save_every=100, raft_anchor=2)
+    logs = []
+    r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
     assert r.step == 6 and all(len(s) == 3 for s in seen)
+    assert any("SFT examples replayed, 2 per gradient step" in m for m in logs)
     assert [s["switched"] for s in r.stats] == [1] * 6 and r.stats[-1]["buffer"] == 6
     assert r.stats[0]["first_reward"] < r.stats[0]["best_reward"]
 
