@@ -147,6 +147,19 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     ref_model.to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     state = load_state(out, optim) if resume else TrainerState("rl")
+    raft = cfg.algo == "raft"  # checked before any data, problem or evaluator worker is made
+    if raft:
+        from training.raft import RaftBuffer
+
+        if not getattr(model.config, "retrieval", False):
+            raise ValueError(f"--algo raft explores across retrieval hints: {cfg.init} was trained without them "
+                             "(sparserl train sft --retrieval); use --algo ppo or grpo")
+        if ctx.distributed:
+            raise ValueError("--algo raft runs in one process (its replay buffer is not sharded); "
+                             "launch without torchrun, or use --algo ppo or grpo")
+        buffer = RaftBuffer()
+    elif cfg.algo not in ("ppo", "grpo"):
+        raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
     loaded: dict = {}
     _records: list = []
 
@@ -180,7 +193,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
 
         hint_entries = entries_from_records(train_records(), loaded=loaded)
     anchors = []
-    if cfg.algo == "raft" and cfg.raft_anchor and hint_entries is not None:
+    if raft and cfg.raft_anchor:
         from training.sft import build_examples
 
         anchors, _ = build_examples(train_records(), tok, model.config.max_points, log=log,
@@ -189,26 +202,13 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
                                     hint_tolerance=cfg.raft_anchor_tolerance)
         log(f"[rl] raft: {len(anchors)} SFT examples replayed, {cfg.raft_anchor} per gradient step")
     loaded.clear()  # the problems keep their own references
-    raft = cfg.algo == "raft"
-    if raft:
-        from training.raft import RaftBuffer
-
-        if hint_entries is None:
-            raise ValueError(f"--algo raft explores across retrieval hints: {cfg.init} was trained without them "
-                             "(sparserl train sft --retrieval); use --algo ppo or grpo")
-        if ctx.distributed:
-            raise ValueError("--algo raft runs in one process (its replay buffer is not sharded); "
-                             "launch without torchrun, or use --algo ppo or grpo")
-        buffer = RaftBuffer()
-    elif cfg.algo not in ("ppo", "grpo"):
-        raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
     res = RLResult(str(out), state.step, state.step)
-    raft_rec = {"new": 0, "switched": 0, "first": [], "best": []}  # raft: this update's problems
     t0 = time.perf_counter()
     for step in range(state.step, cfg.steps):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
         pick = rng.choice(len(problems), size=n_pick, replace=False)
         rolls, sts, groups, rewards = [], [], [], []
+        raft_rec = {"new": 0, "switched": 0, "first": [], "best": []}  # raft: this update's problems
         for g in range(lo, hi):  # this rank's share; g stays the global index (same sampling seed)
             pi = pick[g]
             pb = problems[pi]
@@ -244,15 +244,16 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
                 rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hint,
                               references=refs.get(pi))
             outcomes = evaluator(pb, [r.text for r in rs])
+            scores = [float(reward_fn(o)) for o in outcomes]
+            rewards += scores
             if raft:
-                _raft_collect(buffer, tok, structs[pi], rs, outcomes, cfg.raft_margin, raft_rec, reward_fn)
-            rolls += rs
-            sts += [structs[pi]] * len(rs)
-            groups += [g] * len(rs)
-            rewards += [float(reward_fn(o)) for o in outcomes]
+                _raft_collect(buffer, tok, structs[pi], rs, outcomes, scores, cfg.raft_margin, raft_rec)
+            else:  # the rollout batch PPO/GRPO score again
+                rolls += rs
+                sts += [structs[pi]] * len(rs)
+                groups += [g] * len(rs)
         if raft:
             rec = _raft_step(model, optim, buffer, raft_rec, rewards, cfg, step, tok.pad_token_id, device, anchors)
-            raft_rec = {"new": 0, "switched": 0, "first": [], "best": []}
         else:
             batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
             rec = {"step": step + 1, **ppo_update(model, ref_model, optim, batch, rewards, pcfg, ctx=ctx).__dict__}
@@ -284,16 +285,16 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     return res
 
 
-def _raft_collect(buffer, tok, structure, rolls, outcomes, margin: float, rec: dict, reward_fn) -> None:
+def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin: float, rec: dict) -> None:
     """Add one problem's target to the RAFT buffer (``raft.pick_target``: the first hint's
-    prompt, the chosen candidate's kernel) and the first and best rewards to ``rec``."""
+    prompt, the chosen candidate's kernel) and the first and best of its rewards (``scores``)
+    to ``rec``."""
     from policy.decode import completion_ids
     from training.lm import LMExample
     from training.raft import pick_target
 
-    rs = [float(reward_fn(o)) for o in outcomes]
-    rec["first"].append(rs[0])
-    rec["best"].append(max(rs))
+    rec["first"].append(scores[0])
+    rec["best"].append(max(scores))
     j = pick_target(outcomes, margin)
     if j is None:
         return
