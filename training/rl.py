@@ -7,9 +7,10 @@ verification, or header-only for smoke runs), turns outcomes into rewards (hiera
 correctness-only for the ablation) and applies one PPO/GRPO update (``ppo.py``) with a KL
 penalty to the frozen starting (SFT) model. Resumes from ``out_dir``.
 
-``algo="raft"`` (``raft.py``) draws the k candidates across the k nearest retrieval hints
-instead (one greedy kernel per hint) and fine-tunes the first hint's prompt toward the best
-of them; its replay buffer is not checkpointed (a resumed run starts it empty).
+``algo="raft"`` (``raft.py``) fine-tunes the greedy prompt toward the best of k candidates:
+for a policy trained with retrieval hints, one greedy kernel per each of the k nearest hints;
+for one without, the greedy kernel and k - 1 temperature samples of the same prompt (expert
+iteration). Its replay buffer is not checkpointed (a resumed run starts it empty).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class RLConfig:
     temperature: float = opt(1.0, "sampling temperature (the loss uses the same)")
     max_new_tokens: int = opt(1024, "tokens per sample")
     constrained: bool = opt(True, "grammar-constrained sampling (off: the unconstrained ablation)")
-    algo: str = opt("ppo", "'ppo', 'grpo' or 'raft' (reward-ranked fine-tuning over the k nearest hints' "
-                           "kernels, for a policy trained with hints: training/raft.py)")
+    algo: str = opt("ppo", "'ppo', 'grpo' or 'raft' (reward-ranked fine-tuning toward the best of k candidates: "
+                           "the k nearest hints' kernels for a policy trained with hints, else the greedy kernel "
+                           "and k - 1 samples; training/raft.py)")
     kl_coef: float = opt(0.05, "KL penalty to the starting model")
     lr: float = opt(1e-5, "learning rate")
     reward: str = opt("hierarchical", "'hierarchical' or 'correctness' (ablation)")
@@ -151,9 +153,6 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     if raft:
         from training.raft import RaftBuffer
 
-        if not getattr(model.config, "retrieval", False):
-            raise ValueError(f"--algo raft explores across retrieval hints: {cfg.init} was trained without them "
-                             "(sparserl train sft --retrieval); use --algo ppo or grpo")
         if ctx.distributed:
             raise ValueError("--algo raft runs in one process (its replay buffer is not sharded); "
                              "launch without torchrun, or use --algo ppo or grpo")
@@ -229,14 +228,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
                                                  hint_entries or default_entries(), m,
                                                  count=max(4, cfg.k) if raft else 4, exclude=pb.label)
             if raft:
-                if not hints[pi]:
+                if hint_entries is not None and not hints[pi]:
                     continue  # the table has no runnable point for this problem: nothing to compare
-                from policy.decode import hint_diverse
-
-                rs = hint_diverse(model, tok, structs[pi], pb.op, pb.dtype, pb.n, hints[pi],
-                                  config=DecodeConfig(greedy=True, max_new_tokens=cfg.max_new_tokens,
-                                                      constrained=cfg.constrained, trace=False),
-                                  references=refs.get(pi))
+                rs = _raft_candidates(model, tok, structs[pi], pb, hints.get(pi), refs.get(pi), cfg,
+                                      seed=cfg.seed * 7919 + step * 31 + g)
             else:
                 dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                   constrained=cfg.constrained, seed=cfg.seed * 7919 + step * 31 + g)
@@ -283,6 +278,26 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     if ctx.distributed:
         tdist.barrier()  # rank 0's checkpoint is complete before any rank moves on
     return res
+
+
+def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig, seed: int) -> list:
+    """A RAFT problem's k candidates, the greedy prompt's kernel first: with ``hints`` (a policy
+    trained with them) one greedy kernel per hint (``decode.hint_diverse``, what the runtime's
+    provider draws); without, the greedy kernel and k - 1 samples at ``cfg.temperature``
+    (what ``sparserl eval``'s best of k draws)."""
+    from policy.decode import DecodeConfig, generate, hint_diverse
+
+    greedy = DecodeConfig(greedy=True, max_new_tokens=cfg.max_new_tokens, constrained=cfg.constrained, trace=False)
+    if hints:
+        return hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=greedy,
+                            references=references)
+    rs = generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy, references=references)
+    if cfg.k > 1:
+        sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                               constrained=cfg.constrained, seed=seed)
+        rs += generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1, config=sampled,
+                       references=references)
+    return rs
 
 
 def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin: float, rec: dict) -> None:

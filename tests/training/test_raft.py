@@ -118,15 +118,51 @@ def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok
     assert after < before * 0.5
 
 
-def test_raft_needs_a_hinted_policy(tmp_path, tiny_tok, n_features):
+def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_path, tiny_tok, n_features):
+    """A policy trained without hints: the candidates are the greedy kernel and k - 1 samples of
+    the same prompt (expert iteration); the evaluator times the first sample 5x faster than the
+    greedy kernel, and after the run those samples are far likelier under the greedy prompt."""
+    from policy.decode import completion_ids
+    from policy.encoder import prepare_structure
+    from policy.tokenizer import prompt_text
+
+    init = tmp_path / "init"
+    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1)
+    save_policy(model, tiny_tok, init)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    seen = []
+
+    def timed(pb, sources):
+        seen.append(list(sources))
+        return [_o(us=10.0), _o(us=2.0), _o(correct=False)][: len(sources)]
+
+    m = banded(48, 2)
+    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=4, problems_per_step=1,
+                   k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=8, raft_batch=4, speculative=False,
+                   save_every=100, raft_anchor=1)
+    logs = []
+    r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
+    assert r.step == 4 and all(len(s) == 3 for s in seen)
+    assert len({s[1] for s in seen}) > 1  # the samples change between updates, as the policy does
+    assert any("SFT examples replayed, 1 per gradient step" in m for m in logs)
+    assert [s["switched"] for s in r.stats] == [1] * 4 and r.stats[-1]["buffer"] == 4
+
+    structure = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+    prompt = tiny_tok.encode(prompt_text("spmv", "f32", 1))
+    b = collate([LMExample(prompt, completion_ids(tiny_tok, s[1]), structure) for s in seen], tiny_tok.pad_token_id, 256)
+    with torch.no_grad():
+        before = float(lm_loss(load_policy(init)[0], b))
+        after = float(lm_loss(load_policy(tmp_path / "raft")[0], b))
+    assert after < before * 0.5
+
+
+def test_rl_rejects_an_unknown_algo(tmp_path, tiny_tok, n_features):
     init = tmp_path / "init"
     save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
     data = tmp_path / "sup.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
-    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=1, k=2, algo="raft",
+    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=1, k=2, algo="dpo",
                    evaluator="header", speculative=False)
-    with pytest.raises(ValueError, match="trained without them"):
-        rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
-    cfg.algo = "dpo"
     with pytest.raises(ValueError, match="use 'ppo', 'grpo' or 'raft'"):
         rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
