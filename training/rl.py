@@ -207,7 +207,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
         pick = rng.choice(len(problems), size=n_pick, replace=False)
         rolls, sts, groups, rewards = [], [], [], []
-        raft_rec = {"new": 0, "switched": 0, "first": [], "best": []}  # raft: this update's problems
+        raft_rec = {"new": 0, "switched": 0, "first": [], "best": [], "switched_problems": []}  # raft: this update's
         for g in range(lo, hi):  # this rank's share; g stays the global index (same sampling seed)
             pi = pick[g]
             pb = problems[pi]
@@ -242,7 +242,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             scores = [float(reward_fn(o)) for o in outcomes]
             rewards += scores
             if raft:
-                _raft_collect(buffer, tok, structs[pi], rs, outcomes, scores, cfg.raft_margin, raft_rec)
+                _raft_collect(buffer, tok, structs[pi], rs, outcomes, scores, cfg.raft_margin, raft_rec,
+                              f"{pb.label} {pb.op}")
             else:  # the rollout batch PPO/GRPO score again
                 rolls += rs
                 sts += [structs[pi]] * len(rs)
@@ -260,7 +261,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             if raft:
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} first {rec['first_reward']:.3f} "
                     f"best {rec['best_reward']:.3f} switched {rec['switched']}/{rec['targets']} "
-                    f"buffer {rec['buffer']} loss {rec['loss']:.4f}")
+                    f"buffer {rec['buffer']} loss {rec['loss']:.4f}"
+                    + "".join(f"\n[rl]   switched: {n} (x{r} faster)" for n, r in rec["switched_problems"]))
             else:
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} kl {rec['kl']:.4f} "
                     f"loss {rec['loss']:.4f} entropy {rec['entropy']:.3f}")
@@ -300,13 +302,14 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     return rs
 
 
-def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin: float, rec: dict) -> None:
+def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin: float, rec: dict,
+                  name: str = "") -> None:
     """Add one problem's target to the RAFT buffer (``raft.pick_target``: the first hint's
     prompt, the chosen candidate's kernel) and the first and best of its rewards (``scores``)
     to ``rec``."""
     from policy.decode import completion_ids
     from training.lm import LMExample
-    from training.raft import pick_target
+    from training.raft import o_us, pick_target
 
     rec["first"].append(scores[0])
     rec["best"].append(max(scores))
@@ -316,6 +319,9 @@ def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin:
     buffer.add(LMExample(list(rolls[0].prompt_ids), completion_ids(tok, rolls[j].text), structure), j != 0)
     rec["new"] += 1
     rec["switched"] += j != 0
+    if j != 0:  # which problem, and how much faster its new target is than the first kernel (None: first wrong)
+        first, best = o_us(outcomes[0]) if outcomes[0].correct else None, o_us(outcomes[j])
+        rec["switched_problems"].append([name, round(first / best, 3) if first and best else None])
 
 
 def _raft_step(model, optim, buffer, rec: dict, rewards: list, cfg: RLConfig, step: int, pad_id: int,
@@ -331,6 +337,7 @@ def _raft_step(model, optim, buffer, rec: dict, rewards: list, cfg: RLConfig, st
     mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
     return {"step": step + 1, "mean_reward": mean(rewards), "first_reward": mean(rec["first"]),
             "best_reward": mean(rec["best"]), "targets": rec["new"], "switched": rec["switched"],
+            "switched_problems": rec["switched_problems"],
             "buffer": len(buffer.examples), "buffer_switched": buffer.switched, "loss": loss}
 
 

@@ -147,6 +147,8 @@ def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_p
     assert len({s[1] for s in seen}) > 1  # the samples change between updates, as the policy does
     assert any("SFT examples replayed, 1 per gradient step" in m for m in logs)
     assert [s["switched"] for s in r.stats] == [1] * 4 and r.stats[-1]["buffer"] == 4
+    assert r.stats[0]["switched_problems"] == [["b48 spmv", 5.0]]  # named in the log, with its gain
+    assert sum("switched: b48 spmv (x5.0 faster)" in m for m in logs) == 4
 
     structure = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
     prompt = tiny_tok.encode(prompt_text("spmv", "f32", 1))
