@@ -4,9 +4,10 @@
 
 A checkpoint's ``training_log.json`` holds each stage's config and logged points (the
 trainer's ``trainer_state.json`` log, copied when the checkpoint was shipped): LM stages log
-``loss`` every ``log_every`` steps, RL stages log ``mean_reward``, ``kl`` and ``entropy`` per
-update. One panel per stage: the loss (log scale) for LM stages; mean reward with KL to the
-reference model on a second axis for RL stages. Stages are found by their logs: the top-level
+``loss`` every ``log_every`` steps, RL stages log ``mean_reward`` per update (PPO/GRPO with
+``kl`` and ``entropy``, RAFT with ``best_reward``). One panel per stage: the loss (log scale)
+for LM stages; for RL stages the mean reward, with the KL to the reference model on a second
+axis (PPO/GRPO) or the best candidate's reward (RAFT). Stages are found by their logs: the top-level
 entries with a ``log`` list, in file order; ``previous_version_*`` entries (the provenance of
 the checkpoint it was fine-tuned from) are left out unless ``--history``.
 """
@@ -55,10 +56,14 @@ def plot(checkpoint: str | Path, out: str | Path, history: bool = False) -> Path
             steps = [p["step"] for p in pts]
             ax.plot(steps, [p["mean_reward"] for p in pts], "o-", color="tab:green", label="mean reward")
             ax.set_ylabel("mean reward")
-            kl = ax.twinx()
-            kl.plot(steps, [p.get("kl", 0.0) for p in pts], "s--", color="tab:gray", label="KL to SFT")
-            kl.set_ylabel("KL to the reference")
-            ax.set_xlabel("PPO update")
+            if any("kl" in p for p in pts):  # PPO/GRPO; RAFT has no KL term
+                kl = ax.twinx()
+                kl.plot(steps, [p.get("kl", 0.0) for p in pts], "s--", color="tab:gray", label="KL to SFT")
+                kl.set_ylabel("KL to the reference")
+            if any("best_reward" in p for p in pts):  # RAFT: the greedy kernel's and the best candidate's
+                ax.plot(steps, [p["best_reward"] for p in pts], "^:", color="tab:orange", label="best of k")
+                ax.legend(fontsize=7)
+            ax.set_xlabel("RL update")
         else:
             pts = [p for p in points if "loss" in p]
             ax.plot([p["step"] for p in pts], [p["loss"] for p in pts], "o-", color="tab:blue")

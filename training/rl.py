@@ -65,7 +65,8 @@ class RLConfig:
     raft_batch: int = opt(16, "raft: examples per gradient step (this update's targets first)")
     max_len: int = opt(1536, "raft: prompt + kernel tokens kept per example (as SFT's --max-len)")
     raft_anchor: int = opt(0, "raft: SFT examples added to each gradient step's batch (the training records "
-                              "with the shipped SFT recipe: one example per hint, --raft-anchor-tolerance)")
+                              "with the shipped SFT recipe: one example per hint, --raft-anchor-tolerance; "
+                              "without hints, one per record, its fastest variant)")
     raft_anchor_tolerance: float = opt(0.25, "raft: the anchors' SFT --hint-tolerance")
 
 
