@@ -74,6 +74,9 @@ class KindStats:
     speedup_best_of_k: list[float] = field(default_factory=list)
     space_frac_best_of_k: list[float] = field(default_factory=list)
     measured_frac_greedy: list[float] = field(default_factory=list)  # per record, greedy sample a point
+    #: per record: as measured_frac_greedy, and a wrong greedy kernel counts as the runtime's
+    #: cuSPARSE fallback (the space best over torch.sparse's time) instead of being left out
+    measured_frac_greedy_fallback: list[float] = field(default_factory=list)
     measured_frac_best_of_k: list[float] = field(default_factory=list)  # per record, some sample a point
     greedy_correct: int = 0
     records: int = 0
@@ -92,6 +95,8 @@ class KindStats:
                 "greedy_correct_rate": self.greedy_correct / self.records if self.records else None,
                 "measured_space_fraction_greedy_geomean": geomean(self.measured_frac_greedy),
                 "measured_space_fraction_greedy_n": len(self.measured_frac_greedy),
+                "measured_space_fraction_greedy_fallback_geomean": geomean(self.measured_frac_greedy_fallback),
+                "measured_space_fraction_greedy_fallback_n": len(self.measured_frac_greedy_fallback),
                 "measured_space_fraction_best_of_k_geomean": geomean(self.measured_frac_best_of_k),
                 "measured_space_fraction_best_of_k_n": len(self.measured_frac_best_of_k),
                 "hint_follow_rate": self.hint_followed / self.hint_samples if self.hint_samples else None}
@@ -208,6 +213,9 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
     if pb.best_space_us:
         if measured[0]:
             st.measured_frac_greedy.append(pb.best_space_us / measured[0])
+            st.measured_frac_greedy_fallback.append(pb.best_space_us / measured[0])
+        elif not outs[0].correct and pb.reference_us:
+            st.measured_frac_greedy_fallback.append(pb.best_space_us / pb.reference_us)
         ms = [u for u in measured[best_from:] if u]
         if ms:
             st.measured_frac_best_of_k.append(pb.best_space_us / min(ms))

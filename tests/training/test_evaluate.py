@@ -28,10 +28,31 @@ def test_measured_fraction_uses_the_measured_time_of_the_point_written(tiny_mode
     summ = st.summary()
     assert summ["samples"] == 3 and summ["records"] == 1
     assert summ["measured_space_fraction_greedy_geomean"] == pytest.approx(10.0 / 20.0)
+    assert summ["measured_space_fraction_greedy_fallback_geomean"] == pytest.approx(10.0 / 20.0)  # it was correct
     assert summ["speedup_greedy_geomean"] == pytest.approx(40.0 / 50.0)  # evaluator (cost model) time
     # the greedy sample is a measured point, so at most the k sampled ones are novel
     assert st.correct == 3 and st.novel <= 2
     assert len(st.measured_frac_best_of_k) == (1 if st.novel < 2 else 0)
+
+
+def test_a_wrong_greedy_kernel_counts_as_the_cusparse_fallback_in_the_fallback_fraction(tiny_model, tiny_tok):
+    """The plain greedy fraction leaves a record with a wrong greedy kernel out (it has no
+    measured time); the fallback fraction counts it as the runtime would run it: cuSPARSE
+    (torch.sparse's time), here 4x slower than the space best."""
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+
+    def first_wrong(pb, sources):
+        return [KernelOutcome(True, True, i > 0, 50.0, pb.reference_us, pb.best_space_us)
+                for i in range(len(sources))]
+
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], first_wrong, k=1, temperature=1.0,
+                         max_new_tokens=12, constrained=False, space_sources=[{}])["banded"]
+    summ = st.summary()
+    assert summ["greedy_correct_rate"] == 0.0
+    assert summ["measured_space_fraction_greedy_n"] == 0 and summ["measured_space_fraction_greedy_geomean"] is None
+    assert summ["measured_space_fraction_greedy_fallback_n"] == 1
+    assert summ["measured_space_fraction_greedy_fallback_geomean"] == pytest.approx(10.0 / 40.0)
 
 
 def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
