@@ -74,6 +74,31 @@ def test_raft_update_replays_the_anchors(tiny_tok, n_features):
         assert float(lm_loss(model, b)) < before * 0.5  # trained on, though never in the buffer
 
 
+def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, raft_steps: int, raft_anchor: int):
+    """A RAFT run of a tiny policy on one problem (3 candidates): the evaluator times the second
+    candidate 5x faster than the first and calls the third wrong. Returns the result, every
+    update's candidate sources, the log, the matrix, the starting checkpoint and its model."""
+    init = tmp_path / "init"
+    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1)
+    model.config.retrieval = retrieval
+    save_policy(model, tiny_tok, init)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    seen = []
+
+    def timed(pb, sources):
+        seen.append(list(sources))
+        return [_o(us=10.0), _o(us=2.0), _o(correct=False)][: len(sources)]
+
+    m = banded(48, 2)
+    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=steps, problems_per_step=1,
+                   k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=raft_steps, raft_batch=4,
+                   speculative=False, save_every=100, raft_anchor=raft_anchor)
+    logs = []
+    r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
+    return r, seen, logs, m, init, model
+
+
 def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok, n_features, monkeypatch):
     """Three hints per problem; the evaluator times the second hint's kernel 5x faster than the
     first's and calls the third's wrong. After the run, the first hint's prompt is far likelier
@@ -83,26 +108,10 @@ def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok
     from policy.encoder import prepare_structure
     from policy.tokenizer import prompt_text
 
-    init = tmp_path / "init"
-    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1)
-    model.config.retrieval = True
-    save_policy(model, tiny_tok, init)
-    data = tmp_path / "sup.jsonl"
-    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
     hints = ["csr_scalar[block=32]", "csr_scalar[block=128]", "csr_scalar[block=512]"]
     monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: hints[: a[5]])
-    seen = []
-
-    def timed(pb, sources):
-        seen.append(list(sources))
-        return [_o(us=10.0), _o(us=2.0), _o(correct=False)][: len(sources)]
-
-    m = banded(48, 2)
-    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=6, problems_per_step=1,
-                   k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=4, raft_batch=4, speculative=False,
-                   save_every=100, raft_anchor=2)
-    logs = []
-    r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
+    r, seen, logs, m, init, model = _raft_run(tmp_path, tiny_tok, n_features, retrieval=True, steps=6,
+                                              raft_steps=4, raft_anchor=2)
     assert r.step == 6 and all(len(s) == 3 for s in seen)
     assert any("SFT examples replayed, 2 per gradient step" in m for m in logs)
     assert [s["switched"] for s in r.stats] == [1] * 6 and r.stats[-1]["buffer"] == 6
@@ -126,23 +135,8 @@ def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_p
     from policy.encoder import prepare_structure
     from policy.tokenizer import prompt_text
 
-    init = tmp_path / "init"
-    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1)
-    save_policy(model, tiny_tok, init)
-    data = tmp_path / "sup.jsonl"
-    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
-    seen = []
-
-    def timed(pb, sources):
-        seen.append(list(sources))
-        return [_o(us=10.0), _o(us=2.0), _o(correct=False)][: len(sources)]
-
-    m = banded(48, 2)
-    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=4, problems_per_step=1,
-                   k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=8, raft_batch=4, speculative=False,
-                   save_every=100, raft_anchor=1)
-    logs = []
-    r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
+    r, seen, logs, m, init, model = _raft_run(tmp_path, tiny_tok, n_features, retrieval=False, steps=4,
+                                              raft_steps=8, raft_anchor=1)
     assert r.step == 4 and all(len(s) == 3 for s in seen)
     assert len({s[1] for s in seen}) > 1  # the samples change between updates, as the policy does
     assert any("SFT examples replayed, 1 per gradient step" in m for m in logs)
