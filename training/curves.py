@@ -60,7 +60,7 @@ def plot(checkpoint: str | Path, out: str | Path, history: bool = False) -> Path
                 kl = ax.twinx()
                 kl.plot(steps, [p.get("kl", 0.0) for p in pts], "s--", color="tab:gray", label="KL to SFT")
                 kl.set_ylabel("KL to the reference")
-            if any("best_reward" in p for p in pts):  # RAFT: the greedy kernel's and the best candidate's
+            if any("best_reward" in p for p in pts):  # RAFT: the best candidate's reward per problem, averaged
                 ax.plot(steps, [p["best_reward"] for p in pts], "^:", color="tab:orange", label="best of k")
                 ax.legend(fontsize=7)
             ax.set_xlabel("RL update")

@@ -263,7 +263,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} first {rec['first_reward']:.3f} "
                     f"best {rec['best_reward']:.3f} switched {rec['switched']}/{rec['targets']} "
                     f"buffer {rec['buffer']} loss {rec['loss']:.4f}"
-                    + "".join(f"\n[rl]   switched: {n} (x{r} faster)" for n, r in rec["switched_problems"]))
+                    + "".join(f"\n[rl]   switched: {n} " + (f"(x{r} faster)" if r else "(the first was wrong)")
+                              for n, r in rec["switched_problems"]))
             else:
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} kl {rec['kl']:.4f} "
                     f"loss {rec['loss']:.4f} entropy {rec['entropy']:.3f}")
@@ -305,9 +306,10 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
 
 def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin: float, rec: dict,
                   name: str = "") -> None:
-    """Add one problem's target to the RAFT buffer (``raft.pick_target``: the first hint's
-    prompt, the chosen candidate's kernel) and the first and best of its rewards (``scores``)
-    to ``rec``."""
+    """Add one problem's target to the RAFT buffer (``raft.pick_target``: the greedy prompt,
+    the first hint's for a hinted policy, with the chosen candidate's kernel), the first and
+    best of its rewards (``scores``) to ``rec``, and ``name`` to its switched problems when
+    the target is not the first kernel."""
     from policy.decode import completion_ids
     from training.lm import LMExample
     from training.raft import o_us, pick_target
