@@ -228,14 +228,14 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
                     refs[pi] = reference_sources(structs[pi].features, pb.op, pb.dtype, pb.n,
                                                  hint_entries or default_entries(), m,
                                                  count=max(4, cfg.k) if raft else 4, exclude=pb.label)
+            sample_seed = cfg.seed * 7919 + step * 31 + g  # the same whatever the rank
             if raft:
                 if hint_entries is not None and not hints[pi]:
                     continue  # the table has no runnable point for this problem: nothing to compare
-                rs = _raft_candidates(model, tok, structs[pi], pb, hints.get(pi), refs.get(pi), cfg,
-                                      seed=cfg.seed * 7919 + step * 31 + g)
+                rs = _raft_candidates(model, tok, structs[pi], pb, hints.get(pi), refs.get(pi), cfg, seed=sample_seed)
             else:
                 dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                  constrained=cfg.constrained, seed=cfg.seed * 7919 + step * 31 + g)
+                                  constrained=cfg.constrained, seed=sample_seed)
                 hint = hints[pi][0] if hints.get(pi) else None
                 rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hint,
                               references=refs.get(pi))
