@@ -55,6 +55,9 @@ class RLConfig:
                           "CPU evaluators, whose executor is slow on large matrices)")
     unlabelled: int = opt(0, "also this many generated problems no supervision record covers "
                              "(training/unlabelled.py), rewarded against cuSPARSE timed by the evaluator")
+    unlabelled_mix: str = opt("", "weights of the unlabelled problems' sources, e.g. 'shared:social_powerlaw=3,"
+                                  "rmat=1': generators, 'shared' or 'shared:<kind>' (structures derived from the "
+                                  "shared folder's training side); default: the generators equally")
     labelled: bool = opt(True, "the training records' problems (off with --unlabelled N: new structures only)")
     speculative: bool = opt(True, "decode rollouts speculatively against the nearest measured kernels "
                                   "(the same samples' distribution, fewer model calls)")
@@ -160,6 +163,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         buffer = RaftBuffer()
     elif cfg.algo not in ("ppo", "grpo"):
         raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
+    if cfg.unlabelled_mix:  # a bad mix fails before any data is read
+        from training.unlabelled import parse_mix
+
+        parse_mix(cfg.unlabelled_mix)
     loaded: dict = {}
     _records: list = []
 
@@ -172,10 +179,11 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         picked = [r for r in train_records() if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records()
         problems = problems_from_records(picked, loaded) if cfg.labelled else []
         if cfg.unlabelled:
-            from training.unlabelled import unlabelled_problems
+            from training.unlabelled import parse_mix, unlabelled_problems
 
             problems += unlabelled_problems(cfg.unlabelled, cfg.seed, cfg.max_nnz,
-                                            exclude_labels={r.matrix.label for r in train_records()})
+                                            exclude_labels={r.matrix.label for r in train_records()},
+                                            mix=parse_mix(cfg.unlabelled_mix) if cfg.unlabelled_mix else None)
     if not problems:
         raise ValueError("RL needs at least one training problem" + (f" (--max-nnz {cfg.max_nnz} left none)"
                                                                       if cfg.max_nnz else ""))

@@ -15,6 +15,13 @@ the reward is compiling and being correct only.
 A drawn matrix whose generator and arguments fall on the held-out side of the split rule
 (``training.data.is_held_out``) is skipped. So are matrices above ``max_nnz`` and labels the
 supervision holds. RL therefore never sees a held-out matrix.
+
+The generators have no social graph, GNN feature matrix or FEM model. A second source,
+``shared``, covers those kinds: a new structure derived from a training-side matrix of
+``../shared/matrices`` (``derive_shared``): the rows (for a square matrix also the columns) of a
+random subset of 30-90 % of its indices, in their order or, half the time, randomly relabelled.
+A held-out matrix is never a source. ``mix`` weights the sources (``parse_mix``: e.g.
+``shared:social_powerlaw=3,rmat=1``); without it the generators are drawn equally, as before.
 """
 
 from __future__ import annotations
@@ -54,17 +61,77 @@ ESTIMATES = {
 FIRST_SEED = 100
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """``'shared:social_powerlaw=3,rmat=1,shared=0.5'`` -> source -> weight. A source is a
+    generator of ``SAMPLERS``, ``shared`` (any kind of the shared folder's training side) or
+    ``shared:<kind>``. Raises ValueError naming the bad entry and the valid sources."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, w = part.partition("=")
+        name = name.strip()
+        try:
+            weight = float(w) if eq else 1.0
+        except ValueError:
+            weight = -1.0
+        if not (name in SAMPLERS or name == "shared" or name.startswith("shared:")) or weight < 0:
+            raise ValueError(f"unlabelled mix entry {part!r}: write SOURCE=WEIGHT (weight >= 0) with SOURCE one of "
+                             f"{sorted(SAMPLERS)}, 'shared' or 'shared:<kind>'")
+        out[name] = weight
+    if not out or sum(out.values()) <= 0:
+        raise ValueError(f"unlabelled mix {text!r} gives no source a positive weight")
+    return out
+
+
+def shared_sources(kind: str | None = None) -> list:
+    """The shared folder's training-side matrices (``MatrixInfo``) whose file is present, of
+    ``kind`` when given; [] without the folder."""
+    from sparserl_compile import matrices
+    from training.data import MatrixRef, is_held_out
+
+    return [i for i in matrices.shared_manifest() if i.path.is_file() and (kind is None or i.kind == kind)
+            and not is_held_out(MatrixRef("shared", name=i.name))]
+
+
+def derive_shared(m, rng: np.random.Generator):
+    """A new structure from CSR ``m`` (module doc) -> (matrix, description for the label).
+    Deterministic in ``rng``'s seed, which the label names."""
+    import scipy.sparse as sp
+
+    frac = float(np.round(rng.uniform(0.3, 0.9), 2))
+    relabel = bool(rng.random() < 0.5)
+    rows = np.sort(rng.choice(m.shape[0], max(1, int(frac * m.shape[0])), replace=False))
+    if relabel:
+        rows = rng.permutation(rows)
+    sub = m[rows]
+    if m.shape[0] == m.shape[1]:
+        sub = sub[:, rows]
+    sub = sp.csr_matrix(sub)
+    sub.sort_indices()
+    return sub, f"frac={frac}, relabel={int(relabel)}"
+
+
 def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_labels=frozenset(),
-                        max_draws: int | None = None) -> list:
-    """``count`` ``RLProblem``s on generated matrices no supervision record names (module doc).
-    Deterministic in ``seed``. Raises ValueError when ``max_draws`` (default ``50 * count``)
-    draws leave fewer than ``count``."""
+                        max_draws: int | None = None, mix: dict[str, float] | None = None) -> list:
+    """``count`` ``RLProblem``s on matrices no supervision record names (module doc): generated,
+    and with ``mix`` naming ``shared`` sources, derived from the shared folder's training side.
+    Deterministic in ``seed`` (and the shared folder). Raises ValueError when ``max_draws``
+    (default ``50 * count``) draws leave fewer than ``count``, or when a ``shared`` source has no
+    matrix."""
     from sparserl_compile import matrices
     from training.data import MatrixRef, is_held_out
     from training.rewards import RLProblem
 
     rng = np.random.default_rng(seed)
-    names = sorted(SAMPLERS)
+    names = sorted(SAMPLERS) if mix is None else sorted(k for k, w in mix.items() if w > 0)
+    weights = None if mix is None else np.array([mix[k] for k in names]) / sum(mix[k] for k in names)
+    pools = {}
+    for name in names:
+        if name.startswith("shared"):
+            pools[name] = shared_sources(name.partition(":")[2] or None)
+            if not pools[name]:
+                raise ValueError(f"unlabelled source {name!r} has no training-side matrix: "
+                                 + ("set SPARSERL_SHARED_MATRICES to the folder holding MANIFEST.json"
+                                    if matrices.shared_matrices_dir() is None else "check the kind's name in MANIFEST.json"))
     out, draws = [], 0
     limit = max_draws if max_draws is not None else 50 * max(count, 1)
     while len(out) < count:
@@ -72,14 +139,21 @@ def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_lab
             raise ValueError(f"{draws} draws gave {len(out)} of {count} unlabelled problems "
                              f"(max_nnz={max_nnz}): raise max_nnz or ask for fewer")
         draws += 1
-        gen = names[int(rng.integers(len(names)))]
-        kwargs = {**SAMPLERS[gen](rng), "seed": FIRST_SEED + draws}
-        ref = MatrixRef("generated", gen, tuple(sorted(kwargs.items())))
-        if is_held_out(ref) or ref.label in exclude_labels or (max_nnz and ESTIMATES[gen](kwargs) > 1.5 * max_nnz):
-            continue
-        m = matrices.generate(gen, **kwargs)
-        if m.nnz == 0 or (max_nnz and m.nnz > max_nnz):
+        gen = names[int(rng.integers(len(names)))] if weights is None else names[int(rng.choice(len(names), p=weights))]
+        if gen in pools:
+            info = pools[gen][int(rng.integers(len(pools[gen])))]
+            if max_nnz and 0.3 * info.nnz > max_nnz:
+                continue
+            m, how = derive_shared(matrices.load_npz(info.path), np.random.default_rng(FIRST_SEED + draws))
+            label = f"shared:{info.name}({how}, seed={FIRST_SEED + draws})"
+        else:
+            kwargs = {**SAMPLERS[gen](rng), "seed": FIRST_SEED + draws}
+            ref = MatrixRef("generated", gen, tuple(sorted(kwargs.items())))
+            if is_held_out(ref) or ref.label in exclude_labels or (max_nnz and ESTIMATES[gen](kwargs) > 1.5 * max_nnz):
+                continue
+            m, label = matrices.generate(gen, **kwargs), ref.label
+        if m.nnz == 0 or (max_nnz and m.nnz > max_nnz) or label in exclude_labels:
             continue
         op, n = ("spmv", 1) if rng.random() < 0.5 else ("spmm", 32)
-        out.append(RLProblem(m, op, "f32", n, ref.label))
+        out.append(RLProblem(m, op, "f32", n, label))
     return out

@@ -1,5 +1,6 @@
 """The three stages on tiny configs: losses fall, parameters change, runs resume."""
 
+import dataclasses
 import json
 
 import pytest
@@ -122,16 +123,19 @@ def test_rl_max_nnz_filters_the_training_problems(tmp_path, tiny_tok, n_features
         rl(cfg, log=QUIET)
 
 
-def test_rl_on_unlabelled_problems_only(tmp_path, tiny_tok, n_features):
+@pytest.mark.parametrize("mix", ["", "banded=1,block_diagonal=2"])
+def test_rl_on_unlabelled_problems_only(tmp_path, tiny_tok, n_features, mix):
     init = tmp_path / "init"
     save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
     data = tmp_path / "sup.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
     cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "rl"), steps=1, k=2, problems_per_step=2,
                    max_new_tokens=8, max_nnz=20_000, evaluator="header", labelled=False, unlabelled=2,
-                   speculative=False)
+                   unlabelled_mix=mix, speculative=False)
     r = rl(cfg, log=QUIET)
     assert r.step == 1 and len(r.mean_rewards) == 1
+    with pytest.raises(ValueError, match="unlabelled mix entry 'stencil9=1'"):
+        rl(dataclasses.replace(cfg, out_dir=str(tmp_path / "bad"), unlabelled_mix="rmat=1,stencil9=1"), log=QUIET)
 
 
 def test_sft_rejects_hints_without_retrieval(tmp_path):

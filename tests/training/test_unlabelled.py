@@ -1,9 +1,10 @@
 """training/unlabelled.py: new structures for RL, never on the held-out side of the split."""
 
+import numpy as np
 import pytest
 
 from training.data import MatrixRef, is_held_out
-from training.unlabelled import FIRST_SEED, unlabelled_problems
+from training.unlabelled import FIRST_SEED, derive_shared, parse_mix, unlabelled_problems
 
 
 def _ref(label_problem):
@@ -36,3 +37,47 @@ def test_excluded_labels_are_skipped():
 def test_an_impossible_request_says_what_to_change():
     with pytest.raises(ValueError, match="raise max_nnz or ask for fewer"):
         unlabelled_problems(2, seed=0, max_nnz=1, max_draws=20)
+
+
+def test_the_mix_names_valid_sources_and_rejects_the_rest():
+    assert parse_mix("shared:social_powerlaw=3, rmat=1,shared") == {"shared:social_powerlaw": 3.0, "rmat": 1.0,
+                                                                   "shared": 1.0}
+    for bad in ("nosuch=1", "rmat=-1", "rmat=x", "rmat=0", ""):
+        with pytest.raises(ValueError, match="unlabelled mix"):
+            parse_mix(bad)
+
+
+def test_a_mix_draws_only_its_sources():
+    mix = parse_mix("banded=1,block_diagonal=1")
+    ps = unlabelled_problems(6, seed=2, max_nnz=200_000, mix=mix)
+    assert {_ref(p)[0] for p in ps} <= {"banded", "block_diagonal"} and len(ps) == 6
+
+
+def test_shared_structures_come_from_the_training_side_only(shared_matrices):
+    from sparserl_compile import matrices
+    from training.data import SHARED_HELD_OUT
+
+    mix = parse_mix("shared:social_powerlaw=1,shared:gnn_citation=1")
+    ps = unlabelled_problems(8, seed=7, max_nnz=300_000, mix=mix)
+    again = unlabelled_problems(8, seed=7, max_nnz=300_000, mix=mix)
+    assert [p.label for p in ps] == [p.label for p in again]
+    assert all((p.matrix != q.matrix).nnz == 0 for p, q in zip(ps, again))
+    kinds = {i.name: i for i in matrices.shared_manifest(shared_matrices)}
+    for p in ps:
+        name, _, rest = p.label.removeprefix("shared:").partition("(")
+        assert name not in SHARED_HELD_OUT  # hep-th and cora_features are never a source
+        assert kinds[name].kind in {"social_powerlaw", "gnn_citation"}
+        src = kinds[name]
+        # a subset of 30-90 % of the rows (square: of the rows and columns), the columns of a rectangular one kept
+        assert 0.29 * src.n_rows <= p.matrix.shape[0] <= 0.9 * src.n_rows
+        assert p.matrix.shape[1] == (p.matrix.shape[0] if src.n_rows == src.n_cols else src.n_cols)
+        assert 0 < p.matrix.nnz < src.nnz and p.matrix.has_sorted_indices
+        # the label reproduces the matrix
+        args = dict(kv.split("=") for kv in rest.rstrip(")").split(", "))
+        m, how = derive_shared(matrices.load_npz(src.path), np.random.default_rng(int(args["seed"])))
+        assert how == f"frac={args['frac']}, relabel={args['relabel']}" and (m != p.matrix).nnz == 0
+
+
+def test_a_shared_kind_without_matrices_says_so(shared_matrices):
+    with pytest.raises(ValueError, match="no training-side matrix"):
+        unlabelled_problems(1, seed=0, mix=parse_mix("shared:no_such_kind=1"))
