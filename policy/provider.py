@@ -10,9 +10,9 @@ that are cut off or whose header does not parse are dropped and counted in ``sta
 It does not compile, verify or time anything: the runtime does, and falls back to cuSPARSE
 if no candidate wins. The default checkpoint is package data under
 ``policy/checkpoints/retrieval/`` (the retrieval-hinted policy, the best measured on the
-held-out matrices; ``policy/checkpoints/default/`` is the from-scratch three-stage run it was
-fine-tuned from, docs/training.md); without it, constructing the provider fails with a message
-saying how to get one.
+held-out matrices; ``policy/checkpoints/default/`` is the policy without hints, the paper's
+setting, whose version 1 it was fine-tuned from, docs/training.md); without it, constructing
+the provider fails with a message saying how to get one.
 """
 
 from __future__ import annotations
