@@ -81,3 +81,12 @@ def test_shared_structures_come_from_the_training_side_only(shared_matrices):
 def test_a_shared_kind_without_matrices_says_so(shared_matrices):
     with pytest.raises(ValueError, match="no training-side matrix"):
         unlabelled_problems(1, seed=0, mix=parse_mix("shared:no_such_kind=1"))
+
+
+def test_a_shared_source_without_the_folder_says_where_to_point(monkeypatch):
+    from sparserl_compile import matrices
+
+    monkeypatch.setattr(matrices, "shared_matrices_dir", lambda: None)
+    with pytest.raises(ValueError, match="set SPARSERL_SHARED_MATRICES"):
+        unlabelled_problems(1, seed=0, mix=parse_mix("shared=1,rmat=1"))
+    assert len(unlabelled_problems(2, seed=0, max_nnz=100_000, mix=parse_mix("rmat=1"))) == 2  # generators need no folder
