@@ -16,6 +16,10 @@ reports per matrix kind:
   samples that are no measured point have no measured time and are left out (counted in
   ``novel_rate``).
 
+The report also holds every record's row under ``per_record`` (the greedy, greedy-with-fallback
+and best-of-k fractions, compile and correct counts), for paired comparisons of two variants
+record by record (``python -m training.compare``).
+
 ``--baselines nearest`` scores the ``"nearest"`` provider (winners of the most alike training
 records) through the same evaluator, as the row a learned policy has to beat.
 
@@ -82,6 +86,8 @@ class KindStats:
     records: int = 0
     hint_samples: int = 0  # samples='hints': samples conditioned on a hint
     hint_followed: int = 0  # ... that are exactly the hinted point rendered for the matrix
+    #: one row per record (``_score``): the report's ``per_record`` (paired comparisons, training/compare.py)
+    rows: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict:
         return {"samples": self.samples,
@@ -113,6 +119,11 @@ def overall(stats: dict[str, KindStats]) -> KindStats:
 
 def _summaries(stats: dict[str, KindStats]) -> dict:
     return {"all": overall(stats).summary(), **{kind: s.summary() for kind, s in stats.items()}}
+
+
+def _rows(stats: dict[str, KindStats]) -> list[dict]:
+    """Every record's row (``KindStats.rows``) with its kind, for the report's ``per_record``."""
+    return [{"kind": kind, **row} for kind, st in stats.items() for row in st.rows]
 
 
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
@@ -210,15 +221,23 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
             else:
                 us = space[key]
         measured.append(us)
+    row = {"label": pb.label, "op": pb.op, "n": pb.n, "greedy_correct": bool(outs[0].correct),
+           "greedy_fraction": None, "greedy_fallback_fraction": None, "best_of_k_fraction": None,
+           "compiled": sum(bool(o.compiled) for o in outs), "correct": sum(bool(o.correct) for o in outs),
+           "samples": len(outs)}
     if pb.best_space_us:
         if measured[0]:
             st.measured_frac_greedy.append(pb.best_space_us / measured[0])
             st.measured_frac_greedy_fallback.append(pb.best_space_us / measured[0])
+            row["greedy_fraction"] = row["greedy_fallback_fraction"] = pb.best_space_us / measured[0]
         elif not outs[0].correct and pb.reference_us:
             st.measured_frac_greedy_fallback.append(pb.best_space_us / pb.reference_us)
+            row["greedy_fallback_fraction"] = pb.best_space_us / pb.reference_us
         ms = [u for u in measured[best_from:] if u]
         if ms:
             st.measured_frac_best_of_k.append(pb.best_space_us / min(ms))
+            row["best_of_k_fraction"] = pb.best_space_us / min(ms)
+    st.rows.append(row)
     if outs[0].correct and outs[0].us and pb.reference_us:
         st.speedup_greedy.append(pb.reference_us / outs[0].us)
     timed = [o.us for o in outs[best_from:] if o.correct and o.us]
@@ -278,7 +297,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
         return tables[0]
 
     report = {"held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
-              "in_progress": None, "variants": {}}
+              "in_progress": None, "variants": {}, "per_record": {}}
 
     def save():  # after every record: a run cut short keeps what it measured
         if cfg.out:
@@ -287,6 +306,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
 
     def partial(label, stats):  # a variant's figures so far; "in_progress" names it until it ends
         report["variants"][label] = _summaries(stats)
+        report["per_record"][label] = _rows(stats)
         report["in_progress"] = label
         save()
 
@@ -302,6 +322,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
                                      hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None,
                                      progress=lambda st_, label=label: partial(label, st_))
                 report["variants"][label] = _summaries(st)
+                report["per_record"][label] = _rows(st)
                 report["in_progress"] = None
                 log(f"[eval] {label}: " + json.dumps(report["variants"][label]))
                 save()
@@ -311,6 +332,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             st = evaluate_nearest(train_entries(), problems, evaluator, k=cfg.k,
                                   space_sources=space, log=log)
             report["variants"]["baseline/nearest"] = _summaries(st)
+            report["per_record"]["baseline/nearest"] = _rows(st)
             log("[eval] baseline/nearest: " + json.dumps(report["variants"]["baseline/nearest"]))
             save()
     finally:

@@ -29,6 +29,7 @@ def test_measured_fraction_uses_the_measured_time_of_the_point_written(tiny_mode
     assert summ["samples"] == 3 and summ["records"] == 1
     assert summ["measured_space_fraction_greedy_geomean"] == pytest.approx(10.0 / 20.0)
     assert summ["measured_space_fraction_greedy_fallback_geomean"] == pytest.approx(10.0 / 20.0)  # it was correct
+    assert st.rows[0]["greedy_fraction"] == st.rows[0]["greedy_fallback_fraction"] == pytest.approx(0.5)
     assert summ["speedup_greedy_geomean"] == pytest.approx(40.0 / 50.0)  # evaluator (cost model) time
     # the greedy sample is a measured point, so at most the k sampled ones are novel
     assert st.correct == 3 and st.novel <= 2
@@ -53,6 +54,11 @@ def test_a_wrong_greedy_kernel_counts_as_the_cusparse_fallback_in_the_fallback_f
     assert summ["measured_space_fraction_greedy_n"] == 0 and summ["measured_space_fraction_greedy_geomean"] is None
     assert summ["measured_space_fraction_greedy_fallback_n"] == 1
     assert summ["measured_space_fraction_greedy_fallback_geomean"] == pytest.approx(10.0 / 40.0)
+    # the record's own row, for paired comparisons (training/compare.py)
+    (row,) = st.rows
+    assert row["label"] == "banded" and (row["op"], row["n"], row["samples"], row["correct"]) == ("spmv", 1, 2, 1)
+    assert row["greedy_correct"] is False and row["greedy_fraction"] is None
+    assert row["greedy_fallback_fraction"] == pytest.approx(10.0 / 40.0)
 
 
 def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
@@ -186,3 +192,7 @@ def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features
     for v in rep["variants"].values():
         assert v["all"]["records"] == len(held) == sum(s["records"] for kind, s in v.items() if kind != "all")
     assert rep["variants"]["tiny"]["all"]["samples"] == 3 * len(held)  # greedy + k=2
+    assert set(rep["per_record"]) == set(rep["variants"])
+    rows = rep["per_record"]["tiny"]
+    assert sorted((r["label"], r["op"], r["n"]) for r in rows) == sorted((h.matrix.label, h.op, h.n) for h in held)
+    assert all(r["kind"] in rep["variants"]["tiny"] and r["samples"] == 3 for r in rows)

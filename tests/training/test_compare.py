@@ -1,0 +1,56 @@
+"""training/compare.py: two variants compared record by record, with a bootstrap interval."""
+
+import json
+import math
+
+import pytest
+
+from training.compare import load_rows, main, paired
+
+
+def _rows(values, metric="greedy_fallback_fraction"):
+    return [{"label": f"m{i}", "op": "spmv", "n": 1, metric: v} for i, v in enumerate(values)]
+
+
+def test_identical_variants_are_a_ratio_of_one_with_no_spread():
+    r = paired(_rows([0.5, 0.9, 1.0]), _rows([0.5, 0.9, 1.0]), n_boot=200)
+    assert r["ratio_geomean"] == pytest.approx(1.0) and r["ci95"] == pytest.approx([1.0, 1.0])
+    assert (r["records"], r["better"], r["worse"], r["left_out"], r["changes"]) == (3, 0, 0, 0, [])
+
+
+def test_one_record_that_doubles_moves_the_geomean_and_widens_the_interval():
+    r = paired(_rows([0.4, 0.9, 0.9, 0.9]), _rows([0.8, 0.9, 0.9, 0.9]), n_boot=2000, seed=1)
+    assert r["ratio_geomean"] == pytest.approx(2 ** 0.25)
+    lo, hi = r["ci95"]
+    assert lo == pytest.approx(1.0) and hi == pytest.approx(2.0, rel=0.2)  # resamples with and without it
+    assert (r["better"], r["worse"]) == (1, 0)
+    assert r["changes"] == [{"label": "m0", "op": "spmv", "n": 1, "base": 0.4, "other": 0.8}]
+
+
+def test_records_missing_a_figure_on_either_side_are_left_out_and_counted():
+    base = _rows([0.5, None, 0.8]) + [{"label": "only_base", "op": "spmm", "n": 32, "greedy_fallback_fraction": 1.0}]
+    r = paired(base, _rows([0.25, 0.7, 0.8]))
+    assert r["records"] == 2 and r["left_out"] == 2
+    assert r["ratio_geomean"] == pytest.approx(math.sqrt(0.5)) and r["worse"] == 1
+    assert paired(_rows([None]), _rows([0.5]))["ratio_geomean"] is None
+    with pytest.raises(ValueError, match="metric"):
+        paired(base, base, metric="speed")
+
+
+def test_the_command_reads_eval_reports_and_says_what_is_missing(tmp_path, capsys):
+    rep = {"variants": {"a": {}, "b": {}},
+           "per_record": {"a": _rows([0.5, 1.0]), "b": _rows([1.0, 1.0])}}
+    f = tmp_path / "eval.json"
+    f.write_text(json.dumps(rep))
+    out = tmp_path / "cmp.json"
+    assert main([f"{f}:a", f"{f}:b", "--bootstrap", "100", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"{f}:b: x1.414" in text and "m0 spmv n=1: 0.500 -> 1.000" in text
+    assert json.loads(out.read_text())["results"][f"{f}:b"]["records"] == 2
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"variants": {"a": {}}}))
+    with pytest.raises(ValueError, match="no per_record rows"):
+        load_rows(f"{old}:a")
+    with pytest.raises(ValueError, match="no variant 'c'"):
+        load_rows(f"{f}:c")
+    assert main([f"{old}:a", f"{f}:b"]) == 2 and "evaluate again" in capsys.readouterr().err

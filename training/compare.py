@@ -1,0 +1,100 @@
+"""Paired comparison of two evaluated variants, record by record (``sparserl eval``'s ``per_record``).
+
+    python -m training.compare BASE.json:sft NEW.json:rl [MORE.json:name ...] [--metric greedy_fallback_fraction]
+
+The held-out split has 42 records, and a kind has as few as 2, so a geometric mean moves with one
+matrix. This pairs each record's figure under the base variant with the same record's under
+each other variant (records matched by label, product and N; a record with no figure on either
+side is left out and counted) and reports the geometric mean of the per-record ratios, a 95 %
+bootstrap interval over the records (resampled with replacement, seeded), and how many records
+got better or worse by more than ``--tie`` (2 %). Metrics: ``greedy_fallback_fraction`` (a wrong
+greedy kernel counted as the cuSPARSE fallback, the default), ``greedy_fraction`` or
+``best_of_k_fraction``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+METRICS = ("greedy_fallback_fraction", "greedy_fraction", "best_of_k_fraction")
+
+
+def load_rows(spec: str) -> list[dict]:
+    """``FILE.json:VARIANT`` -> that variant's ``per_record`` rows. Raises ValueError saying what is
+    missing (a report written before ``per_record`` existed, an unknown variant)."""
+    path, sep, variant = spec.rpartition(":")
+    if not sep or not path:
+        raise ValueError(f"{spec!r}: write FILE.json:VARIANT (a variant of sparserl eval's report)")
+    report = json.loads(Path(path).read_text())
+    per = report.get("per_record")
+    if not per:
+        raise ValueError(f"{path}: no per_record rows (written before they existed); evaluate again with sparserl eval")
+    if variant not in per:
+        raise ValueError(f"{path}: no variant {variant!r}; it holds {sorted(per)}")
+    return per[variant]
+
+
+def _key(row: dict) -> tuple:
+    return row["label"], row["op"], row["n"]
+
+
+def paired(base: list[dict], other: list[dict], metric: str = METRICS[0], n_boot: int = 10_000,
+           seed: int = 0, tie: float = 0.02) -> dict:
+    """Per-record ratios ``other / base`` of ``metric`` over the records both have (module doc)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: choose from {METRICS}")
+    b = {_key(r): r.get(metric) for r in base}
+    o = {_key(r): r.get(metric) for r in other}
+    both = [k for k in b if k in o and b[k] and o[k]]
+    logs = np.array([math.log(o[k] / b[k]) for k in both])
+    out = {"metric": metric, "records": len(both), "left_out": len(set(b) | set(o)) - len(both)}
+    if not both:
+        return {**out, "ratio_geomean": None, "ci95": None, "better": 0, "worse": 0, "changes": []}
+    rng = np.random.default_rng(seed)
+    boots = logs[rng.integers(0, len(logs), size=(n_boot, len(logs)))].mean(axis=1)
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    order = np.argsort(-np.abs(logs))
+    return {**out, "ratio_geomean": math.exp(logs.mean()), "ci95": [math.exp(lo), math.exp(hi)],
+            "better": int((logs > math.log1p(tie)).sum()), "worse": int((logs < -math.log1p(tie)).sum()),
+            "changes": [{"label": both[i][0], "op": both[i][1], "n": both[i][2], "base": b[both[i]],
+                         "other": o[both[i]]} for i in order if abs(logs[i]) > math.log1p(tie)]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.compare", description=__doc__.split("\n")[0])
+    p.add_argument("base", help="FILE.json:VARIANT, the variant compared against")
+    p.add_argument("others", nargs="+", help="FILE.json:VARIANT, each compared with the base")
+    p.add_argument("--metric", default=METRICS[0], choices=METRICS)
+    p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    p.add_argument("--tie", type=float, default=0.02, help="a change within this fraction is a tie (default 0.02)")
+    p.add_argument("--json", help="also write the comparisons here")
+    args = p.parse_args(argv)
+    try:
+        base = load_rows(args.base)
+        results = {spec: paired(base, load_rows(spec), args.metric, args.bootstrap, tie=args.tie) for spec in args.others}
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.metric}, each against {args.base} (geometric mean of per-record ratios, 95 % bootstrap interval)")
+    for spec, r in results.items():
+        if r["ratio_geomean"] is None:
+            print(f"  {spec}: no record with a figure on both sides")
+            continue
+        lo, hi = r["ci95"]
+        print(f"  {spec}: x{r['ratio_geomean']:.3f} [{lo:.3f}, {hi:.3f}] over {r['records']} records "
+              f"({r['better']} better, {r['worse']} worse; {r['left_out']} left out)")
+        for c in r["changes"][:6]:
+            print(f"      {c['label']} {c['op']} n={c['n']}: {c['base']:.3f} -> {c['other']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base": args.base, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
