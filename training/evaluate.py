@@ -227,16 +227,16 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
            "samples": len(outs)}
     if pb.best_space_us:
         if measured[0]:
-            st.measured_frac_greedy.append(pb.best_space_us / measured[0])
-            st.measured_frac_greedy_fallback.append(pb.best_space_us / measured[0])
             row["greedy_fraction"] = row["greedy_fallback_fraction"] = pb.best_space_us / measured[0]
+            st.measured_frac_greedy.append(row["greedy_fraction"])
         elif not outs[0].correct and pb.reference_us:
-            st.measured_frac_greedy_fallback.append(pb.best_space_us / pb.reference_us)
             row["greedy_fallback_fraction"] = pb.best_space_us / pb.reference_us
+        if row["greedy_fallback_fraction"] is not None:
+            st.measured_frac_greedy_fallback.append(row["greedy_fallback_fraction"])
         ms = [u for u in measured[best_from:] if u]
         if ms:
-            st.measured_frac_best_of_k.append(pb.best_space_us / min(ms))
             row["best_of_k_fraction"] = pb.best_space_us / min(ms)
+            st.measured_frac_best_of_k.append(row["best_of_k_fraction"])
     st.rows.append(row)
     if outs[0].correct and outs[0].us and pb.reference_us:
         st.speedup_greedy.append(pb.reference_us / outs[0].us)

@@ -163,10 +163,11 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         buffer = RaftBuffer()
     elif cfg.algo not in ("ppo", "grpo"):
         raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
+    mix = None
     if cfg.unlabelled_mix:  # a bad mix fails before any data is read
         from training.unlabelled import parse_mix
 
-        parse_mix(cfg.unlabelled_mix)
+        mix = parse_mix(cfg.unlabelled_mix)
     loaded: dict = {}
     _records: list = []
 
@@ -179,11 +180,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         picked = [r for r in train_records() if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records()
         problems = problems_from_records(picked, loaded) if cfg.labelled else []
         if cfg.unlabelled:
-            from training.unlabelled import parse_mix, unlabelled_problems
+            from training.unlabelled import unlabelled_problems
 
             problems += unlabelled_problems(cfg.unlabelled, cfg.seed, cfg.max_nnz,
-                                            exclude_labels={r.matrix.label for r in train_records()},
-                                            mix=parse_mix(cfg.unlabelled_mix) if cfg.unlabelled_mix else None)
+                                            exclude_labels={r.matrix.label for r in train_records()}, mix=mix)
     if not problems:
         raise ValueError("RL needs at least one training problem" + (f" (--max-nnz {cfg.max_nnz} left none)"
                                                                       if cfg.max_nnz else ""))
