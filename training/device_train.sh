@@ -13,6 +13,7 @@
 # runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 # SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
+# RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$(pwd)/device_out}"
@@ -31,8 +32,10 @@ python3 -c "import llguidance, torch; print('llguidance', llguidance.__version__
 
 SR="python3 -m sparserl_compile.cli"
 keep() {  # a stage's checkpoint (weights, tokenizer, configs, trainer log; not the optimizer) and
-  # the logs so far, as tarballs: the device returns few files per call
-  [ -d "$RUNS/$1" ] && tar -czf "$OUT/ckpt_$1.tgz" -C "$RUNS/$1" --exclude 'optimizer*' .
+  # the logs so far, as tarballs: the device returns few files per call, each under 16 MiB, so
+  # RL's validation-best checkpoint (--validate: <out>/best/) is a tarball of its own
+  [ -d "$RUNS/$1" ] && tar -czf "$OUT/ckpt_$1.tgz" -C "$RUNS/$1" --exclude 'optimizer*' --exclude './best' .
+  [ -d "$RUNS/$1/best" ] && tar -czf "$OUT/ckpt_$1_best.tgz" -C "$RUNS/$1/best" .
   tar -czf "$OUT/logs.tgz" -C "$OUT" logs
 }
 

@@ -71,6 +71,11 @@ class RLConfig:
                               "with the shipped SFT recipe: one example per hint, --raft-anchor-tolerance; "
                               "without hints, one per record, its fastest variant)")
     raft_anchor_tolerance: float = opt(0.25, "raft: the anchors' SFT --hint-tolerance")
+    validate: int = opt(0, "score the policy on this many validation problems (new instances of the training "
+                           "kinds, never held-out ones; training/validation.py) before the first update, every "
+                           "--validate-every updates and after the last, keeping the best in <out>/best/")
+    validate_every: int = opt(4, "updates between validations")
+    validate_mix: str = opt("", "the validation problems' sources, as --unlabelled-mix (default: --unlabelled-mix)")
 
 
 @dataclass
@@ -80,6 +85,7 @@ class RLResult:
     step: int
     mean_rewards: list[float] = field(default_factory=list)  # per update of this run
     stats: list[dict] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)  # every validation of the run, resumed ones included
 
 
 def problems_from_records(records, loaded: dict | None = None) -> list:
@@ -118,8 +124,11 @@ def make_evaluator(name: str, workers: int = 2, records=None):
     raise ValueError(f"evaluator={name!r}: use 'gpu', 'cpu', 'measured' or 'header'")
 
 
-def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) -> RLResult:
-    """Run stage 3. ``problems``/``evaluator``/``reward_fn`` override the config (tests).
+def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
+       validation_problems=None) -> RLResult:
+    """Run stage 3. ``problems``/``evaluator``/``reward_fn``/``validation_problems`` override
+    the config (tests). With ``cfg.validate`` the policy is scored on validation problems
+    (``training/validation.py``) and the best so far is kept in ``<out_dir>/best/``.
 
     Under ``torchrun`` (``training/dist.py``): every rank draws the same ``problems_per_step``
     problems and keeps its equal contiguous share (the count must divide by the world size),
@@ -163,11 +172,14 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         buffer = RaftBuffer()
     elif cfg.algo not in ("ppo", "grpo"):
         raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
-    mix = None
-    if cfg.unlabelled_mix:  # a bad mix fails before any data is read
+    mix = vmix = None
+    if cfg.unlabelled_mix or cfg.validate_mix:  # a bad mix fails before any data is read
         from training.unlabelled import parse_mix
 
-        mix = parse_mix(cfg.unlabelled_mix)
+        mix = parse_mix(cfg.unlabelled_mix) if cfg.unlabelled_mix else None
+        vmix = parse_mix(cfg.validate_mix) if cfg.validate_mix else mix
+    if cfg.validate and ctx.distributed:
+        raise ValueError("--validate runs in one process; launch without torchrun")
     loaded: dict = {}
     _records: list = []
 
@@ -194,6 +206,26 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
         evaluator = make_evaluator(cfg.evaluator, cfg.workers,
                                    records=train_records() if cfg.evaluator == "measured" else None)
     reward_fn = reward_fn or REWARDS[cfg.reward]
+    validator = None
+    if cfg.validate:
+        from training import validation
+
+        vprobs = validation_problems if validation_problems is not None else validation.validation_problems(
+            cfg.validate, cfg.seed, cfg.max_nnz, mix=vmix,
+            exclude_labels={r.matrix.label for r in train_records()} | {p.label for p in problems})
+        validator = validation.Validator(vprobs, evaluator, max_new_tokens=cfg.max_new_tokens,
+                                         constrained=cfg.constrained, speculative=cfg.speculative)
+        res_validation = validation.load_history(out) if resume else []
+        log(f"[rl] validation: {len(vprobs)} problems, every {cfg.validate_every} updates; "
+            + ", ".join(sorted({p.label.split("(")[0].split("[")[0] for p in vprobs}))[:300])
+
+        def validate(at: int) -> None:
+            entry = validator(model, tok, at)
+            was = validation.best_of(res_validation)
+            new_best = validation.record(out, res_validation, entry, model, tok)
+            log(f"[rl] validation after {at} updates: score {entry['score']:.4f} (x cuSPARSE, geomean), correct "
+                f"{entry['correct_rate']:.3f}, timed {entry['timed']}/{entry['problems']}"
+                + (" - new best, saved to best/" if new_best else f"; best {was['score']:.4f} after {was['step']}"))
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
     structs, hints, refs, hint_entries = {}, {}, {}, None
     if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
@@ -212,6 +244,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
     loaded.clear()  # the problems keep their own references
     res = RLResult(str(out), state.step, state.step)
     t0 = time.perf_counter()
+    if validator is not None and not any(h["step"] == state.step for h in res_validation):
+        validate(state.step)  # the starting checkpoint (or the resumed one) is a candidate too
     for step in range(state.step, cfg.steps):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
         pick = rng.choice(len(problems), size=n_pick, replace=False)
@@ -281,10 +315,14 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print) 
             over = tdist.broadcast_scalar(over)  # rank 0's clock: every rank stops after the same step
         if ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or over) and ctx.is_main:
             save_state(out, model, tok, optim, state)
+        if validator is not None and ((step + 1) % cfg.validate_every == 0 or step + 1 == cfg.steps or over):
+            validate(step + 1)
         if over:
             log(f"[rl] time budget of {cfg.time_budget_s:.0f} s reached after step {step + 1}")
             break
     res.step = state.step
+    if validator is not None:
+        res.validation = res_validation
     if hasattr(evaluator, "close"):
         evaluator.close()
     if ctx.distributed:

@@ -111,10 +111,13 @@ def derive_shared(m, rng: np.random.Generator):
 
 
 def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_labels=frozenset(),
-                        max_draws: int | None = None, mix: dict[str, float] | None = None) -> list:
+                        max_draws: int | None = None, mix: dict[str, float] | None = None,
+                        first_seed: int = FIRST_SEED) -> list:
     """``count`` ``RLProblem``s on matrices no supervision record names (module doc): generated,
     and with ``mix`` naming ``shared`` sources, derived from the shared folder's training side.
-    Deterministic in ``seed`` (and the shared folder). Raises ValueError when ``max_draws``
+    Deterministic in ``seed`` (and the shared folder). The generators' and derivations' seeds
+    count from ``first_seed`` (stage 3's validation problems use their own range,
+    ``training/validation.py``). Raises ValueError when ``max_draws``
     (default ``50 * count``) draws leave fewer than ``count``, or when a ``shared`` source has no
     matrix."""
     from sparserl_compile import matrices
@@ -144,10 +147,10 @@ def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_lab
             info = pools[gen][int(rng.integers(len(pools[gen])))]
             if max_nnz and 0.3 * info.nnz > max_nnz:
                 continue
-            m, how = derive_shared(matrices.load_npz(info.path), np.random.default_rng(FIRST_SEED + draws))
-            label = f"shared:{info.name}({how}, seed={FIRST_SEED + draws})"
+            m, how = derive_shared(matrices.load_npz(info.path), np.random.default_rng(first_seed + draws))
+            label = f"shared:{info.name}({how}, seed={first_seed + draws})"
         else:
-            kwargs = {**SAMPLERS[gen](rng), "seed": FIRST_SEED + draws}
+            kwargs = {**SAMPLERS[gen](rng), "seed": first_seed + draws}
             ref = MatrixRef("generated", gen, tuple(sorted(kwargs.items())))
             if is_held_out(ref) or ref.label in exclude_labels or (max_nnz and ESTIMATES[gen](kwargs) > 1.5 * max_nnz):
                 continue
