@@ -10,6 +10,9 @@ bootstrap interval over the records (resampled with replacement, seeded), and ho
 got better or worse by more than ``--tie`` (2 %). Metrics: ``greedy_fallback_fraction`` (a wrong
 greedy kernel counted as the cuSPARSE fallback, the default), ``greedy_fraction`` or
 ``best_of_k_fraction``.
+
+A ``python -m training.validation`` result pairs the same way, problem by problem, with
+``--metric value`` (the greedy kernel's speedup over cuSPARSE, a wrong one counted as 1.0).
 """
 
 from __future__ import annotations
@@ -22,16 +25,21 @@ from pathlib import Path
 
 import numpy as np
 
-METRICS = ("greedy_fallback_fraction", "greedy_fraction", "best_of_k_fraction")
+METRICS = ("greedy_fallback_fraction", "greedy_fraction", "best_of_k_fraction", "value")
 
 
 def load_rows(spec: str) -> list[dict]:
-    """``FILE.json:VARIANT`` -> that variant's ``per_record`` rows. Raises ValueError saying what is
+    """``FILE.json:VARIANT`` -> that variant's ``per_record`` rows (a validation result's: that
+    checkpoint's ``rows``). Raises ValueError saying what is
     missing (a report written before ``per_record`` existed, an unknown variant)."""
     path, sep, variant = spec.rpartition(":")
     if not sep or not path:
         raise ValueError(f"{spec!r}: write FILE.json:VARIANT (a variant of sparserl eval's report)")
     report = json.loads(Path(path).read_text())
+    if "checkpoints" in report:  # a training.validation result
+        if variant not in report["checkpoints"]:
+            raise ValueError(f"{path}: no checkpoint {variant!r}; it holds {sorted(report['checkpoints'])}")
+        return report["checkpoints"][variant]["rows"]
     per = report.get("per_record")
     if not per:
         raise ValueError(f"{path}: no per_record rows (written before they existed); evaluate again with sparserl eval")

@@ -54,3 +54,14 @@ def test_the_command_reads_eval_reports_and_says_what_is_missing(tmp_path, capsy
     with pytest.raises(ValueError, match="no variant 'c'"):
         load_rows(f"{f}:c")
     assert main([f"{old}:a", f"{f}:b"]) == 2 and "evaluate again" in capsys.readouterr().err
+
+
+def test_validation_results_pair_problem_by_problem(tmp_path, capsys):
+    f = tmp_path / "val.json"
+    f.write_text(json.dumps({"problems": ["m0 spmv", "m1 spmv"], "checkpoints": {
+        "sft": {"rows": _rows([2.0, 1.0], "value")}, "rl": {"rows": _rows([4.0, 1.0], "value")}}}))
+    assert load_rows(f"{f}:rl") == _rows([4.0, 1.0], "value")
+    assert main([f"{f}:sft", f"{f}:rl", "--metric", "value"]) == 0
+    assert f"{f}:rl: x{2 ** 0.5:.3f}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no checkpoint 'v9'; it holds \\['rl', 'sft'\\]"):
+        load_rows(f"{f}:v9")
