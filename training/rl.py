@@ -11,6 +11,11 @@ penalty to the frozen starting (SFT) model. Resumes from ``out_dir``.
 for a policy trained with retrieval hints, one greedy kernel per each of the k nearest hints;
 for one without, the greedy kernel and k - 1 temperature samples of the same prompt (expert
 iteration). Its replay buffer is not checkpointed (a resumed run starts it empty).
+
+``validate=N`` scores the policy's greedy kernels on N validation problems (new instances of
+the training kinds, never held-out ones; ``validation.py``) before the first update, every
+``validate_every`` updates and after the last, and keeps the best checkpoint in
+``<out_dir>/best/``: which update to keep is chosen without the held-out split.
 """
 
 from __future__ import annotations
