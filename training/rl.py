@@ -226,6 +226,9 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
 
         def validate(at: int) -> None:
             entry = validator(model, tok, at)
+            if not entry["timed"] and not res_validation:
+                log("[rl] validation: the evaluator timed no validation kernel against cuSPARSE (the CPU "
+                    "evaluators time none on these problems), so checkpoints are ranked by correct rate")
             was = validation.best_of(res_validation)
             new_best = validation.record(out, res_validation, entry, model, tok)
             log(f"[rl] validation after {at} updates: score {entry['score']:.4f} (x cuSPARSE, geomean), correct "

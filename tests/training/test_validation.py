@@ -115,6 +115,18 @@ def test_rl_validation_mix_is_checked_before_training(tmp_path, tiny_tok, n_feat
         _run(tmp_path, tiny_tok, n_features, steps=1, validate_mix="stencil9=1")
 
 
+def test_rl_says_when_validation_can_only_rank_by_correct_rate(tmp_path, tiny_tok, n_features):
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1), tiny_tok, init)
+    cfg = RLConfig(init=str(init), out_dir=str(tmp_path / "rl"), steps=1, problems_per_step=1, k=2, max_new_tokens=8,
+                   algo="raft", speculative=False, evaluator="header", validate=1)
+    logs = []
+    r = rl(cfg, problems=[RLProblem(banded(48, 2), "spmv", "f32", 1, "t")], validation_problems=_probs()[:1],
+           log=logs.append)
+    assert [h["step"] for h in r.validation] == [0, 1] and all(h["timed"] == 0 for h in r.validation)
+    assert sum("ranked by correct rate" in m for m in logs) == 1
+
+
 def test_compare_validates_several_checkpoints_on_the_same_problems(tmp_path, tiny_tok, n_features):
     for name, seed in (("a", 1), ("b", 2)):
         save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=seed), tiny_tok, tmp_path / name)
