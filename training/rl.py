@@ -185,6 +185,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         vmix = parse_mix(cfg.validate_mix) if cfg.validate_mix else mix
     if cfg.validate and ctx.distributed:
         raise ValueError("--validate runs in one process; launch without torchrun")
+    if cfg.validate and cfg.validate_every < 1:
+        raise ValueError(f"--validate-every {cfg.validate_every}: validate every 1 or more updates")
     loaded: dict = {}
     _records: list = []
 

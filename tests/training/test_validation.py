@@ -89,7 +89,7 @@ def _run(tmp_path, tiny_tok, n_features, steps, **kw):
     data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
     cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "rl"), steps=steps, problems_per_step=1,
                    k=4, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=4, raft_batch=4, speculative=False,
-                   save_every=100, validate=2, validate_every=2, **kw)
+                   save_every=100, **{"validate": 2, "validate_every": 2, **kw})
     logs = []
     r = rl(cfg, problems=[RLProblem(banded(48, 2), "spmv", "f32", 1, "t")], evaluator=_Timed(),
            validation_problems=_probs(), log=logs.append)
@@ -110,9 +110,11 @@ def test_rl_validates_the_start_every_few_updates_and_the_end_and_keeps_the_best
     assert (r2.start_step, r2.step) == (5, 6) and [h["step"] for h in r2.validation] == [0, 2, 4, 5, 6]
 
 
-def test_rl_validation_mix_is_checked_before_training(tmp_path, tiny_tok, n_features):
+def test_rl_validation_settings_are_checked_before_training(tmp_path, tiny_tok, n_features):
     with pytest.raises(ValueError, match="unlabelled mix entry 'stencil9=1'"):
         _run(tmp_path, tiny_tok, n_features, steps=1, validate_mix="stencil9=1")
+    with pytest.raises(ValueError, match="--validate-every 0: validate every 1 or more updates"):
+        _run(tmp_path, tiny_tok, n_features, steps=1, validate_every=0)
 
 
 def test_rl_says_when_validation_can_only_rank_by_correct_rate(tmp_path, tiny_tok, n_features):
