@@ -44,7 +44,6 @@ Several checkpoints on the same problems, in one process (so identical kernels s
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 #: the first seed of the validation problems' generators and derived structures
@@ -82,6 +81,7 @@ class Validator:
         "rows"}`` (rows: label, op, n, compiled, correct, us, reference_us, value)."""
         from policy.decode import DecodeConfig, generate
         from policy.encoder import prepare_structure
+        from training.evaluate import geomean
         from training.rewards import normalized
 
         cfg = DecodeConfig(greedy=True, max_new_tokens=self.max_new_tokens, constrained=self.constrained, trace=False)
@@ -111,7 +111,7 @@ class Validator:
                          "us": us, "reference_us": ref, "value": value})
         n = len(rows)
         return {"step": step,
-                "score": math.exp(sum(math.log(r["value"]) for r in rows) / n) if n else 1.0,
+                "score": geomean([r["value"] for r in rows]) or 1.0,
                 "correct_rate": sum(r["correct"] for r in rows) / n if n else 0.0,
                 "timed": sum(bool(r["correct"] and r["us"] and r["reference_us"]) for r in rows),
                 "problems": n, "rows": rows}
@@ -143,11 +143,12 @@ def record(out_dir, history: list[dict], entry: dict, model, tok) -> bool:
     every earlier entry, and write the history file. Returns whether it was the new best."""
     from policy.model import save_policy
 
-    new_best = better(entry, best_of(history))
+    prior = best_of(history)
+    new_best = better(entry, prior)
     history.append(entry)
     if new_best:
         save_policy(model, tok, Path(out_dir) / BEST_DIR)
-    best = best_of(history)
+    best = entry if new_best else prior
     Path(out_dir, HISTORY_FILE).write_text(json.dumps(
         {"best_step": best["step"], "best_score": best["score"], "history": history}, indent=1))
     return new_best
