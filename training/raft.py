@@ -43,17 +43,24 @@ import torch
 from training.lm import LMExample, collate, lm_loss
 
 
-def pick_target(outcomes, margin: float = 0.05) -> int | None:
+def pick_target(outcomes, margin: float = 0.05, speed: bool = True) -> int | None:
     """Which candidate the first prompt should learn: the index of the fastest correct timed
     outcome if it is more than ``margin`` faster than candidate 0 (or candidate 0 is not
     correct), else 0 when candidate 0 is correct; None when no candidate is correct.
     Candidates correct but untimed (an evaluator without timing) only count as candidate 0
-    keeping its place."""
+    keeping its place.
+
+    ``speed=False`` is the correctness-only control (``--reward correctness``): timings are
+    ignored, so candidate 0 keeps its place whenever it is correct and otherwise the first
+    correct candidate replaces it. The policy then imitates its own correct kernels on the same
+    problems, with the same anchors and steps, and only the speed signal is taken away."""
     correct = [i for i, o in enumerate(outcomes) if o.correct]
     if not correct:
         return None
-    timed = [i for i in correct if o_us(outcomes[i]) is not None]
     first_ok = outcomes[0].correct
+    if not speed:
+        return 0 if first_ok else correct[0]
+    timed = [i for i in correct if o_us(outcomes[i]) is not None]
     if not timed:
         return 0 if first_ok else correct[0]
     best = min(timed, key=lambda i: o_us(outcomes[i]))

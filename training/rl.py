@@ -48,7 +48,8 @@ class RLConfig:
                            "and k - 1 samples; training/raft.py)")
     kl_coef: float = opt(0.05, "KL penalty to the starting model")
     lr: float = opt(1e-5, "learning rate")
-    reward: str = opt("hierarchical", "'hierarchical' or 'correctness' (ablation)")
+    reward: str = opt("hierarchical", "'hierarchical' or 'correctness' (ablation; with --algo raft a correct "
+                                      "greedy kernel is always its own target, timings unused)")
     evaluator: str = opt("cpu", "'gpu' (compile+verify+time), 'cpu' (compile+simt verify+cost model), "
                                 "'measured' (H200 outcomes of measured points, 'cpu' for the rest), 'header'")
     workers: int = opt(2, "sandbox worker processes")
@@ -177,6 +178,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         buffer = RaftBuffer()
     elif cfg.algo not in ("ppo", "grpo"):
         raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
+    if reward_fn is None and cfg.reward not in REWARDS:
+        raise ValueError(f"--reward {cfg.reward!r}: use " + " or ".join(repr(k) for k in REWARDS))
     mix = vmix = None
     if cfg.unlabelled_mix or cfg.validate_mix:  # a bad mix fails before any data is read
         from training.unlabelled import parse_mix
@@ -296,7 +299,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
             rewards += scores
             if raft:
                 _raft_collect(buffer, tok, structs[pi], rs, outcomes, scores, cfg.raft_margin, raft_rec,
-                              f"{pb.label} {pb.op}")
+                              f"{pb.label} {pb.op}", speed=cfg.reward != "correctness")
             else:  # the rollout batch PPO/GRPO score again
                 rolls += rs
                 sts += [structs[pi]] * len(rs)
@@ -361,18 +364,18 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
 
 
 def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin: float, rec: dict,
-                  name: str = "") -> None:
+                  name: str = "", speed: bool = True) -> None:
     """Add one problem's target to the RAFT buffer (``raft.pick_target``: the greedy prompt,
-    the first hint's for a hinted policy, with the chosen candidate's kernel), the first and
-    best of its rewards (``scores``) to ``rec``, and ``name`` to its switched problems when
-    the target is not the first kernel."""
+    the first hint's for a hinted policy, with the chosen candidate's kernel; ``speed=False``:
+    the correctness-only control), the first and best of its rewards (``scores``) to ``rec``,
+    and ``name`` to its switched problems when the target is not the first kernel."""
     from policy.decode import completion_ids
     from training.lm import LMExample
     from training.raft import o_us, pick_target
 
     rec["first"].append(scores[0])
     rec["best"].append(max(scores))
-    j = pick_target(outcomes, margin)
+    j = pick_target(outcomes, margin, speed=speed)
     if j is None:
         return
     buffer.add(LMExample(list(rolls[0].prompt_ids), completion_ids(tok, rolls[j].text), structure), j != 0)

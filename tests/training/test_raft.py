@@ -32,6 +32,13 @@ def test_pick_target_keeps_the_first_kernel_unless_another_is_clearly_faster():
     assert pick_target([_o(correct=False), _o(), _o()]) == 1  # untimed, first wrong: the first correct
 
 
+def test_pick_target_without_speed_keeps_any_correct_first_kernel():
+    """The correctness-only control: timings never move the target."""
+    assert pick_target([_o(us=10.0), _o(us=2.0)], speed=False) == 0  # 5x faster, still the first
+    assert pick_target([_o(correct=False), _o(us=9.0), _o(us=8.0)], speed=False) == 1  # first correct, not fastest
+    assert pick_target([_o(correct=False), _o(correct=False)], speed=False) is None
+
+
 def test_buffer_batches_put_this_updates_targets_first():
     ex = [LMExample([i], [i + 100]) for i in range(10)]
     buf = RaftBuffer()
@@ -74,7 +81,8 @@ def test_raft_update_replays_the_anchors(tiny_tok, n_features):
         assert float(lm_loss(model, b)) < before * 0.5  # trained on, though never in the buffer
 
 
-def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, raft_steps: int, raft_anchor: int):
+def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, raft_steps: int, raft_anchor: int,
+              reward: str = "hierarchical"):
     """A RAFT run of a tiny policy on one problem (3 candidates): the evaluator times the second
     candidate 5x faster than the first and calls the third wrong. Returns the result, every
     update's candidate sources, the log, the matrix, the starting checkpoint and its model."""
@@ -93,7 +101,7 @@ def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, ra
     m = banded(48, 2)
     cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=steps, problems_per_step=1,
                    k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=raft_steps, raft_batch=4,
-                   speculative=False, save_every=100, raft_anchor=raft_anchor)
+                   speculative=False, save_every=100, raft_anchor=raft_anchor, reward=reward)
     logs = []
     r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
     return r, seen, logs, m, init, model
@@ -153,6 +161,17 @@ def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_p
     assert after < before * 0.5
 
 
+def test_raft_correctness_only_control_never_switches_to_the_faster_kernel(tmp_path, tiny_tok, n_features):
+    """``--reward correctness`` with RAFT: the same run as above, but the 5x faster sample is
+    never a target; the greedy kernel (correct) is its own target at every update."""
+    r, seen, logs, *_ = _raft_run(tmp_path, tiny_tok, n_features, retrieval=False, steps=3, raft_steps=2,
+                                  raft_anchor=0, reward="correctness")
+    assert r.step == 3
+    assert [s["switched"] for s in r.stats] == [0] * 3 and [s["targets"] for s in r.stats] == [1] * 3
+    assert r.stats[-1]["buffer"] == 3 and r.stats[-1]["buffer_switched"] == 0
+    assert not any("switched: b48" in m for m in logs)
+
+
 def test_rl_rejects_an_unknown_algo(tmp_path, tiny_tok, n_features):
     init = tmp_path / "init"
     save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
@@ -161,4 +180,13 @@ def test_rl_rejects_an_unknown_algo(tmp_path, tiny_tok, n_features):
     cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=1, k=2, algo="dpo",
                    evaluator="header", speculative=False)
     with pytest.raises(ValueError, match="use 'ppo', 'grpo' or 'raft'"):
+        rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
+
+
+def test_rl_rejects_an_unknown_reward(tmp_path, tiny_tok, n_features):
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    cfg = RLConfig(init=str(init), data=str(tmp_path / "none.jsonl"), out_dir=str(tmp_path / "raft"), steps=1, k=2,
+                   algo="raft", reward="speed", evaluator="header", speculative=False)
+    with pytest.raises(ValueError, match="--reward 'speed': use 'hierarchical' or 'correctness'"):
         rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
