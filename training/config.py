@@ -47,3 +47,31 @@ def save_config(cfg, directory: str | Path, name: str) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
     return p
+
+
+# Settings a resumed run may change: how long it runs, how often it logs and saves, where it
+# runs, and paths that differ between machines. Anything else makes a different run.
+RESUMABLE = frozenset({"steps", "time_budget_s", "log_every", "save_every", "workers", "device", "out_dir",
+                       "init", "validate_every"})
+
+
+def check_resume(cfg, directory: str | Path, name: str, may_change=RESUMABLE) -> None:
+    """Refuse to resume the run in ``directory`` under other settings than it was started with
+    (its ``<name>_config.json``): a second run pointed at a left-over folder (a warm device
+    machine's ``/tmp``) would otherwise continue the first one silently, e.g. another seed or
+    reward on top of the first run's updates. Call it only when resuming, before
+    ``save_config`` overwrites the file."""
+    p = Path(directory) / f"{name}_config.json"
+    if not p.is_file():
+        return
+    try:
+        old = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{p} is unreadable ({e}); the run in {directory} cannot be checked for resuming: "
+                         "use a new --out-dir") from e
+    new = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    diff = [f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
+            if k in old and k not in may_change and old[k] != v]
+    if diff:
+        raise ValueError(f"{directory} holds a 'sparserl train {name}' run started with other settings ({'; '.join(diff)}); "
+                         "resuming it would mix two runs. Use a new --out-dir, or the first run's settings")

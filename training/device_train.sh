@@ -14,6 +14,9 @@
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 # SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
 # RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz.
+# RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
+# the stages found there. Give an independent run its own RUNS; a stage resumed under other settings
+# (another --seed, --reward, ...) stops with an error instead of continuing the first run.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$(pwd)/device_out}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import opt, resolve_device, save_config
+from training.config import check_resume, opt, resolve_device, save_config
 
 
 @dataclass
@@ -74,6 +74,8 @@ def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
     tdist.shard_bounds(cfg.batch_size, ctx, "sequences per step (--batch-size, the global batch)")
     log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
+    if has_state(out):
+        check_resume(cfg, out, "pretrain")
     if ctx.is_main:
         save_config(cfg, out, "pretrain")
     if texts is None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import opt, resolve_device, save_config
+from training.config import check_resume, opt, resolve_device, save_config
 from training.data import DEFAULT_SUPERVISION
 
 
@@ -154,12 +154,14 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
     ctx = tdist.setup(resolve_device(cfg.device))
     log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
+    resume = has_state(out) and _stage(out) == "rl"
+    if resume:
+        check_resume(cfg, out, "rl")
     if ctx.is_main:
         save_config(cfg, out, "rl")
     ref_model, tok = load_policy(cfg.init)
     for p in ref_model.parameters():
         p.requires_grad_(False)
-    resume = has_state(out) and _stage(out) == "rl"
     model = load_policy(out)[0] if resume else copy.deepcopy(ref_model)
     for p in model.parameters():
         p.requires_grad_(True)

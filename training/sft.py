@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import opt, resolve_device, save_config
+from training.config import check_resume, opt, resolve_device, save_config
 from training.data import DEFAULT_SUPERVISION
 
 
@@ -177,9 +177,12 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     ctx = tdist.setup(resolve_device(cfg.device))
     log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
+    resume = has_state(out) and _stage_of(out) == "sft"
+    if resume:
+        check_resume(cfg, out, "sft")
     if ctx.is_main:
         save_config(cfg, out, "sft")
-    src = out if has_state(out) and _stage_of(out) == "sft" else Path(cfg.init)
+    src = out if resume else Path(cfg.init)
     model, tok = load_policy(src)
     if not cfg.sinusoidal and model.config.sinusoidal:  # a resumed ablation run is already without
         model.drop_sinusoidal()

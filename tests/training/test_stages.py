@@ -104,6 +104,34 @@ def test_grpo_raises_the_reward(tmp_path, tiny_tok, n_features):
     assert (r2.start_step, r2.step) == (10, 11)
 
 
+def test_rl_refuses_to_resume_a_run_started_with_other_settings(tmp_path, tiny_tok, n_features):
+    """A second run pointed at a left-over folder must not continue the first one silently."""
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1), tiny_tok, init)
+    cfg = RLConfig(init=str(init), out_dir=str(tmp_path / "rl"), steps=1, problems_per_step=1, k=2,
+                   max_new_tokens=8, algo="grpo", seed=1, speculative=False)
+    probs = [RLProblem(banded(48, 2), "spmv", "f32", 1)]
+    run = lambda c: rl(c, problems=probs, evaluator=_PrefersDia(), reward_fn=lambda o: float(o.correct),  # noqa: E731
+                       log=QUIET)
+    run(cfg)
+    saved = (tmp_path / "rl" / "rl_config.json").read_text()
+    with pytest.raises(ValueError, match=r"other settings \(--reward 'hierarchical' -> 'correctness'; --seed 1 -> 3\)"
+                                         r".*new --out-dir"):
+        run(dataclasses.replace(cfg, seed=3, reward="correctness"))
+    assert (tmp_path / "rl" / "rl_config.json").read_text() == saved  # the first run's record is kept
+    r = run(dataclasses.replace(cfg, steps=2, time_budget_s=100.0, workers=4))  # longer: a resume
+    assert (r.start_step, r.step) == (1, 2)
+
+
+def test_pretrain_refuses_to_resume_with_another_learning_rate(tmp_path):
+    cfg = PretrainConfig.tiny(str(tmp_path / "pt"))
+    cfg.steps = 2
+    texts = [CSR_SCALAR] * 4
+    pretrain(cfg, texts=texts, log=QUIET)
+    with pytest.raises(ValueError, match="holds a 'sparserl train pretrain' run started with other settings .*--lr"):
+        pretrain(dataclasses.replace(cfg, lr=cfg.lr * 2), texts=texts, log=QUIET)
+
+
 def test_ppo_raises_the_reward_and_starts_at_ratio_one(tmp_path, tiny_tok, n_features):
     _, r, _ = _rl_run(tmp_path, tiny_tok, n_features, "ppo")
     assert r.stats[0]["kl"] == 0.0 or abs(r.stats[0]["kl"]) < 1e-4  # same model as the reference
