@@ -13,6 +13,11 @@ greedy kernel counted as the cuSPARSE fallback, the default), ``greedy_fraction`
 
 A ``python -m training.validation`` result pairs the same way, problem by problem, with
 ``--metric value`` (the greedy kernel's speedup over cuSPARSE, a wrong one counted as 1.0).
+
+``--exclude TEXT`` (repeatable) leaves out the records whose label contains TEXT (e.g. one
+matrix that carries a gain). ``--pool`` adds one comparison of all the others together, for
+replicated runs: each record's log-ratio is averaged over the others (on the records they all
+have), then bootstrapped over records as above.
 """
 
 from __future__ import annotations
@@ -53,15 +58,27 @@ def _key(row: dict) -> tuple:
 
 
 def paired(base: list[dict], other: list[dict], metric: str = METRICS[0], n_boot: int = 10_000,
-           seed: int = 0, tie: float = 0.02) -> dict:
+           seed: int = 0, tie: float = 0.02, exclude=()) -> dict:
     """Per-record ratios ``other / base`` of ``metric`` over the records both have (module doc)."""
+    return pooled(base, [other], metric, n_boot, seed, tie, exclude)
+
+
+def pooled(base: list[dict], others: list[list[dict]], metric: str = METRICS[0], n_boot: int = 10_000,
+           seed: int = 0, tie: float = 0.02, exclude=()) -> dict:
+    """Per-record log-ratios ``other / base`` averaged over ``others``, over the records that the
+    base and every other have a figure for, less those whose label contains an ``exclude`` text
+    (module doc). With one other this is the plain paired comparison."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: choose from {METRICS}")
-    b = {_key(r): r.get(metric) for r in base}
-    o = {_key(r): r.get(metric) for r in other}
-    both = [k for k in b if k in o and b[k] and o[k]]
-    logs = np.array([math.log(o[k] / b[k]) for k in both])
-    out = {"metric": metric, "records": len(both), "left_out": len(set(b) | set(o)) - len(both)}
+    b = {_key(r): r.get(metric) for r in base if not any(e in r["label"] for e in exclude)}
+    os_ = [{_key(r): r.get(metric) for r in other if not any(e in r["label"] for e in exclude)} for other in others]
+    both = [k for k in b if b[k] and all(o.get(k) for o in os_)]
+    logs = np.array([np.mean([math.log(o[k] / b[k]) for o in os_]) for k in both])
+    o = ({k: os_[0][k] for k in both} if len(os_) == 1  # one other: its own figures, as they are
+         else {k: math.exp(np.mean([math.log(x[k]) for x in os_])) for k in both})  # else their geometric mean
+    keys = set(b).union(*os_)
+    out = {"metric": metric, "records": len(both), "left_out": len(keys) - len(both),
+           "excluded": sorted(exclude)}
     if not both:
         return {**out, "ratio_geomean": None, "ci95": None, "better": 0, "worse": 0, "changes": []}
     rng = np.random.default_rng(seed)
@@ -81,15 +98,26 @@ def main(argv=None) -> int:
     p.add_argument("--metric", default=METRICS[0], choices=METRICS)
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     p.add_argument("--tie", type=float, default=0.02, help="a change within this fraction is a tie (default 0.02)")
+    p.add_argument("--exclude", action="append", default=[], metavar="TEXT",
+                   help="leave out records whose label contains TEXT (repeatable)")
+    p.add_argument("--pool", action="store_true", help="also compare all the others together (replicated runs)")
     p.add_argument("--json", help="also write the comparisons here")
     args = p.parse_args(argv)
     try:
         base = load_rows(args.base)
-        results = {spec: paired(base, load_rows(spec), args.metric, args.bootstrap, tie=args.tie) for spec in args.others}
+        rows = {spec: load_rows(spec) for spec in args.others}
+        results = {spec: paired(base, r, args.metric, args.bootstrap, tie=args.tie, exclude=args.exclude)
+                   for spec, r in rows.items()}
+        if args.pool:
+            if len(rows) < 2:
+                raise ValueError("--pool needs two or more variants to pool")
+            results["pooled: " + " + ".join(rows)] = pooled(base, list(rows.values()), args.metric, args.bootstrap,
+                                                           tie=args.tie, exclude=args.exclude)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.metric}, each against {args.base} (geometric mean of per-record ratios, 95 % bootstrap interval)")
+    print(f"{args.metric}, each against {args.base} (geometric mean of per-record ratios, 95 % bootstrap interval)"
+          + (f"; records whose label contains {' or '.join(map(repr, args.exclude))} left out" if args.exclude else ""))
     for spec, r in results.items():
         if r["ratio_geomean"] is None:
             print(f"  {spec}: no record with a figure on both sides")

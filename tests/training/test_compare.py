@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from training.compare import load_rows, main, paired
+from training.compare import load_rows, main, paired, pooled
 
 
 def _rows(values, metric="greedy_fallback_fraction"):
@@ -65,3 +65,34 @@ def test_validation_results_pair_problem_by_problem(tmp_path, capsys):
     assert f"{f}:rl: x{2 ** 0.5:.3f}" in capsys.readouterr().out
     with pytest.raises(ValueError, match="no checkpoint 'v9'; it holds \\['rl', 'sft'\\]"):
         load_rows(f"{f}:v9")
+
+
+def test_pooled_runs_average_each_records_log_ratio_over_the_runs():
+    base = _rows([0.5, 0.5, 0.5])
+    runs = [_rows([1.0, 0.5, 0.5]), _rows([0.25, 0.5, None])]  # the second has no figure on m2
+    r = pooled(base, runs, n_boot=500)
+    assert r["records"] == 2 and r["left_out"] == 1  # m2: not every run has it
+    assert r["ratio_geomean"] == pytest.approx(1.0)  # m0: x2 and x0.5 average to x1; m1: x1
+    assert r["changes"] == [] and (r["better"], r["worse"]) == (0, 0)
+    assert pooled(base, runs[:1])["ratio_geomean"] == paired(base, runs[0])["ratio_geomean"]
+
+
+def test_excluded_records_are_left_out_of_the_comparison():
+    base, other = _rows([0.25, 0.5, 0.5]), _rows([1.0, 0.5, 0.5])
+    assert paired(base, other)["ratio_geomean"] == pytest.approx(4 ** (1 / 3))
+    r = paired(base, other, exclude=("m0",))
+    assert r["ratio_geomean"] == pytest.approx(1.0) and r["records"] == 2 and r["excluded"] == ["m0"]
+
+
+def test_the_command_pools_and_excludes(tmp_path, capsys):
+    f = tmp_path / "eval.json"
+    per = {"sft": _rows([0.5, 0.5, 0.4]), "a": _rows([1.0, 0.5, 0.4]), "b": _rows([0.25, 0.5, 0.4])}
+    f.write_text(json.dumps({"per_record": per}))
+    out = tmp_path / "cmp.json"
+    assert main([f"{f}:sft", f"{f}:a", f"{f}:b", "--pool", "--exclude", "m2", "--bootstrap", "100",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "'m2' left out" in text and f"pooled: {f}:a + {f}:b: x1.000" in text
+    res = json.loads(out.read_text())["results"]
+    assert res[f"{f}:a"]["records"] == 2 and res[f"pooled: {f}:a + {f}:b"]["excluded"] == ["m2"]
+    assert main([f"{f}:sft", f"{f}:a", "--pool"]) == 2 and "two or more" in capsys.readouterr().err
