@@ -26,8 +26,13 @@ class TrainerState:
     log: list[dict] = field(default_factory=list)  # one entry per logged step
 
 
-def has_state(directory: str | Path) -> bool:
-    return (Path(directory) / STATE_FILE).is_file() and (Path(directory) / "model.safetensors").is_file()
+def has_state(directory: str | Path, stage: str | None = None) -> bool:
+    """Whether ``directory`` holds a resumable state, of ``stage`` when one is given (an SFT run
+    does not resume a pretraining folder)."""
+    d = Path(directory)
+    if not ((d / STATE_FILE).is_file() and (d / "model.safetensors").is_file()):
+        return False
+    return stage is None or json.loads((d / STATE_FILE).read_text()).get("stage") == stage
 
 
 def save_state(directory: str | Path, model, tokenizer, optimizer, state: TrainerState) -> Path:

@@ -70,8 +70,11 @@ def pooled(base: list[dict], others: list[list[dict]], metric: str = METRICS[0],
     (module doc). With one other this is the plain paired comparison."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: choose from {METRICS}")
-    b = {_key(r): r.get(metric) for r in base if not any(e in r["label"] for e in exclude)}
-    os_ = [{_key(r): r.get(metric) for r in other if not any(e in r["label"] for e in exclude)} for other in others]
+    def figures(rows):  # record -> its figure, the excluded records left out
+        return {_key(r): r.get(metric) for r in rows if not any(e in r["label"] for e in exclude)}
+
+    b = figures(base)
+    os_ = [figures(other) for other in others]
     both = [k for k in b if b[k] and all(o.get(k) for o in os_)]
     logs = np.array([np.mean([math.log(o[k] / b[k]) for o in os_]) for k in both])
     o = ({k: os_[0][k] for k in both} if len(os_) == 1  # one other: its own figures, as they are

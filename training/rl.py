@@ -154,7 +154,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
     ctx = tdist.setup(resolve_device(cfg.device))
     log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
-    resume = has_state(out) and _stage(out) == "rl"
+    resume = has_state(out, "rl")
     if resume:
         check_resume(cfg, out, "rl")
     if ctx.is_main:
@@ -409,10 +409,3 @@ def _nnz(record, loaded: dict) -> int:
     if record.matrix not in loaded:
         loaded[record.matrix] = record.matrix.load()
     return int(loaded[record.matrix].nnz)
-
-
-def _stage(d: Path):
-    import json
-
-    p = d / "trainer_state.json"
-    return json.loads(p.read_text()).get("stage") if p.is_file() else None

@@ -177,7 +177,7 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     ctx = tdist.setup(resolve_device(cfg.device))
     log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
-    resume = has_state(out) and _stage_of(out) == "sft"
+    resume = has_state(out, "sft")
     if resume:
         check_resume(cfg, out, "sft")
     if ctx.is_main:
@@ -222,10 +222,3 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     return fit(model, tok, make_batch, out_dir=out, stage="sft", steps=cfg.steps, lr=cfg.lr,
                log_every=cfg.log_every, save_every=cfg.save_every, eval_batches=evals, log=log,
                device=ctx.device, time_budget_s=cfg.time_budget_s, ctx=ctx)
-
-
-def _stage_of(directory: Path) -> str | None:
-    import json
-
-    p = directory / "trainer_state.json"
-    return json.loads(p.read_text()).get("stage") if p.is_file() else None
