@@ -17,7 +17,11 @@ A ``python -m training.validation`` result pairs the same way, problem by proble
 ``--exclude TEXT`` (repeatable) leaves out the records whose label contains TEXT (e.g. one
 matrix that carries a gain). ``--pool`` adds one comparison of all the others together, for
 replicated runs: each record's log-ratio is averaged over the others (on the records they all
-have), then bootstrapped over records as above.
+have), then bootstrapped over records as above. ``--pair BASE OTHER`` (repeatable, instead of the
+positional arguments) compares matched pairs, each other against its own base (e.g. a speed-rewarded
+run against the control of the same seed), and with two or more pairs pools them the same way:
+
+    python -m training.compare --pair C.json:ctl1 R.json:run1 --pair C.json:ctl3 R.json:seed3
 """
 
 from __future__ import annotations
@@ -68,18 +72,28 @@ def pooled(base: list[dict], others: list[list[dict]], metric: str = METRICS[0],
     """Per-record log-ratios ``other / base`` averaged over ``others``, over the records that the
     base and every other have a figure for, less those whose label contains an ``exclude`` text
     (module doc). With one other this is the plain paired comparison."""
+    return pooled_pairs([(base, other) for other in others], metric, n_boot, seed, tie, exclude)
+
+
+def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRICS[0], n_boot: int = 10_000,
+                 seed: int = 0, tie: float = 0.02, exclude=()) -> dict:
+    """Per-record log-ratios ``other / base`` of each ``(base, other)`` pair, averaged over the
+    pairs, over the records that every base and every other have a figure for (module doc). The
+    ``changes`` show the geometric means of the bases' and of the others' figures."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: choose from {METRICS}")
     def figures(rows):  # record -> its figure, the excluded records left out
         return {_key(r): r.get(metric) for r in rows if not any(e in r["label"] for e in exclude)}
 
-    b = figures(base)
-    os_ = [figures(other) for other in others]
-    both = [k for k in b if b[k] and all(o.get(k) for o in os_)]
-    logs = np.array([np.mean([math.log(o[k] / b[k]) for o in os_]) for k in both])
-    o = ({k: os_[0][k] for k in both} if len(os_) == 1  # one other: its own figures, as they are
-         else {k: math.exp(np.mean([math.log(x[k]) for x in os_])) for k in both})  # else their geometric mean
-    keys = set(b).union(*os_)
+    bs = [figures(base) for base, _ in pairs]
+    os_ = [figures(other) for _, other in pairs]
+    both = [k for k in bs[0] if all(x.get(k) for x in bs + os_)]
+    logs = np.array([np.mean([math.log(o[k] / b[k]) for b, o in zip(bs, os_)]) for k in both])
+    def geomean(figs):  # one variant: its own figures, as they are; else their geometric mean
+        return {k: figs[0][k] if len(figs) == 1 else math.exp(np.mean([math.log(x[k]) for x in figs]))
+                for k in both}
+    b, o = geomean(bs), geomean(os_)
+    keys = set().union(*bs, *os_)
     out = {"metric": metric, "records": len(both), "left_out": len(keys) - len(both),
            "excluded": sorted(exclude)}
     if not both:
@@ -96,8 +110,11 @@ def pooled(base: list[dict], others: list[list[dict]], metric: str = METRICS[0],
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.compare", description=__doc__.split("\n")[0])
-    p.add_argument("base", help="FILE.json:VARIANT, the variant compared against")
-    p.add_argument("others", nargs="+", help="FILE.json:VARIANT, each compared with the base")
+    p.add_argument("base", nargs="?", help="FILE.json:VARIANT, the variant compared against")
+    p.add_argument("others", nargs="*", help="FILE.json:VARIANT, each compared with the base")
+    p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("BASE", "OTHER"),
+                   help="a matched pair, OTHER against its own BASE (repeatable; instead of base and others; "
+                        "two or more are also pooled)")
     p.add_argument("--metric", default=METRICS[0], choices=METRICS)
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     p.add_argument("--tie", type=float, default=0.02, help="a change within this fraction is a tie (default 0.02)")
@@ -106,20 +123,28 @@ def main(argv=None) -> int:
     p.add_argument("--pool", action="store_true", help="also compare all the others together (replicated runs)")
     p.add_argument("--json", help="also write the comparisons here")
     args = p.parse_args(argv)
+    if bool(args.pair) == bool(args.base) or (args.base and not args.others):
+        p.error("give BASE and one or more OTHERS, or one or more --pair BASE OTHER")
+    kw = dict(metric=args.metric, n_boot=args.bootstrap, tie=args.tie, exclude=args.exclude)
     try:
-        base = load_rows(args.base)
-        rows = {spec: load_rows(spec) for spec in args.others}
-        results = {spec: paired(base, r, args.metric, args.bootstrap, tie=args.tie, exclude=args.exclude)
-                   for spec, r in rows.items()}
-        if args.pool:
-            if len(rows) < 2:
-                raise ValueError("--pool needs two or more variants to pool")
-            results["pooled: " + " + ".join(rows)] = pooled(base, list(rows.values()), args.metric, args.bootstrap,
-                                                           tie=args.tie, exclude=args.exclude)
+        if args.pair:
+            pairs = {f"{o} vs {b}": (load_rows(b), load_rows(o)) for b, o in args.pair}
+            results = {name: pooled_pairs([pair], **kw) for name, pair in pairs.items()}
+            if len(pairs) > 1:
+                results["pooled pairs: " + " + ".join(pairs)] = pooled_pairs(list(pairs.values()), **kw)
+        else:
+            base = load_rows(args.base)
+            rows = {spec: load_rows(spec) for spec in args.others}
+            results = {spec: paired(base, r, **kw) for spec, r in rows.items()}
+            if args.pool:
+                if len(rows) < 2:
+                    raise ValueError("--pool needs two or more variants to pool")
+                results["pooled: " + " + ".join(rows)] = pooled(base, list(rows.values()), **kw)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.metric}, each against {args.base} (geometric mean of per-record ratios, 95 % bootstrap interval)"
+    against = "its own base" if args.pair else args.base
+    print(f"{args.metric}, each against {against} (geometric mean of per-record ratios, 95 % bootstrap interval)"
           + (f"; records whose label contains {' or '.join(map(repr, args.exclude))} left out" if args.exclude else ""))
     for spec, r in results.items():
         if r["ratio_geomean"] is None:
@@ -131,7 +156,7 @@ def main(argv=None) -> int:
         for c in r["changes"][:6]:
             print(f"      {c['label']} {c['op']} n={c['n']}: {c['base']:.3f} -> {c['other']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"base": args.base, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"base": args.base or "each pair's own", "results": results}, indent=1))
     return 0
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from training.compare import load_rows, main, paired, pooled
+from training.compare import load_rows, main, paired, pooled, pooled_pairs
 
 
 def _rows(values, metric="greedy_fallback_fraction"):
@@ -96,3 +96,30 @@ def test_the_command_pools_and_excludes(tmp_path, capsys):
     res = json.loads(out.read_text())["results"]
     assert res[f"{f}:a"]["records"] == 2 and res[f"pooled: {f}:a + {f}:b"]["excluded"] == ["m2"]
     assert main([f"{f}:sft", f"{f}:a", "--pool"]) == 2 and "two or more" in capsys.readouterr().err
+
+
+def test_matched_pairs_each_against_its_own_base_then_pooled():
+    ctl1, run1 = _rows([0.5, 0.5]), _rows([1.0, 0.5])  # run 1 doubles m0 over its control
+    ctl3, run3 = _rows([0.8, 0.4]), _rows([0.8, 0.8])  # run 3 doubles m1 over its control
+    r = pooled_pairs([(ctl1, run1), (ctl3, run3)], n_boot=500)
+    assert r["records"] == 2 and r["ratio_geomean"] == pytest.approx(2 ** 0.5)  # each record: (log 2 + 0) / 2
+    assert r["changes"][0]["base"] == pytest.approx(math.sqrt(0.5 * 0.8))  # the bases' geometric mean
+    assert pooled_pairs([(ctl1, run1)])["ratio_geomean"] == paired(ctl1, run1)["ratio_geomean"]
+    # against one shared base the pooled runs are not the pooled pairs
+    assert pooled(ctl1, [run1, run3])["ratio_geomean"] != pytest.approx(r["ratio_geomean"])
+
+
+def test_the_command_compares_matched_pairs(tmp_path, capsys):
+    f = tmp_path / "eval.json"
+    per = {"c1": _rows([0.5, 0.5]), "r1": _rows([1.0, 0.5]), "c3": _rows([0.8, 0.4]), "r3": _rows([0.8, 0.8])}
+    f.write_text(json.dumps({"per_record": per}))
+    out = tmp_path / "cmp.json"
+    assert main(["--pair", f"{f}:c1", f"{f}:r1", "--pair", f"{f}:c3", f"{f}:r3", "--bootstrap", "100",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "each against its own base" in text and f"{f}:r1 vs {f}:c1: x1.414" in text
+    res = json.loads(out.read_text())
+    assert res["results"][f"pooled pairs: {f}:r1 vs {f}:c1 + {f}:r3 vs {f}:c3"]["ratio_geomean"] == pytest.approx(2 ** 0.5)
+    with pytest.raises(SystemExit):  # pairs and a positional base at once
+        main([f"{f}:c1", f"{f}:r1", "--pair", f"{f}:c3", f"{f}:r3"])
+    assert "--pair" in capsys.readouterr().err
