@@ -77,11 +77,19 @@ class RLConfig:
                               "with the shipped SFT recipe: one example per hint, --raft-anchor-tolerance; "
                               "without hints, one per record, its fastest variant)")
     raft_anchor_tolerance: float = opt(0.25, "raft: the anchors' SFT --hint-tolerance")
+    raft_explore: str = opt("temperature", "raft without hints: the k - 1 candidates after the greedy kernel are "
+                                           "'temperature' samples, 'formats' (the next most likely plausible "
+                                           "formats, each forced and written greedily: policy.decode."
+                                           "format_diverse), or 'mixed' (half each)")
     validate: int = opt(0, "score the policy on this many validation problems (new instances of the training "
                            "kinds, never held-out ones; training/validation.py) before the first update, every "
                            "--validate-every updates and after the last, keeping the best in <out>/best/")
     validate_every: int = opt(4, "updates between validations")
     validate_mix: str = opt("", "the validation problems' sources, as --unlabelled-mix (default: --unlabelled-mix)")
+
+
+#: how RAFT draws a policy's candidates after its greedy kernel when it has no hints (``--raft-explore``)
+RAFT_EXPLORE = ("temperature", "formats", "mixed")
 
 
 @dataclass
@@ -180,6 +188,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         buffer = RaftBuffer()
     elif cfg.algo not in ("ppo", "grpo"):
         raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
+    if cfg.raft_explore not in RAFT_EXPLORE:
+        raise ValueError(f"--raft-explore {cfg.raft_explore!r}: use " + ", ".join(map(repr, RAFT_EXPLORE)))
     if reward_fn is None and cfg.reward not in REWARDS:
         raise ValueError(f"--reward {cfg.reward!r}: use " + " or ".join(repr(k) for k in REWARDS))
     mix = vmix = None
@@ -346,21 +356,34 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
 
 
 def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig, seed: int) -> list:
-    """A RAFT problem's k candidates, the greedy prompt's kernel first: with ``hints`` (a policy
+    """A RAFT problem's candidates, the greedy prompt's kernel first: with ``hints`` (a policy
     trained with them) one greedy kernel per hint (``decode.hint_diverse``, what the runtime's
-    provider draws); without, the greedy kernel and k - 1 samples at ``cfg.temperature``
-    (what ``sparserl eval``'s best of k draws)."""
-    from policy.decode import DecodeConfig, generate, hint_diverse
+    provider draws); without, the greedy kernel and k - 1 others drawn as ``cfg.raft_explore``
+    says: samples at ``cfg.temperature`` (what ``sparserl eval``'s best of k draws), or greedy
+    kernels of the policy's next most likely plausible formats (``decode.format_diverse``; after
+    SFT nearly all the probability is on one format, so temperature samples rarely try another),
+    or half each. A format candidate that repeats the greedy kernel is dropped, so there may be
+    fewer than k."""
+    from policy.decode import DecodeConfig, format_diverse, generate, hint_diverse
 
     greedy = DecodeConfig(greedy=True, max_new_tokens=cfg.max_new_tokens, constrained=cfg.constrained, trace=False)
     if hints:
         return hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=greedy,
                             references=references)
     rs = generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy, references=references)
-    if cfg.k > 1:
+    n_formats = {"temperature": 0, "formats": cfg.k - 1, "mixed": (cfg.k - 1) // 2}[cfg.raft_explore]
+    if n_formats > 0:
+        from policy.provider import plausible_formats
+
+        m = pb.matrix
+        # the most likely format is the greedy kernel's own: ask for one more, and drop repeats
+        forced = format_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, n_formats + 1,
+                                plausible_formats(m.indptr, m.indices, m.shape), config=greedy)
+        rs += [r for r in forced if r.text != rs[0].text][:n_formats]
+    if cfg.k - 1 - n_formats > 0:
         sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                constrained=cfg.constrained, seed=seed)
-        rs += generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1, config=sampled,
+        rs += generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1 - n_formats, config=sampled,
                        references=references)
     return rs
 

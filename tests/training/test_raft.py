@@ -82,7 +82,7 @@ def test_raft_update_replays_the_anchors(tiny_tok, n_features):
 
 
 def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, raft_steps: int, raft_anchor: int,
-              reward: str = "hierarchical"):
+              reward: str = "hierarchical", explore: str = "temperature"):
     """A RAFT run of a tiny policy on one problem (3 candidates): the evaluator times the second
     candidate 5x faster than the first and calls the third wrong. Returns the result, every
     update's candidate sources, the log, the matrix, the starting checkpoint and its model."""
@@ -101,7 +101,8 @@ def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, ra
     m = banded(48, 2)
     cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=steps, problems_per_step=1,
                    k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=raft_steps, raft_batch=4,
-                   speculative=False, save_every=100, raft_anchor=raft_anchor, reward=reward)
+                   speculative=False, save_every=100, raft_anchor=raft_anchor, reward=reward,
+                   raft_explore=explore)
     logs = []
     r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
     return r, seen, logs, m, init, model
@@ -189,4 +190,36 @@ def test_rl_rejects_an_unknown_reward(tmp_path, tiny_tok, n_features):
     cfg = RLConfig(init=str(init), data=str(tmp_path / "none.jsonl"), out_dir=str(tmp_path / "raft"), steps=1, k=2,
                    algo="raft", reward="speed", evaluator="header", speculative=False)
     with pytest.raises(ValueError, match="--reward 'speed': use 'hierarchical' or 'correctness'"):
+        rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
+
+
+def _format(source: str) -> str:
+    return source.split("format=", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("explore", ["formats", "mixed"])
+def test_raft_format_exploration_spends_candidates_on_other_formats(tmp_path, tiny_tok, n_features, explore):
+    """``--raft-explore formats``: after the greedy kernel, each candidate is the greedy kernel of
+    another plausible format (forced header); ``mixed`` draws half of them so and samples the
+    rest. The faster candidate still becomes the target."""
+    from policy.provider import plausible_formats
+
+    r, seen, logs, m, *_ = _raft_run(tmp_path, tiny_tok, n_features, retrieval=False, steps=2, raft_steps=1,
+                                     raft_anchor=0, explore=explore)
+    assert r.step == 2 and r.stats[0]["switched"] == 1
+    plausible = plausible_formats(m.indptr, m.indices, m.shape)
+    for sources in seen:
+        assert len(sources) == 3 and sources[1] != sources[0]
+        formats = [_format(s) for s in sources]
+        assert formats[1] != formats[0] and formats[1] in plausible  # a forced format, not the greedy one
+        if explore == "formats":
+            assert formats[2] not in formats[:2] and formats[2] in plausible
+
+
+def test_rl_rejects_an_unknown_raft_exploration(tmp_path, tiny_tok, n_features):
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    cfg = RLConfig(init=str(init), data=str(tmp_path / "none.jsonl"), out_dir=str(tmp_path / "raft"), steps=1, k=2,
+                   algo="raft", raft_explore="hints", evaluator="header", speculative=False)
+    with pytest.raises(ValueError, match="--raft-explore 'hints': use 'temperature', 'formats', 'mixed'"):
         rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
