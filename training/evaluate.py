@@ -14,7 +14,9 @@ reports per matrix kind:
   variants, its time is that variant's measured ``us`` from the supervision file and the
   fraction is ``best_us / that us`` (greedy, and best-of-k over the samples that are points);
   samples that are no measured point have no measured time and are left out (counted in
-  ``novel_rate``).
+  ``novel_rate``; a record whose greedy kernel is such a sample is counted in
+  ``greedy_novel`` and flagged in its row, with the evaluator's own time for it in
+  ``greedy_novel_us``: live on the GPU evaluator, so not comparable with the measured times).
 
 The report also holds every record's row under ``per_record`` (the greedy, greedy-with-fallback
 and best-of-k fractions, compile and correct counts), for paired comparisons of two variants
@@ -83,6 +85,7 @@ class KindStats:
     measured_frac_greedy_fallback: list[float] = field(default_factory=list)
     measured_frac_best_of_k: list[float] = field(default_factory=list)  # per record, some sample a point
     greedy_correct: int = 0
+    greedy_novel: int = 0  # records whose greedy kernel is correct and no measured point (no greedy fraction)
     records: int = 0
     hint_samples: int = 0  # samples='hints': samples conditioned on a hint
     hint_followed: int = 0  # ... that are exactly the hinted point rendered for the matrix
@@ -99,6 +102,7 @@ class KindStats:
                 "space_best_fraction_geomean": geomean(self.space_frac_best_of_k),
                 "records": self.records,
                 "greedy_correct_rate": self.greedy_correct / self.records if self.records else None,
+                "greedy_novel": self.greedy_novel,
                 "measured_space_fraction_greedy_geomean": geomean(self.measured_frac_greedy),
                 "measured_space_fraction_greedy_n": len(self.measured_frac_greedy),
                 "measured_space_fraction_greedy_fallback_geomean": geomean(self.measured_frac_greedy_fallback),
@@ -225,6 +229,9 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
            "greedy_fraction": None, "greedy_fallback_fraction": None, "best_of_k_fraction": None,
            "compiled": sum(bool(o.compiled) for o in outs), "correct": sum(bool(o.correct) for o in outs),
            "samples": len(outs)}
+    if outs[0].correct and space is not None and measured[0] is None:  # a correct kernel of its own
+        st.greedy_novel += 1
+        row["greedy_novel"], row["greedy_novel_us"] = True, outs[0].us
     if pb.best_space_us:
         if measured[0]:
             row["greedy_fraction"] = row["greedy_fallback_fraction"] = pb.best_space_us / measured[0]

@@ -33,6 +33,7 @@ def test_measured_fraction_uses_the_measured_time_of_the_point_written(tiny_mode
     assert summ["speedup_greedy_geomean"] == pytest.approx(40.0 / 50.0)  # evaluator (cost model) time
     # the greedy sample is a measured point, so at most the k sampled ones are novel
     assert st.correct == 3 and st.novel <= 2
+    assert summ["greedy_novel"] == 0 and "greedy_novel" not in st.rows[0]
     assert len(st.measured_frac_best_of_k) == (1 if st.novel < 2 else 0)
 
 
@@ -196,3 +197,17 @@ def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features
     rows = rep["per_record"]["tiny"]
     assert sorted((r["label"], r["op"], r["n"]) for r in rows) == sorted((h.matrix.label, h.op, h.n) for h in held)
     assert all(r["kind"] in rep["variants"]["tiny"] and r["samples"] == 3 for r in rows)
+
+
+def test_a_correct_greedy_kernel_that_is_no_measured_point_is_counted_and_flagged(tiny_model, tiny_tok):
+    """It has no measured time, so it is left out of the greedy fractions (as before); the
+    summary counts it and its row says so, with the evaluator's time for it."""
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], _all_correct, k=1, temperature=1.0,
+                         max_new_tokens=12, constrained=False, space_sources=[{"someotherpoint": 10.0}])["banded"]
+    summ = st.summary()
+    assert summ["greedy_novel"] == 1 and summ["measured_space_fraction_greedy_n"] == 0
+    assert summ["measured_space_fraction_greedy_fallback_n"] == 0  # correct: no fallback either
+    (row,) = st.rows
+    assert row["greedy_novel"] is True and row["greedy_novel_us"] == 50.0 and row["greedy_fraction"] is None
