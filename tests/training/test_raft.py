@@ -184,12 +184,16 @@ def test_rl_rejects_an_unknown_algo(tmp_path, tiny_tok, n_features):
         rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
 
 
-def test_rl_rejects_an_unknown_reward(tmp_path, tiny_tok, n_features):
+@pytest.mark.parametrize("setting, message", [
+    ({"reward": "speed"}, "--reward 'speed': use 'hierarchical' or 'correctness'"),
+    ({"raft_explore": "hints"}, "--raft-explore 'hints': use 'temperature', 'formats', 'mixed'"),
+])
+def test_rl_rejects_an_unknown_reward_or_exploration(tmp_path, tiny_tok, n_features, setting, message):
     init = tmp_path / "init"
     save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
     cfg = RLConfig(init=str(init), data=str(tmp_path / "none.jsonl"), out_dir=str(tmp_path / "raft"), steps=1, k=2,
-                   algo="raft", reward="speed", evaluator="header", speculative=False)
-    with pytest.raises(ValueError, match="--reward 'speed': use 'hierarchical' or 'correctness'"):
+                   algo="raft", evaluator="header", speculative=False, **setting)
+    with pytest.raises(ValueError, match=message):
         rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
 
 
@@ -215,11 +219,3 @@ def test_raft_format_exploration_spends_candidates_on_other_formats(tmp_path, ti
         if explore == "formats":
             assert formats[2] not in formats[:2] and formats[2] in plausible
 
-
-def test_rl_rejects_an_unknown_raft_exploration(tmp_path, tiny_tok, n_features):
-    init = tmp_path / "init"
-    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
-    cfg = RLConfig(init=str(init), data=str(tmp_path / "none.jsonl"), out_dir=str(tmp_path / "raft"), steps=1, k=2,
-                   algo="raft", raft_explore="hints", evaluator="header", speculative=False)
-    with pytest.raises(ValueError, match="--raft-explore 'hints': use 'temperature', 'formats', 'mixed'"):
-        rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
