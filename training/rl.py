@@ -190,6 +190,9 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         raise ValueError(f"--algo {cfg.algo!r}: use 'ppo', 'grpo' or 'raft'")
     if cfg.raft_explore not in RAFT_EXPLORE:
         raise ValueError(f"--raft-explore {cfg.raft_explore!r}: use " + ", ".join(map(repr, RAFT_EXPLORE)))
+    if cfg.raft_explore != "temperature" and getattr(model.config, "retrieval", False):
+        raise ValueError(f"--raft-explore {cfg.raft_explore!r} is for a policy without hints; {cfg.init} was trained "
+                         "with hints, and RAFT's candidates are then its hints' kernels: leave --raft-explore unset")
     if reward_fn is None and cfg.reward not in REWARDS:
         raise ValueError(f"--reward {cfg.reward!r}: use " + " or ".join(repr(k) for k in REWARDS))
     mix = vmix = None

@@ -187,10 +187,14 @@ def test_rl_rejects_an_unknown_algo(tmp_path, tiny_tok, n_features):
 @pytest.mark.parametrize("setting, message", [
     ({"reward": "speed"}, "--reward 'speed': use 'hierarchical' or 'correctness'"),
     ({"raft_explore": "hints"}, "--raft-explore 'hints': use 'temperature', 'formats', 'mixed'"),
+    ({"raft_explore": "formats", "retrieval": True}, "is for a policy without hints; .* was trained with hints"),
 ])
 def test_rl_rejects_an_unknown_reward_or_exploration(tmp_path, tiny_tok, n_features, setting, message):
     init = tmp_path / "init"
-    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    setting = dict(setting)
+    model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features))
+    model.config.retrieval = setting.pop("retrieval", False)
+    save_policy(model, tiny_tok, init)
     cfg = RLConfig(init=str(init), data=str(tmp_path / "none.jsonl"), out_dir=str(tmp_path / "raft"), steps=1, k=2,
                    algo="raft", evaluator="header", speculative=False, **setting)
     with pytest.raises(ValueError, match=message):
@@ -218,4 +222,3 @@ def test_raft_format_exploration_spends_candidates_on_other_formats(tmp_path, ti
         assert formats[1] != formats[0] and formats[1] in plausible  # a forced format, not the greedy one
         if explore == "formats":
             assert formats[2] not in formats[:2] and formats[2] in plausible
-
