@@ -14,6 +14,9 @@
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 # SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
 # RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz.
+# FRESH="--count 48 --seed 7 --max-nnz 1000000 --mix ..." then scores what was trained on fresh validation
+# problems (python -m training.validation, FRESH_EVALUATOR: gpu) beside FRESH_CHECKPOINTS (default: the shipped
+# default checkpoint, as v3), in the same call: $OUT/fresh.json, paired later with training.compare.
 # RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
 # the stages found there. Give an independent run its own RUNS; a stage resumed under other settings
 # (another --seed, --reward, ...) stops with an error instead of continuing the first run.
@@ -89,6 +92,14 @@ if [ "${ABLATE:-0}" = 1 ]; then
     sft_stage sft_nosin --no-sinusoidal
     TRAINED="${TRAINED:+$TRAINED,}sft_nosin=$RUNS/sft_nosin"
   fi
+fi
+if [ -n "${FRESH:-}" ] && [ -n "$TRAINED" ]; then
+  FRESH_ALL="${FRESH_CHECKPOINTS:-v3=policy/checkpoints/default},$TRAINED"
+  echo "== python -m training.validation --checkpoints $FRESH_ALL $FRESH"
+  timeout "${FRESH_TIMEOUT:-200}" python3 -m training.validation --checkpoints "$FRESH_ALL" $FRESH \
+    --evaluator "${FRESH_EVALUATOR:-gpu}" --out "$OUT/fresh.json" >"$LOGS/fresh.log" 2>&1
+  echo "rc=$?"; grep -E "^\[validation\]" "$LOGS/fresh.log"
+  keep none
 fi
 TRAINED="$TRAINED${EVAL_CHECKPOINTS:+${TRAINED:+,}$EVAL_CHECKPOINTS}"
 if [ -n "${EVAL:-}" ]; then
