@@ -22,6 +22,13 @@ The generators have no social graph, GNN feature matrix or FEM model. A second s
 random subset of 30-90 % of its indices, in their order or, half the time, randomly relabelled.
 A held-out matrix is never a source. ``mix`` weights the sources (``parse_mix``: e.g.
 ``shared:social_powerlaw=3,rmat=1``); without it the generators are drawn equally, as before.
+
+``uniform_random_shapes`` (a mix source only, never drawn without a mix) is the uniform random
+generator at the shapes ``uniform_random``'s sampler never draws and the supervision grids
+hold: tall (4-40 times more rows than columns), wide (4-20 times more columns), and 1 or
+64-256 nonzeros per row. RL's gains on the held-out uniform random records came on such
+shapes too (docs/training.md, sixteenth session). Its matrices are labelled, split and
+skipped as ``uniform_random``'s.
 """
 
 from __future__ import annotations
@@ -43,6 +50,23 @@ SAMPLERS = {
     "circuit": lambda r: {"n": int(r.integers(5_000, 100_000)), "per_row": int(r.integers(3, 6)),
                           "dense_lines": int(r.integers(0, 20)), "dense_fill": float(r.choice([0.01, 0.05, 0.2]))},
 }
+
+
+def _uniform_random_shapes(r) -> dict:
+    shape = r.choice(["tall", "wide", "square"])
+    if shape == "tall":
+        cols = int(r.integers(1_000, 20_000))
+        return {"n_rows": cols * int(r.integers(4, 41)), "n_cols": cols, "per_row": int(r.choice([1, 2, 4, 8]))}
+    if shape == "wide":
+        rows = int(r.integers(1_000, 20_000))
+        return {"n_rows": rows, "n_cols": rows * int(r.integers(4, 21)), "per_row": int(r.choice([16, 64, 256]))}
+    n = int(r.integers(2_000, 100_000))
+    return {"n_rows": n, "n_cols": n, "per_row": int(r.choice([1, 64, 128, 256]))}
+
+
+#: mix-only source -> (the generator it draws, its sampler); never drawn without a mix, so the
+#: default draw (``sorted(SAMPLERS)``) is what it always was
+EXTRA_SOURCES = {"uniform_random_shapes": ("uniform_random", _uniform_random_shapes)}
 
 #: generator -> its nonzero count from its arguments, about (to skip a draw before building it)
 ESTIMATES = {
@@ -73,9 +97,10 @@ def parse_mix(text: str) -> dict[str, float]:
             weight = float(w) if eq else 1.0
         except ValueError:
             weight = -1.0
-        if not (name in SAMPLERS or name == "shared" or name.startswith("shared:")) or weight < 0:
+        if not (name in SAMPLERS or name in EXTRA_SOURCES or name == "shared" or name.startswith("shared:")) \
+                or weight < 0:
             raise ValueError(f"unlabelled mix entry {part!r}: write SOURCE=WEIGHT (weight >= 0) with SOURCE one of "
-                             f"{sorted(SAMPLERS)}, 'shared' or 'shared:<kind>'")
+                             f"{sorted(SAMPLERS) + sorted(EXTRA_SOURCES)}, 'shared' or 'shared:<kind>'")
         out[name] = weight
     if not out or sum(out.values()) <= 0:
         raise ValueError(f"unlabelled mix {text!r} gives no source a positive weight")
@@ -150,7 +175,8 @@ def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_lab
             m, how = derive_shared(matrices.load_npz(info.path), np.random.default_rng(first_seed + draws))
             label = f"shared:{info.name}({how}, seed={first_seed + draws})"
         else:
-            kwargs = {**SAMPLERS[gen](rng), "seed": first_seed + draws}
+            gen, sampler = EXTRA_SOURCES.get(gen, (gen, SAMPLERS.get(gen)))
+            kwargs = {**sampler(rng), "seed": first_seed + draws}
             ref = MatrixRef("generated", gen, tuple(sorted(kwargs.items())))
             if is_held_out(ref) or ref.label in exclude_labels or (max_nnz and ESTIMATES[gen](kwargs) > 1.5 * max_nnz):
                 continue

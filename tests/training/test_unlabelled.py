@@ -90,3 +90,26 @@ def test_a_shared_source_without_the_folder_says_where_to_point(monkeypatch):
     with pytest.raises(ValueError, match="set SPARSERL_SHARED_MATRICES"):
         unlabelled_problems(1, seed=0, mix=parse_mix("shared=1,rmat=1"))
     assert len(unlabelled_problems(2, seed=0, max_nnz=100_000, mix=parse_mix("rmat=1"))) == 2  # generators need no folder
+
+
+def test_uniform_random_shapes_draws_the_shapes_the_square_sampler_never_does():
+    """A mix-only source: tall, wide and very sparse or dense-row uniform random matrices,
+    labelled and split as ``uniform_random``'s; the default draw does not include it."""
+    ps = unlabelled_problems(12, seed=1, max_nnz=1_000_000, mix=parse_mix("uniform_random_shapes=1"))
+    shapes = set()
+    for p in ps:
+        gen, kwargs = _ref(p)
+        assert gen == "uniform_random" and p.label.startswith("uniform_random(")
+        rows, cols, per_row = int(kwargs["n_rows"]), int(kwargs["n_cols"]), int(kwargs["per_row"])
+        assert p.matrix.shape == (rows, cols)
+        assert rows != cols or per_row in (1, 64, 128, 256)  # never the square sampler's 2-32 per row
+        shapes.add("tall" if rows > cols else "wide" if cols > rows else "square")
+        typed = {k: int(v) for k, v in kwargs.items()}
+        assert not is_held_out(MatrixRef("generated", gen, tuple(sorted(typed.items()))))
+    assert shapes == {"tall", "wide", "square"}
+    # the default draw is what it was before the source existed (pinned from that code)
+    assert [p.label for p in unlabelled_problems(4, seed=1, max_nnz=200_000)] == [
+        "uniform_random(n_cols=5415, n_rows=5415, per_row=2, seed=102)", "rmat(edge_factor=4, scale=14, seed=105)",
+        "block_diagonal(block=4, n_blocks=8360, seed=110)", "random_geometric(avg_degree=4, n=29919, seed=111)"]
+    with pytest.raises(ValueError, match="uniform_random_shapes"):  # named among the valid sources
+        parse_mix("uniform_random_wide=1")
