@@ -277,6 +277,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
     for step in range(state.step, cfg.steps):
         rng = np.random.default_rng(cfg.seed * 1_000_003 + step)
         pick = rng.choice(len(problems), size=n_pick, replace=False)
+        t_step = time.perf_counter()
         rolls, sts, groups, rewards = [], [], [], []
         raft_rec = {"new": 0, "switched": 0, "first": [], "best": [], "switched_problems": []}  # raft: this update's
         for g in range(lo, hi):  # this rank's share; g stays the global index (same sampling seed)
@@ -324,6 +325,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         else:
             batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
             rec = {"step": step + 1, **ppo_update(model, ref_model, optim, batch, rewards, pcfg, ctx=ctx).__dict__}
+        rec["seconds"] = round(time.perf_counter() - t_step, 1)  # decoding, rewards and the update
         state.step = step + 1
         res.mean_rewards.append(rec["mean_reward"])
         res.stats.append(rec)
@@ -333,8 +335,9 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} first {rec['first_reward']:.3f} "
                     f"best {rec['best_reward']:.3f} switched {rec['switched']}/{rec['targets']} "
                     f"buffer {rec['buffer']} loss {rec['loss']:.4f}"
-                    + "".join(f"\n[rl]   switched: {n} " + (f"(x{r} faster)" if r else "(the first was wrong)")
-                              for n, r in rec["switched_problems"]))
+                    + f" {rec['seconds']:.0f} s"
+                    + "".join(f"\n[rl]   switched: {n} " + (f"(x{r} faster" if r else "(the first was wrong")
+                              + f", a {o} candidate)" for n, r, o in rec["switched_problems"]))
             else:
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} kl {rec['kl']:.4f} "
                     f"loss {rec['loss']:.4f} entropy {rec['entropy']:.3f}")
@@ -371,9 +374,10 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
 
     greedy = DecodeConfig(greedy=True, max_new_tokens=cfg.max_new_tokens, constrained=cfg.constrained, trace=False)
     if hints:
-        return hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=greedy,
-                            references=references)
-    rs = generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy, references=references)
+        return _tagged(hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=greedy,
+                                    references=references), "hint")
+    rs = _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy, references=references),
+                 "greedy")
     n_formats = {"temperature": 0, "formats": cfg.k - 1, "mixed": (cfg.k - 1) // 2}[cfg.raft_explore]
     if n_formats > 0:
         from policy.provider import plausible_formats
@@ -382,13 +386,21 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
         # the most likely format is the greedy kernel's own: ask for one more, and drop repeats
         forced = format_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, n_formats + 1,
                                 plausible_formats(m.indptr, m.indices, m.shape), config=greedy)
-        rs += [r for r in forced if r.text != rs[0].text][:n_formats]
+        rs += _tagged([r for r in forced if r.text != rs[0].text][:n_formats], "format")
     if cfg.k - 1 - n_formats > 0:
         sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                constrained=cfg.constrained, seed=seed)
-        rs += generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1 - n_formats, config=sampled,
-                       references=references)
+        rs += _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1 - n_formats,
+                               config=sampled, references=references), "sample")
     return rs
+
+
+def _tagged(rolls: list, origin: str) -> list:
+    """``rolls`` with ``extra["origin"]`` set (greedy, format, sample or hint): the log names where
+    a switched target came from."""
+    for r in rolls:
+        r.extra["origin"] = origin
+    return rolls
 
 
 def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin: float, rec: dict,
@@ -396,7 +408,8 @@ def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin:
     """Add one problem's target to the RAFT buffer (``raft.pick_target``: the greedy prompt,
     the first hint's for a hinted policy, with the chosen candidate's kernel; ``speed=False``:
     the correctness-only control), the first and best of its rewards (``scores``) to ``rec``,
-    and ``name`` to its switched problems when the target is not the first kernel."""
+    and ``name`` to its switched problems when the target is not the first kernel, with the gain
+    and the origin of its new target (``_tagged``: a format or a temperature sample, say)."""
     from policy.decode import completion_ids
     from training.lm import LMExample
     from training.raft import o_us, pick_target
@@ -411,7 +424,8 @@ def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin:
     rec["switched"] += j != 0
     if j != 0:  # which problem, and how much faster its new target is than the first kernel (None: first wrong)
         first, best = o_us(outcomes[0]) if outcomes[0].correct else None, o_us(outcomes[j])
-        rec["switched_problems"].append([name, round(first / best, 3) if first and best else None])
+        rec["switched_problems"].append([name, round(first / best, 3) if first and best else None,
+                                         rolls[j].extra.get("origin", "sample")])
 
 
 def _raft_step(model, optim, buffer, rec: dict, rewards: list, cfg: RLConfig, step: int, pad_id: int,

@@ -125,6 +125,7 @@ def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok
     assert any("SFT examples replayed, 2 per gradient step" in m for m in logs)
     assert [s["switched"] for s in r.stats] == [1] * 6 and r.stats[-1]["buffer"] == 6
     assert r.stats[0]["first_reward"] < r.stats[0]["best_reward"]
+    assert r.stats[0]["switched_problems"][0][2] == "hint"  # the second hint's kernel
 
     structure = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
     ex = LMExample(tiny_tok.encode(prompt_text("spmv", "f32", 1, hints[0])), completion_ids(tiny_tok, seen[0][1]),
@@ -150,8 +151,10 @@ def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_p
     assert len({s[1] for s in seen}) > 1  # the samples change between updates, as the policy does
     assert any("SFT examples replayed, 1 per gradient step" in m for m in logs)
     assert [s["switched"] for s in r.stats] == [1] * 4 and r.stats[-1]["buffer"] == 4
-    assert r.stats[0]["switched_problems"] == [["b48 spmv", 5.0]]  # named in the log, with its gain
-    assert sum("switched: b48 spmv (x5.0 faster)" in m for m in logs) == 4
+    # named in the log, with its gain and where the new target came from
+    assert r.stats[0]["switched_problems"] == [["b48 spmv", 5.0, "sample"]]
+    assert sum("switched: b48 spmv (x5.0 faster, a sample candidate)" in m for m in logs) == 4
+    assert all(s["seconds"] > 0 for s in r.stats)
 
     structure = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
     prompt = tiny_tok.encode(prompt_text("spmv", "f32", 1))
@@ -215,6 +218,7 @@ def test_raft_format_exploration_spends_candidates_on_other_formats(tmp_path, ti
     r, seen, logs, m, *_ = _raft_run(tmp_path, tiny_tok, n_features, retrieval=False, steps=2, raft_steps=1,
                                      raft_anchor=0, explore=explore)
     assert r.step == 2 and r.stats[0]["switched"] == 1
+    assert r.stats[0]["switched_problems"][0][2] == "format"  # the second candidate, the faster one
     plausible = plausible_formats(m.indptr, m.indices, m.shape)
     for sources in seen:
         assert len(sources) == 3 and sources[1] != sources[0]
