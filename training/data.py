@@ -83,11 +83,25 @@ class MatrixRef:
             return matrices.generate(self.generator, **dict(self.kwargs))
         for info in matrices.shared_manifest():
             if info.name == self.name:
+                if not info.path.is_file():
+                    raise FileNotFoundError(
+                        f"shared matrix {self.name!r} is in {info.path.parent / 'MANIFEST.json'} but its file "
+                        f"{info.path} is missing: copy it from ../shared/matrices (a trimmed copy must hold "
+                        "every matrix the supervision's training split names)")
                 return matrices.load_npz(info.path)
         raise FileNotFoundError(
             f"shared matrix {self.name!r} not found: set SPARSERL_SHARED_MATRICES to the folder "
             "holding MANIFEST.json"
         )
+
+    def present(self) -> bool:
+        """Whether ``load`` finds the matrix: always for a generated one; for a shared one, a
+        manifest entry whose file exists."""
+        if self.source == "generated":
+            return True
+        from sparserl_compile import matrices
+
+        return any(i.name == self.name and i.path.is_file() for i in matrices.shared_manifest())
 
 
 @dataclass(frozen=True)

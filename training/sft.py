@@ -201,7 +201,14 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
                                    hint_entries=entries, loaded=loaded, hints=cfg.hints,
                                    hint_tolerance=cfg.hint_tolerance)
     loaded.clear()
-    held, _ = build_examples(parts.held_out, tok, model.config.max_points, render, log, hint_entries=entries,
+    # the held-out loss is a diagnostic: a trimmed copy of the shared folder (a device carry)
+    # may lack held-out matrices, and the loss is then over the records whose matrix is there
+    held_records = [r for r in parts.held_out if r.matrix.present()]
+    if len(held_records) < len(parts.held_out):
+        absent = sorted({r.matrix.label for r in parts.held_out if r not in held_records})
+        log(f"[sft] held-out loss over {len(held_records)} of {len(parts.held_out)} held-out records: "
+            f"{len(absent)} shared matrices absent ({', '.join(absent)})")
+    held, _ = build_examples(held_records, tok, model.config.max_points, render, log, hint_entries=entries,
                              hints=cfg.hints, hint_tolerance=cfg.hint_tolerance)
     log(f"[sft] {len(train)} training examples ({n_skip} skipped), {len(held)} held out")
     if not train:

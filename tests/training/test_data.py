@@ -165,3 +165,33 @@ def test_default_is_the_h200_files_and_a_comma_list_concatenates(tmp_path):
         assert grid.train and grid.held_out
     with pytest.raises(FileNotFoundError, match="none.jsonl"):
         load_supervision(f"{files[0]},{tmp_path / 'none.jsonl'}")
+
+
+def _trimmed_folder(tmp_path, present: dict, absent: list[str]):
+    """A shared folder whose MANIFEST.json lists ``present`` (name -> CSR, written) and
+    ``absent`` (listed, no file): a trimmed copy, as carried to the device."""
+    import numpy as np
+
+    entries = []
+    for name, m in present.items():
+        np.savez(tmp_path / f"{name}.npz", indptr=m.indptr, indices=m.indices, data=m.data, shape=np.array(m.shape))
+    for name in list(present) + absent:
+        entries.append({"name": name, "file": f"{name}.npz", "kind": "road_planar", "n_rows": 8, "n_cols": 8,
+                        "nnz": 8})
+    (tmp_path / "MANIFEST.json").write_text(json.dumps(entries))
+    return tmp_path
+
+
+def test_a_shared_matrix_listed_but_absent_is_named_with_what_to_do(tmp_path, monkeypatch):
+    import scipy.sparse as sp
+
+    folder = _trimmed_folder(tmp_path, {"here": sp.identity(8, format="csr")}, ["uk"])
+    monkeypatch.setenv("SPARSERL_SHARED_MATRICES", str(folder))
+    here, gone = MatrixRef("shared", name="here"), MatrixRef("shared", name="uk")
+    assert here.present() and here.load().nnz == 8
+    assert not gone.present() and not MatrixRef("shared", name="nowhere").present()
+    assert MatrixRef("generated", "banded", (("n", 8),)).present()
+    with pytest.raises(FileNotFoundError, match=r"'uk' is in .*MANIFEST.json but its file .*uk.npz is missing: copy it"):
+        gone.load()
+    with pytest.raises(FileNotFoundError, match="'nowhere' not found: set SPARSERL_SHARED_MATRICES"):
+        MatrixRef("shared", name="nowhere").load()

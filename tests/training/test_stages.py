@@ -170,3 +170,25 @@ def test_sft_rejects_hints_without_retrieval(tmp_path):
     for bad in (SFTConfig(out_dir=str(tmp_path), hints=4), SFTConfig(out_dir=str(tmp_path), hints=0, retrieval=True)):
         with pytest.raises(ValueError, match="--hints"):
             sft(bad)
+
+
+def test_sft_held_out_loss_skips_held_out_matrices_absent_from_a_trimmed_folder(tmp_path, tiny_tok, n_features,
+                                                                                   monkeypatch):
+    """A device carry may hold only the matrices that training reads: SFT then trains, and its
+    held-out loss covers the held-out records whose matrix is there, saying which are absent."""
+    folder = tmp_path / "matrices"
+    folder.mkdir()
+    (folder / "MANIFEST.json").write_text(json.dumps([{"name": "uk", "file": "uk.npz", "kind": "road_planar",
+                                                       "n_rows": 8, "n_cols": 8, "nnz": 8}]))
+    monkeypatch.setenv("SPARSERL_SHARED_MATRICES", str(folder))
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    lines = structure_dependent_supervision()
+    absent = {**lines[0], "matrix": {"source": "shared", "name": "uk"}}  # held out by the frozen list
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in [*lines, absent]))
+    logs = []
+    cfg = dataclasses.replace(SFTConfig.tiny(str(init), str(data), str(tmp_path / "sft")), steps=2)
+    r = sft(cfg, render=_render, log=logs.append)
+    assert r.step == 2
+    assert any("held-out records: 1 shared matrices absent (uk)" in m for m in logs), logs
