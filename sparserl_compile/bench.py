@@ -259,7 +259,8 @@ def torch_sparse_fn(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, i
     it = {"int32": torch.int32, "int64": torch.int64}[index_dtype]
     crow = torch.as_tensor(np.asarray(indptr), device="cuda").to(it)
     col = torch.as_tensor(np.asarray(indices), device="cuda").to(it)
-    a = torch.sparse_csr_tensor(crow, col, values, size=tuple(shape), device="cuda")
+    # check_invariants=False is the default; said, so torch does not warn in every worker
+    a = torch.sparse_csr_tensor(crow, col, values, size=tuple(shape), device="cuda", check_invariants=False)
     if x.dim() == 1:
         return lambda: torch.mv(a, x)
     return lambda: torch.mm(a, x)

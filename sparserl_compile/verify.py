@@ -363,7 +363,8 @@ def _device_reference(torch, p: "Pattern", vals: np.ndarray, x: np.ndarray, dtyp
     ix = torch.from_numpy(p.indices.astype(np.int64)).to(device)
 
     def product(v, xx):
-        a = torch.sparse_csr_tensor(ip, ix, v, size=p.shape, dtype=torch.float64)
+        a = torch.sparse_csr_tensor(ip, ix, v, size=p.shape, dtype=torch.float64,
+                                    check_invariants=False)  # the default, said: torch warns otherwise
         return torch.mv(a, xx) if xx.dim() == 1 else torch.mm(a, xx)
 
     return product(v64, x64), product(v64.abs(), x64.abs())
