@@ -335,7 +335,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} first {rec['first_reward']:.3f} "
                     f"best {rec['best_reward']:.3f} switched {rec['switched']}/{rec['targets']} "
                     f"buffer {rec['buffer']} loss {rec['loss']:.4f}"
-                    + f" {rec['seconds']:.0f} s"
+                    + f", {rec['seconds']:.0f} s"
                     + "".join(f"\n[rl]   switched: {n} " + (f"(x{r} faster" if r else "(the first was wrong")
                               + f", a {o} candidate)" for n, r, o in rec["switched_problems"]))
             else:

@@ -203,9 +203,10 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     loaded.clear()
     # the held-out loss is a diagnostic: a trimmed copy of the shared folder (a device carry)
     # may lack held-out matrices, and the loss is then over the records whose matrix is there
-    held_records = [r for r in parts.held_out if r.matrix.present()]
+    present = {ref: ref.present() for ref in {r.matrix for r in parts.held_out}}
+    held_records = [r for r in parts.held_out if present[r.matrix]]
     if len(held_records) < len(parts.held_out):
-        absent = sorted({r.matrix.label for r in parts.held_out if r not in held_records})
+        absent = sorted(ref.label for ref, here in present.items() if not here)
         log(f"[sft] held-out loss over {len(held_records)} of {len(parts.held_out)} held-out records: "
             f"{len(absent)} shared matrices absent ({', '.join(absent)})")
     held, _ = build_examples(held_records, tok, model.config.max_points, render, log, hint_entries=entries,
