@@ -81,27 +81,32 @@ class MatrixRef:
 
         if self.source == "generated":
             return matrices.generate(self.generator, **dict(self.kwargs))
-        for info in matrices.shared_manifest():
-            if info.name == self.name:
-                if not info.path.is_file():
-                    raise FileNotFoundError(
-                        f"shared matrix {self.name!r} is in {info.path.parent / 'MANIFEST.json'} but its file "
-                        f"{info.path} is missing: copy it from ../shared/matrices (a trimmed copy must hold "
-                        "every matrix the supervision's training split names)")
-                return matrices.load_npz(info.path)
-        raise FileNotFoundError(
-            f"shared matrix {self.name!r} not found: set SPARSERL_SHARED_MATRICES to the folder "
-            "holding MANIFEST.json"
-        )
+        info = self._shared_info()
+        if info is None:
+            raise FileNotFoundError(
+                f"shared matrix {self.name!r} not found: set SPARSERL_SHARED_MATRICES to the folder "
+                "holding MANIFEST.json"
+            )
+        if not info.path.is_file():
+            raise FileNotFoundError(
+                f"shared matrix {self.name!r} is in {info.path.parent / 'MANIFEST.json'} but its file "
+                f"{info.path} is missing: copy it from ../shared/matrices (a trimmed copy must hold "
+                "every matrix the supervision's training split names)")
+        return matrices.load_npz(info.path)
 
     def present(self) -> bool:
         """Whether ``load`` finds the matrix: always for a generated one; for a shared one, a
         manifest entry whose file exists."""
         if self.source == "generated":
             return True
+        info = self._shared_info()
+        return info is not None and info.path.is_file()
+
+    def _shared_info(self):
+        """This shared matrix's manifest entry (``MatrixInfo``), None where the manifest lacks it."""
         from sparserl_compile import matrices
 
-        return any(i.name == self.name and i.path.is_file() for i in matrices.shared_manifest())
+        return next((i for i in matrices.shared_manifest() if i.name == self.name), None)
 
 
 @dataclass(frozen=True)

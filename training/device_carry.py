@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from training.data import SHARED_HELD_OUT
+
 #: the ``shared:KIND`` sources of RL's problem mixes (docs/training.md, the fourteenth session's command)
 SHARED_MIX_KINDS = ("social_powerlaw", "gnn_citation", "road_planar", "mesh", "circuit")
 CARRY_LIMIT = 64 * 2**20
@@ -46,18 +48,15 @@ def carry_selection(max_bytes: int = 1_000_000, held_out: bool = True, kinds=SHA
     """The shared matrices (``MatrixInfo``) a training call needs, by the rules of the module
     doc, in manifest order; [] without the shared folder."""
     from sparserl_compile import matrices
-    from training.data import DEFAULT_SUPERVISION, MatrixRef, is_held_out, load_supervision
+    from training.data import DEFAULT_SUPERVISION, load_supervision
+    from training.unlabelled import shared_sources
 
-    infos = [i for i in matrices.shared_manifest() if i.path.is_file()]
     records = load_supervision((supervision or DEFAULT_SUPERVISION).split(","))
-    named = {r.matrix.name for r in records if r.matrix.source == "shared" and not is_held_out(r.matrix)}
-
-    def wanted(i) -> bool:
-        if is_held_out(MatrixRef("shared", name=i.name)):
-            return held_out
-        return i.name in named or (i.kind in kinds and i.path.stat().st_size < max_bytes)
-
-    return [i for i in infos if wanted(i)]
+    named = {r.matrix.name for r in records if r.matrix.source == "shared"}
+    train = {i.name for i in shared_sources()  # present and training-side
+             if i.name in named or (i.kind in kinds and i.path.stat().st_size < max_bytes)}
+    return [i for i in matrices.shared_manifest() if i.name in train
+            or (held_out and i.path.is_file() and i.name in SHARED_HELD_OUT)]
 
 
 def tracked_bytes(repo: Path = REPO) -> int:
