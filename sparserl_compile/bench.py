@@ -252,6 +252,17 @@ def is_impossible(time_us: float, floor: float) -> bool:
     return time_us * IMPOSSIBLE_SLACK < floor
 
 
+def csr_tensor(torch, crow, col, values, shape):
+    """``torch.sparse_csr_tensor`` without its warnings ("CSR support is in beta"; and "invariant
+    checks are implicitly disabled", which torch 2.11 gives even for an explicit
+    ``check_invariants=False``): once in every worker process, they filled the training logs."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size=tuple(shape), check_invariants=False)
+
+
 def torch_sparse_fn(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, int], values, x, *,
                     index_dtype: str = "int32") -> Callable[[], object]:
     """``() -> A @ x`` with A a CUDA CSR tensor (cuSPARSE); ``x`` 1-D (SpMV) or 2-D (SpMM)."""
@@ -259,8 +270,7 @@ def torch_sparse_fn(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, i
     it = {"int32": torch.int32, "int64": torch.int64}[index_dtype]
     crow = torch.as_tensor(np.asarray(indptr), device="cuda").to(it)
     col = torch.as_tensor(np.asarray(indices), device="cuda").to(it)
-    # check_invariants=False is the default; said, so torch does not warn in every worker
-    a = torch.sparse_csr_tensor(crow, col, values, size=tuple(shape), device="cuda", check_invariants=False)
+    a = csr_tensor(torch, crow, col, values, shape)
     if x.dim() == 1:
         return lambda: torch.mv(a, x)
     return lambda: torch.mm(a, x)

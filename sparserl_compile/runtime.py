@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 import weakref
 from collections import OrderedDict, deque
 from contextlib import nullcontext
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from sparserl_compile import contract, providers
+from sparserl_compile.bench import csr_tensor
 from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
 from sparserl_compile.structure import fingerprint as _fingerprint
 
@@ -256,9 +256,7 @@ def _csr(crow, col, val, n_rows, n_cols):
 
 
 def _new_csr(crow, col, val, n_rows, n_cols):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
-        return torch.sparse_csr_tensor(crow, col, val, (n_rows, n_cols), check_invariants=False)
+    return csr_tensor(torch, crow, col, val, (n_rows, n_cols))
 
 
 # ------------------------------------------------------------------------- plans

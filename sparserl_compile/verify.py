@@ -45,6 +45,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from sparserl_compile import contract
+from sparserl_compile.bench import csr_tensor
 from sparserl_compile.contract import Candidate, ContractError
 
 #: unit roundoff of float accumulation
@@ -363,8 +364,7 @@ def _device_reference(torch, p: "Pattern", vals: np.ndarray, x: np.ndarray, dtyp
     ix = torch.from_numpy(p.indices.astype(np.int64)).to(device)
 
     def product(v, xx):
-        a = torch.sparse_csr_tensor(ip, ix, v, size=p.shape, dtype=torch.float64,
-                                    check_invariants=False)  # the default, said: torch warns otherwise
+        a = csr_tensor(torch, ip, ix, v, p.shape)  # v is float64 already
         return torch.mv(a, xx) if xx.dim() == 1 else torch.mm(a, xx)
 
     return product(v64, x64), product(v64.abs(), x64.abs())

@@ -15,6 +15,21 @@ def test_bench_result_statistics():
         bench.BenchResult.from_samples([], "events", True)
 
 
+def test_csr_tensor_is_the_matrix_and_warns_nothing():
+    # torch 2.11 warned in every worker even with check_invariants=False; the logs filled with it
+    import warnings
+
+    import torch
+
+    crow, col = torch.tensor([0, 2, 2, 3]), torch.tensor([0, 2, 1])
+    vals = torch.tensor([1.0, 2.0, 3.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = bench.csr_tensor(torch, crow, col, vals, (3, 4))
+    assert a.layout == torch.sparse_csr and tuple(a.shape) == (3, 4)
+    assert a.to_dense().tolist() == [[1, 0, 2, 0], [0, 0, 0, 0], [0, 3, 0, 0]]
+
+
 def test_impossible_speed_rule():
     floor = 10.0
     assert bench.is_impossible(10.0 / (bench.IMPOSSIBLE_SLACK + 0.1), floor)
