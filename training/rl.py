@@ -21,6 +21,7 @@ the training kinds, never held-out ones; ``validation.py``) before the first upd
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,6 +281,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         t_step = time.perf_counter()
         rolls, sts, groups, rewards = [], [], [], []
         raft_rec = {"new": 0, "switched": 0, "first": [], "best": [], "switched_problems": []}  # raft: this update's
+        parts = {}  # this update's seconds: decoding by candidate origin, rewards
         for g in range(lo, hi):  # this rank's share; g stays the global index (same sampling seed)
             pi = pick[g]
             pb = problems[pi]
@@ -303,14 +305,17 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
             if raft:
                 if hint_entries is not None and not hints[pi]:
                     continue  # the table has no runnable point for this problem: nothing to compare
-                rs = _raft_candidates(model, tok, structs[pi], pb, hints.get(pi), refs.get(pi), cfg, seed=sample_seed)
+                rs = _raft_candidates(model, tok, structs[pi], pb, hints.get(pi), refs.get(pi), cfg, seed=sample_seed,
+                                      seconds=parts)
             else:
                 dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                   constrained=cfg.constrained, seed=sample_seed)
                 hint = hints[pi][0] if hints.get(pi) else None
-                rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hint,
-                              references=refs.get(pi))
-            outcomes = evaluator(pb, [r.text for r in rs])
+                with _timed(parts, "sample"):
+                    rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hint,
+                                  references=refs.get(pi))
+            with _timed(parts, "rewards"):
+                outcomes = evaluator(pb, [r.text for r in rs])
             scores = [float(reward_fn(o)) for o in outcomes]
             rewards += scores
             if raft:
@@ -326,6 +331,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
             batch = make_batch(rolls, sts, groups, tok.pad_token_id).to(device)
             rec = {"step": step + 1, **ppo_update(model, ref_model, optim, batch, rewards, pcfg, ctx=ctx).__dict__}
         rec["seconds"] = round(time.perf_counter() - t_step, 1)  # decoding, rewards and the update
+        # where they went: decoding by candidate origin (greedy, format, sample, hint), the rewards
+        # (compile, verify, time), and the rest (mostly the gradient steps)
+        rec["seconds_parts"] = {k: round(v, 1) for k, v in parts.items()}
+        rec["seconds_parts"]["update"] = round(max(0.0, rec["seconds"] - sum(parts.values())), 1)
         state.step = step + 1
         res.mean_rewards.append(rec["mean_reward"])
         res.stats.append(rec)
@@ -335,7 +344,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                 log(f"[rl] step {step + 1}/{cfg.steps} reward {rec['mean_reward']:.3f} first {rec['first_reward']:.3f} "
                     f"best {rec['best_reward']:.3f} switched {rec['switched']}/{rec['targets']} "
                     f"buffer {rec['buffer']} loss {rec['loss']:.4f}"
-                    + f", {rec['seconds']:.0f} s"
+                    + f", {rec['seconds']:.0f} s ({_seconds_text(rec['seconds_parts'])})"
                     + "".join(f"\n[rl]   switched: {n} " + (f"(x{r} faster" if r else "(the first was wrong")
                               + f", a {o} candidate)" for n, r, o in rec["switched_problems"]))
             else:
@@ -361,7 +370,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
     return res
 
 
-def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig, seed: int) -> list:
+def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig, seed: int,
+                     seconds: dict | None = None) -> list:
     """A RAFT problem's candidates, the greedy prompt's kernel first: with ``hints`` (a policy
     trained with them) one greedy kernel per hint (``decode.hint_diverse``, what the runtime's
     provider draws); without, the greedy kernel and k - 1 others drawn as ``cfg.raft_explore``
@@ -369,30 +379,56 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     kernels of the policy's next most likely plausible formats (``decode.format_diverse``; after
     SFT nearly all the probability is on one format, so temperature samples rarely try another),
     or half each. A format candidate that repeats the greedy kernel is dropped, so there may be
-    fewer than k."""
+    fewer than k. ``seconds``, if given, gains each origin's decoding seconds."""
     from policy.decode import DecodeConfig, format_diverse, generate, hint_diverse
+
+    seconds = {} if seconds is None else seconds
 
     greedy = DecodeConfig(greedy=True, max_new_tokens=cfg.max_new_tokens, constrained=cfg.constrained, trace=False)
     if hints:
-        return _tagged(hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=greedy,
-                                    references=references), "hint")
-    rs = _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy, references=references),
-                 "greedy")
+        with _timed(seconds, "hint"):
+            return _tagged(hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=greedy,
+                                        references=references), "hint")
+    with _timed(seconds, "greedy"):
+        rs = _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy,
+                              references=references), "greedy")
     n_formats = {"temperature": 0, "formats": cfg.k - 1, "mixed": (cfg.k - 1) // 2}[cfg.raft_explore]
     if n_formats > 0:
         from policy.provider import plausible_formats
 
         m = pb.matrix
         # the most likely format is the greedy kernel's own: ask for one more, and drop repeats
-        forced = format_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, n_formats + 1,
-                                plausible_formats(m.indptr, m.indices, m.shape), config=greedy)
+        with _timed(seconds, "format"):
+            forced = format_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, n_formats + 1,
+                                    plausible_formats(m.indptr, m.indices, m.shape), config=greedy)
         rs += _tagged([r for r in forced if r.text != rs[0].text][:n_formats], "format")
     if cfg.k - 1 - n_formats > 0:
         sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                constrained=cfg.constrained, seed=seed)
-        rs += _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1 - n_formats,
-                               config=sampled, references=references), "sample")
+        with _timed(seconds, "sample"):
+            rs += _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1 - n_formats,
+                                   config=sampled, references=references), "sample")
     return rs
+
+
+@contextmanager
+def _timed(seconds: dict, part: str):
+    """Add the block's wall seconds to ``seconds[part]``."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - t
+
+
+def _seconds_text(parts: dict) -> str:
+    """``{"greedy": 3.2, "sample": 9.0, "rewards": 12.1, "update": 2.0}`` -> "decoding 12 (greedy 3,
+    sample 9), rewards 12, update 2": how an update's seconds were spent, for the log."""
+    decode = {k: v for k, v in parts.items() if k not in ("rewards", "update")}
+    text = f"decoding {sum(decode.values()):.0f}"
+    if len(decode) > 1:
+        text += " (" + ", ".join(f"{k} {v:.0f}" for k, v in decode.items()) + ")"
+    return text + f", rewards {parts.get('rewards', 0.0):.0f}, update {parts.get('update', 0.0):.0f}"
 
 
 def _tagged(rolls: list, origin: str) -> list:

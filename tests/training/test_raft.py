@@ -155,6 +155,10 @@ def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_p
     assert r.stats[0]["switched_problems"] == [["b48 spmv", 5.0, "sample"]]
     assert sum("switched: b48 spmv (x5.0 faster, a sample candidate)" in m for m in logs) == 4
     assert all(s["seconds"] > 0 for s in r.stats)
+    # where each update's seconds went: decoding by origin, the rewards, the gradient steps
+    parts = r.stats[0]["seconds_parts"]
+    assert set(parts) == {"greedy", "sample", "rewards", "update"} and sum(parts.values()) <= r.stats[0]["seconds"] + 0.3
+    assert sum(", rewards " in m and "s (decoding " in m and "(greedy " in m for m in logs) == 4
 
     structure = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
     prompt = tiny_tok.encode(prompt_text("spmv", "f32", 1))
@@ -219,6 +223,7 @@ def test_raft_format_exploration_spends_candidates_on_other_formats(tmp_path, ti
                                      raft_anchor=0, explore=explore)
     assert r.step == 2 and r.stats[0]["switched"] == 1
     assert r.stats[0]["switched_problems"][0][2] == "format"  # the second candidate, the faster one
+    assert "format" in r.stats[0]["seconds_parts"] and ("sample" in r.stats[0]["seconds_parts"]) == (explore == "mixed")
     plausible = plausible_formats(m.indptr, m.indices, m.shape)
     for sources in seen:
         assert len(sources) == 3 and sources[1] != sources[0]
