@@ -32,7 +32,8 @@ def test_parts_and_ablation():
 
 def test_cpu_evaluator_scores_every_sample_in_order():
     """NVRTC + the CPU executor: a correct kernel after a broken one and before a wrong one
-    each get their own outcome (select.evaluate alone stops at the first verified one)."""
+    each get their own outcome (select.evaluate alone stops at the first verified one); a
+    repeated source is run once and its copies share its outcome."""
     from sparserl_compile.kernels import render
     from sparserl_compile.matrices import banded
     from training.rewards import RLProblem, SandboxEvaluator
@@ -44,13 +45,18 @@ def test_cpu_evaluator_scores_every_sample_in_order():
     assert wrong != good
     broken = good.replace("fmaf(", "fmaf_missing(", 1)
     ev = SandboxEvaluator("cpu", workers=1)
+    runs = []
+    run = ev.pool.run
+    ev.pool.run = lambda job, *a, **kw: runs.append(job.candidate) or run(job, *a, **kw)
     try:
         out = ev(RLProblem(m, "spmv", "f32", 1, reference_us=20.0, best_space_us=5.0),
-                 [broken, good, wrong, "no header"])
+                 [broken, good, good, wrong, "no header", good])
     finally:
         ev.close()
     assert [(o.parsed, o.compiled, o.correct) for o in out] == [
-        (True, False, False), (True, True, True), (True, True, False), (False, False, False)]
+        (True, False, False), (True, True, True), (True, True, True), (True, True, False), (False, False, False),
+        (True, True, True)]
+    assert len(runs) == 3 and out[1] is out[2] is out[5]  # broken, good and wrong, each once
 
 
 def test_measured_evaluator_replays_h200_outcomes_and_delegates_the_rest():
