@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] [DECODE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] [DECODE="..."] [RAFT_DECODE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -106,6 +106,11 @@ run_hook pregen "${PREGEN:-}" "${PREGEN_TIMEOUT:-300}" 60 "Warning\|warn" \
 # Policy decoding, plain vs speculative: DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"
 run_hook decode "${DECODE:-}" "${DECODE_TIMEOUT:-180}" 20 "Warning\|warn\|Loading weights\|forward_call" \
   python3 benchmarks/decode_speed.py --json "$BENCH_DIR/decode_speed.json"
+
+# RAFT's candidate decoding by origin, format candidates plain vs drafted (needs the shared
+# matrices: SPARSERL_SHARED_MATRICES): RAFT_DECODE="args of benchmarks/raft_decode_speed.py", e.g. "--device cuda"
+run_hook raft_decode "${RAFT_DECODE:-}" "${RAFT_DECODE_TIMEOUT:-300}" 12 "Warning\|warn\|Loading weights\|forward_call" \
+  python3 benchmarks/raft_decode_speed.py --json "$BENCH_DIR/raft_decode_speed.json"
 
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then

@@ -168,17 +168,17 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     ``references``: kernel sources the samples are likely to resemble (the hinted kernel and
     its neighbours, ``retrieval.reference_sources``): decoding is then speculative
     (``generate_speculative``), same distribution, far fewer model calls when the policy
-    writes what a reference says. Ignored with ``forced``.
+    writes what a reference says; ``forced`` prefixes too.
     """
-    if references and forced is None:
+    if forced is not None and len(forced) != k:
+        raise ValueError(f"forced has {len(forced)} prefixes for k={k} samples")
+    if references:
         return generate_speculative(model, tokenizer, structure, op, dtype, n, references, k=k,
-                                    config=config, grammar_text=grammar_text, hint=hint)
+                                    config=config, grammar_text=grammar_text, hint=hint, forced=forced)
     import llguidance.torch as llt
 
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one sample")
-    if forced is not None and len(forced) != k:
-        raise ValueError(f"forced has {len(forced)} prefixes for k={k} samples")
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     eos = tokenizer.eos_token_id
@@ -261,7 +261,8 @@ def draft_tokens(generated: list[int], refs: list[list[int]], length: int, max_n
 @torch.no_grad()
 def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
                          references: list[str], k: int = 1, config: DecodeConfig = DecodeConfig(),
-                         grammar_text: str | None = None, hint: str | None = None) -> list[Rollout]:
+                         grammar_text: str | None = None, hint: str | None = None,
+                         forced: list[list[int]] | None = None) -> list[Rollout]:
     """``generate``'s samples, decoded speculatively against reference kernels.
 
     Each sample is decoded on its own: a draft of up to ``config.draft_len`` tokens is looked up in
@@ -277,9 +278,15 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     forward checks. A sample that writes what a reference says takes about
     ``tokens / config.draft_len`` forwards instead of ``tokens``. Each finished sample becomes the
     first reference of the next (samples of one problem are often alike).
+
+    ``forced`` (one prefix per sample, as in ``generate``): a sample's first tokens are its
+    prefix whatever the model prefers, each with the log-probability and mask the model gave it;
+    the prefix is that sample's first draft, so it costs one forward.
     """
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one sample")
+    if forced is not None and len(forced) != k:
+        raise ValueError(f"forced has {len(forced)} prefixes for k={k} samples")
     if config.draft_len < 1:
         raise ValueError(f"DecodeConfig.draft_len={config.draft_len}: a draft holds at least one token")
     device = next(model.parameters()).device
@@ -297,7 +304,8 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     first = model(ids, sb, use_cache=True)
     fast = config.greedy and not config.trace
     rollouts = []
-    for _ in range(k):
+    for s_i in range(k):
+        prefix = forced[s_i] if forced is not None else []
         past = copy.deepcopy(first.past_key_values) if k > 1 else first.past_key_values  # each crops its own
         pending = first.logits[0, -1:]  # (1, V): the distribution of the next position
         matcher = make_matcher(tokenizer, vocab, grammar_text, op, dtype) if config.constrained else None
@@ -305,7 +313,10 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
         error = None
         done = False
         while not done and len(tokens) < config.max_new_tokens:
-            draft = draft_tokens(tokens, refs, min(config.draft_len, config.max_new_tokens - len(tokens) - 1))
+            p0 = len(tokens)  # the position rows[0] chooses
+            room = config.max_new_tokens - p0 - 1
+            draft = (prefix[p0:p0 + max(0, room)] if p0 < len(prefix)  # the rest of the forced prefix
+                     else draft_tokens(tokens, refs, min(config.draft_len, room)))
             # fed to the model: the last chosen token (not yet in the cache; none before the first,
             # whose logits the prompt gave) and the draft, scored in one forward
             fed = tokens[-1:] + draft
@@ -318,7 +329,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
             # untraced greedy: each position's unmasked top token, in one transfer; the positions
             # up to the first that leaves the draft take it where the grammar accepts the run
             top, n_top = [], 0
-            if fast:
+            if fast and p0 >= len(prefix):
                 top = rows.float().argmax(-1).tolist()
                 run = next((top[:j + 1] for j, t in enumerate(top) if j >= len(draft) or t != draft[j]), top)
                 n_top = matcher.validate_tokens(run) if matcher is not None else len(run)
@@ -331,9 +342,14 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                         llt.fill_next_token_bitmask(matcher, bitmask, 0)
                         logits = _apply_masks(logits, bitmask, vocab, eos)
                         masks.append(bitmask[0].clone())
-                    tok, lp = _pick(logits, config, gen)
-                    t, lpv = torch.cat([tok.double(), lp.double()]).tolist()  # one transfer per position
-                    t = int(t)
+                    if p0 + j < len(prefix):  # forced: the prefix's token, at the model's log-probability
+                        t = prefix[p0 + j]
+                        temp = 1.0 if config.greedy else max(config.temperature, 1e-5)
+                        lpv = float(torch.log_softmax(logits[0] / temp, -1)[t])
+                    else:
+                        tok, lp = _pick(logits, config, gen)
+                        t, lpv = torch.cat([tok.double(), lp.double()]).tolist()  # one transfer per position
+                        t = int(t)
                 tokens.append(t)
                 logps.append(lpv)
                 if matcher is not None and not matcher.consume_token(t) and matcher.is_error():
@@ -365,6 +381,12 @@ def header_prefix(op: str, fmt: str) -> str:
     return f"// sparserl op={op} format={fmt}"
 
 
+def format_of(source: str) -> str | None:
+    """The format named in a kernel's first line (``header_prefix``), None without one."""
+    first = source.lstrip().split("\n", 1)[0]
+    return first.split("format=", 1)[1].split()[0] if "format=" in first else None
+
+
 @torch.no_grad()
 def rank_formats(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
                  formats, hint: str | None = None) -> list[tuple[str, float]]:
@@ -393,13 +415,15 @@ def rank_formats(model, tokenizer, structure: PreparedStructure, op: str, dtype:
 
 def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
                    k: int, formats, config: DecodeConfig = DecodeConfig(greedy=True),
-                   grammar_text: str | None = None, hint: str | None = None) -> list[Rollout]:
+                   grammar_text: str | None = None, hint: str | None = None,
+                   references: list[str] | None = None) -> list[Rollout]:
     """k samples that differ in their format: the model's k most likely formats
     (``rank_formats``), each forced as the sample's header prefix, the rest written by the
     model (greedy by default). After supervised training the policy puts nearly all its mass
     on one format, so k temperature samples are often k copies of one kernel; this spends the
     k candidates on the k formats the model ranks highest instead. Each rollout's ``extra``
-    holds its format and the format's log-probability."""
+    holds its format and the format's log-probability. ``references``: drafts for speculative
+    decoding, as in ``generate`` (speed only)."""
     if config.constrained:  # only formats the grammar has for this op and dtype
         vocab = model.config.vocab_size
 
@@ -412,8 +436,19 @@ def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
         raise ValueError(f"no format of {op}/{dtype} is allowed by the grammar")
     ranked = rank_formats(model, tokenizer, structure, op, dtype, n, formats, hint)[:k]
     forced = [tokenizer.encode(header_prefix(op, f)) for f, _ in ranked]
-    rolls = generate(model, tokenizer, structure, op, dtype, n, k=len(ranked), config=config,
-                     grammar_text=grammar_text, forced=forced, hint=hint)
+    # speculative decoding pays only where a draft is of the forced format: it decodes its samples
+    # one by one, plain decoding as one batch. So the formats some reference has are drafted,
+    # the rest decoded together (the same tokens either way, greedy)
+    drafted = {f for f in map(format_of, references or []) if f}
+    rolls: list = [None] * len(ranked)
+    for use_refs in (True, False):
+        idx = [i for i, (f, _) in enumerate(ranked) if (f in drafted) == use_refs]
+        if idx:
+            part = generate(model, tokenizer, structure, op, dtype, n, k=len(idx), config=config,
+                            grammar_text=grammar_text, forced=[forced[i] for i in idx], hint=hint,
+                            references=references if use_refs else None)
+            for i, r in zip(idx, part):
+                rolls[i] = r
     for r, (f, lp) in zip(rolls, ranked):
         r.extra.update(format=f, format_logprob=lp)
     return rolls

@@ -160,7 +160,10 @@ class PolicyProvider:
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
         # (one per hint, filling hints included, when each candidate has its own hint)
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
-                                 count=max(4, 2 * k) if self.samples == "hints" else 4) if self.speculative else None
+                                 count=max(4, 2 * k) if self.samples == "hints" else 4,
+                                 formats=plausible_formats(problem.indptr, problem.indices,
+                                                           (problem.n_rows, problem.n_cols))
+                                 if self.samples == "formats" else ()) if self.speculative else None
         out, seen = [], set()
         if self.samples == "hints":
             from policy.retrieval import nearest_hints
@@ -182,7 +185,8 @@ class PolicyProvider:
                 cfg = replace(self.decode, greedy=True)
                 rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
                                        plausible_formats(problem.indptr, problem.indices,
-                                                         (problem.n_rows, problem.n_cols)), config=cfg, hint=hint)
+                                                         (problem.n_rows, problem.n_cols)), config=cfg, hint=hint,
+                                       references=refs)
             else:
                 rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
                                  hint=hint, references=refs)

@@ -67,24 +67,38 @@ def problem_for(op: str, dtype: str, n: int, matrix):
 
 
 def reference_sources(features, op: str, dtype: str, n: int, entries, structure, count: int = 4,
-                      exclude: str | None = None) -> list[str]:
+                      exclude: str | None = None, formats=(), scan: int = 300) -> list[str]:
     """The rendered sources of the first ``count`` proposals of the nearest entries (the hint's
     kernel first): drafts for speculative decoding (``decode.generate(references=...)``). They
     change how fast a sample is decoded, never which sample comes out. ``structure``: the
-    problem's pattern (``indptr``, ``indices``, ``shape``), for families that read it."""
+    problem's pattern (``indptr``, ``indices``, ``shape``), for families that read it.
+
+    ``formats``: also, for each of these formats the first ``count`` left without, the next
+    proposal of that format (among the first ``scan``), so that a sample forced into another
+    format (``decode.format_diverse``) has a draft of its own format."""
+    from policy.decode import format_of
     from sparserl_compile import kernels
     from sparserl_compile.nearest import proposals
 
     pool = [e for e in entries if e.label != exclude] if exclude is not None else entries
-    out = []
-    for family, params in proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n)):
-        if len(out) >= count:
+    out, have, family_format = [], set(), {}
+    wanted = set(formats)
+    for i, (family, params) in enumerate(proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))):
+        if len(out) >= count and (not wanted - have or i >= scan):
             break
+        # a family's format, once seen, spares renders (csr_rowgroup's SpMM has two: a draft missed, no more)
+        known = family_format.get(family)
+        if len(out) >= count and known is not None and (known in have or known not in wanted):
+            continue
         try:
             c = kernels.render(family, op, dtype, dict(params), structure)
         except Exception:  # noqa: BLE001 - a point the current families no longer render
             continue
-        out.append(c if isinstance(c, str) else c.source)
+        src = c if isinstance(c, str) else c.source
+        fmt = family_format.setdefault(family, format_of(src) or "")
+        if len(out) < count or (fmt in wanted and fmt not in have):
+            out.append(src)
+            have.add(fmt)
     return out
 
 

@@ -152,6 +152,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
         s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+        from policy.provider import plausible_formats
         from policy.retrieval import (default_entries, hint_name, nearest_hint, nearest_points, problem_for,
                                       reference_sources)
 
@@ -166,7 +167,9 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         # drafts for speculative decoding (the decoding's speed only, never its samples)
         refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
                                  hint_entries if hint_entries is not None else default_entries(), m,
-                                 count=max(4, k) if samples == "hints" else 4)
+                                 count=max(4, k) if samples == "hints" else 4,
+                                 formats=plausible_formats(m.indptr, m.indices, m.shape)
+                                 if samples == "formats" else ())
         # untraced: no logprobs or masks are scored here, so greedy skips the masks it can (same tokens)
         greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained, trace=False)
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg)
@@ -186,11 +189,10 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                 st.hint_followed += normalized(r.text) == src
         elif samples == "formats":
             from policy.decode import format_diverse
-            from policy.provider import plausible_formats
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k,
                                      plausible_formats(m.indptr, m.indices, m.shape), hint=hint,
-                                     config=greedy_cfg)
+                                     config=greedy_cfg, references=refs)
         else:
             sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint, references=refs,
                                config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,

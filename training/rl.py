@@ -296,11 +296,16 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                                               cfg.k if raft else 1, exclude=pb.label,
                                               problem=problem_for(pb.op, pb.dtype, pb.n, m))
                 if cfg.speculative:  # drafts: speed only, the samples' distribution is the model's
+                    from policy.provider import plausible_formats
                     from policy.retrieval import default_entries, reference_sources
 
+                    # format candidates (--raft-explore formats|mixed) get a draft of their own format
+                    explore = raft and hint_entries is None and cfg.raft_explore != "temperature"
                     refs[pi] = reference_sources(structs[pi].features, pb.op, pb.dtype, pb.n,
                                                  hint_entries or default_entries(), m,
-                                                 count=max(4, cfg.k) if raft else 4, exclude=pb.label)
+                                                 count=max(4, cfg.k) if raft else 4, exclude=pb.label,
+                                                 formats=plausible_formats(m.indptr, m.indices, m.shape)
+                                                 if explore else ())
             sample_seed = cfg.seed * 7919 + step * 31 + g  # the same whatever the rank
             if raft:
                 if hint_entries is not None and not hints[pi]:
@@ -397,10 +402,13 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
         from policy.provider import plausible_formats
 
         m = pb.matrix
-        # the most likely format is the greedy kernel's own: ask for one more, and drop repeats
+        # the most likely format is the greedy kernel's own: ask for one more, and drop repeats;
+        # with drafts, the greedy kernel drafts that repeat first
+        drafts = [rs[0].text] + list(references) if references else None
         with _timed(seconds, "format"):
             forced = format_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, n_formats + 1,
-                                    plausible_formats(m.indptr, m.indices, m.shape), config=greedy)
+                                    plausible_formats(m.indptr, m.indices, m.shape), config=greedy,
+                                    references=drafts)
         rs += _tagged([r for r in forced if r.text != rs[0].text][:n_formats], "format")
     if cfg.k - 1 - n_formats > 0:
         sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,

@@ -166,6 +166,27 @@ def test_reference_sources_render_the_nearest_winners_hint_first():
     assert retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1, exclude="a")[0] == srcs[1]
 
 
+def test_reference_sources_add_a_draft_of_each_asked_format():
+    """``formats``: after the first ``count``, the nearest proposal of each asked format the first
+    ones lack (format_diverse's forced formats then have drafts of their own format)."""
+    from policy.decode import format_of
+    from sparserl_compile.matrices import banded
+
+    m = banded(64, 2)
+    table = [entry("a", [1.0, 1.0], "csr_scalar", {"block": 64}),
+             entry("b", [1.2, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
+             entry("c", [1.4, 1.0], "ell", {"block": 128}),
+             entry("d", [1.6, 1.0], "merge", {"block": 128, "items_per_part": 16}),
+             entry("e", [1.8, 1.0], "ell", {"block": 256})]
+    first = retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1)
+    srcs = retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1,
+                                       formats=("ell", "merge", "dia"))
+    assert srcs[0] == first[0] and [format_of(s) for s in srcs] == ["csr", "ell", "merge"]  # no dia point
+    assert "128" in srcs[1].splitlines()[1]  # the nearest ell point, not the farther one
+    assert [format_of(s) for s in retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1,
+                                                              formats=("ell",), scan=2)] == ["csr"]
+
+
 def test_nearest_hints_are_the_nearest_entries_winners_in_order():
     table = [entry("a", [1.0, 1.0], "csr_scalar", {"block": 64}),
              entry("b", [1.5, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
