@@ -21,8 +21,8 @@ the training kinds, never held-out ones; ``validation.py``) before the first upd
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
