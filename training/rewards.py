@@ -153,6 +153,7 @@ class SandboxEvaluator:
         self.pool.close()
 
     def __call__(self, problem: RLProblem, sources: list[str]) -> list[KernelOutcome]:
+        self.last_seconds = {}  # this call's seconds by part (``reward_seconds``)
         # a source repeated (a policy's samples are often copies of its greedy kernel) is verified
         # and timed once and its outcome shared: each run costs a sandboxed verification and 30
         # timed launches, and a copy timed again would differ only by noise, which could make a
@@ -169,6 +170,7 @@ class SandboxEvaluator:
         timed = self.executor == "gpu"
         ev = evaluate(rp, cands, pool=self.pool, executor=self.executor, time=timed,
                       precompile=True)  # every sample runs
+        self.last_seconds = reward_seconds(ev)
         ref = ev.reference_us() if timed else problem.reference_us
         results = iter(ev.results)
         out = []
@@ -183,6 +185,17 @@ class SandboxEvaluator:
             out.append(KernelOutcome(True, r.compile_ok, r.ok, us, ref or problem.reference_us,
                                      problem.best_space_us, detail=r.kind if not r.ok else ""))
         return out
+
+
+def reward_seconds(ev) -> dict[str, float]:
+    """Where one ``select.evaluate`` call's seconds went: the cuSPARSE reference timings, the
+    candidates' verification in the workers (preparing the format, the value sets, the runs and
+    the fp64 reference) and their timing (L2-flushed and CUDA-graph), and the rest ("other": the
+    compile before the workers, and moving jobs and patterns to them)."""
+    ref = sum(r.wall_s for r in (ev.reference, ev.reference_again) if r is not None)
+    verify = sum(v for r in ev.results for k, v in r.phases.items() if k not in ("time", "graph"))
+    timing = sum(r.phases.get("time", 0.0) + r.phases.get("graph", 0.0) for r in ev.results)
+    return {"reference": ref, "verify": verify, "time": timing, "other": max(0.0, ev.seconds - ref - verify - timing)}
 
 
 def normalized(source: str) -> str:

@@ -321,6 +321,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                                   references=refs.get(pi))
             with _timed(parts, "rewards"):
                 outcomes = evaluator(pb, [r.text for r in rs])
+            for k, v in getattr(evaluator, "last_seconds", {}).items():  # the sandbox evaluator's parts
+                parts["rewards_" + k] = parts.get("rewards_" + k, 0.0) + v
             scores = [float(reward_fn(o)) for o in outcomes]
             rewards += scores
             if raft:
@@ -339,7 +341,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         # where they went: decoding by candidate origin (greedy, format, sample, hint), the rewards
         # (compile, verify, time), and the rest (mostly the gradient steps)
         rec["seconds_parts"] = {k: round(v, 1) for k, v in parts.items()}
-        rec["seconds_parts"]["update"] = round(max(0.0, rec["seconds"] - sum(parts.values())), 1)
+        rec["seconds_parts"]["update"] = round(max(0.0, rec["seconds"] - sum(
+            v for k, v in parts.items() if not k.startswith("rewards_"))), 1)
         state.step = step + 1
         res.mean_rewards.append(rec["mean_reward"])
         res.stats.append(rec)
@@ -430,13 +433,17 @@ def _timed(seconds: dict, part: str):
 
 
 def _seconds_text(parts: dict) -> str:
-    """``{"greedy": 3.2, "sample": 9.0, "rewards": 12.1, "update": 2.0}`` -> "decoding 12 (greedy 3,
-    sample 9), rewards 12, update 2": how an update's seconds were spent, for the log."""
-    decode = {k: v for k, v in parts.items() if k not in ("rewards", "update")}
-    text = f"decoding {sum(decode.values()):.0f}"
-    if len(decode) > 1:
-        text += " (" + ", ".join(f"{k} {v:.0f}" for k, v in decode.items()) + ")"
-    return text + f", rewards {parts.get('rewards', 0.0):.0f}, update {parts.get('update', 0.0):.0f}"
+    """``{"greedy": 3.2, "sample": 9.0, "rewards": 12.1, "rewards_verify": 4.0, "rewards_time": 6.5,
+    "update": 2.0}`` -> "decoding 12 (greedy 3, sample 9), rewards 12 (verify 4, time 6), update 2":
+    how an update's seconds were spent, for the log."""
+    decode = {k: v for k, v in parts.items() if k not in ("rewards", "update") and not k.startswith("rewards_")}
+    rewards = {k[len("rewards_"):]: v for k, v in parts.items() if k.startswith("rewards_")}
+
+    def some(d):
+        return " (" + ", ".join(f"{k} {v:.0f}" for k, v in d.items()) + ")" if len(d) > 1 else ""
+
+    return (f"decoding {sum(decode.values()):.0f}{some(decode)}, rewards {parts.get('rewards', 0.0):.0f}"
+            f"{some(rewards)}, update {parts.get('update', 0.0):.0f}")
 
 
 def _tagged(rolls: list, origin: str) -> list:
