@@ -148,12 +148,13 @@ class SandboxEvaluator:
 
         self.executor, self.cost_model = executor, cost_model
         self.pool = SandboxPool(workers, timeout_s=timeout_s)
+        self.last_seconds: dict[str, float] = {}  # the last call's seconds by part (``reward_seconds``)
 
     def close(self) -> None:
         self.pool.close()
 
     def __call__(self, problem: RLProblem, sources: list[str]) -> list[KernelOutcome]:
-        self.last_seconds = {}  # this call's seconds by part (``reward_seconds``)
+        self.last_seconds = {}
         # a source repeated (a policy's samples are often copies of its greedy kernel) is verified
         # and timed once and its outcome shared: each run costs a sandboxed verification and 30
         # timed launches, and a copy timed again would differ only by noise, which could make a
