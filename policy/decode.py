@@ -382,7 +382,8 @@ def header_prefix(op: str, fmt: str) -> str:
 
 
 def format_of(source: str) -> str | None:
-    """The format named in a kernel's first line (``header_prefix``), None without one."""
+    """The format named in a kernel's first line (``header_prefix``), None without one. Unlike
+    ``contract.parse_header`` it checks nothing, so it reads unfinished samples too."""
     first = source.lstrip().split("\n", 1)[0]
     return first.split("format=", 1)[1].split()[0] if "format=" in first else None
 

@@ -73,13 +73,14 @@ def _host(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def plausible_formats(indptr, indices, shape) -> tuple[str, ...]:
+def plausible_formats(indptr, indices, shape, features=None) -> tuple[str, ...]:
     """The contract's formats that can win on this CSR pattern (``search.format_plausible``:
-    no DIA for scattered diagonals, no ELL for skewed rows, no BSR without dense blocks)."""
+    no DIA for scattered diagonals, no ELL for skewed rows, no BSR without dense blocks).
+    ``features``: the pattern's ``structure.features``, where the caller has them already."""
     from sparserl_compile import search, structure
 
-    f = structure.features(_host(indptr).astype(np.int32), _host(indices).astype(np.int32),
-                           (int(shape[0]), int(shape[1])))
+    f = features if features is not None else structure.features(
+        _host(indptr).astype(np.int32), _host(indices).astype(np.int32), (int(shape[0]), int(shape[1])))
     return tuple(fmt for fmt in contract.FORMATS if search.format_plausible(fmt, f))
 
 
@@ -159,11 +160,10 @@ class PolicyProvider:
             hint = nearest_hint(s.features, problem.op, dtype, n, default_entries(), problem=problem, space=space)
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
         # (one per hint, filling hints included, when each candidate has its own hint)
+        formats = plausible_formats(indptr, indices, shape, features=feats) if self.samples == "formats" else ()
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
                                  count=max(4, 2 * k) if self.samples == "hints" else 4,
-                                 formats=plausible_formats(problem.indptr, problem.indices,
-                                                           (problem.n_rows, problem.n_cols))
-                                 if self.samples == "formats" else ()) if self.speculative else None
+                                 formats=formats) if self.speculative else None
         out, seen = [], set()
         if self.samples == "hints":
             from policy.retrieval import nearest_hints
@@ -183,10 +183,8 @@ class PolicyProvider:
         else:
             if self.samples == "formats":
                 cfg = replace(self.decode, greedy=True)
-                rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k,
-                                       plausible_formats(problem.indptr, problem.indices,
-                                                         (problem.n_rows, problem.n_cols)), config=cfg, hint=hint,
-                                       references=refs)
+                rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, formats, config=cfg,
+                                       hint=hint, references=refs)
             else:
                 rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
                                  hint=hint, references=refs)

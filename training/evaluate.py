@@ -165,11 +165,10 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             else:
                 hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable)
         # drafts for speculative decoding (the decoding's speed only, never its samples)
+        formats = plausible_formats(m.indptr, m.indices, m.shape) if samples == "formats" else ()
         refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
                                  hint_entries if hint_entries is not None else default_entries(), m,
-                                 count=max(4, k) if samples == "hints" else 4,
-                                 formats=plausible_formats(m.indptr, m.indices, m.shape)
-                                 if samples == "formats" else ())
+                                 count=max(4, k) if samples == "hints" else 4, formats=formats)
         # untraced: no logprobs or masks are scored here, so greedy skips the masks it can (same tokens)
         greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained, trace=False)
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg)
@@ -190,8 +189,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         elif samples == "formats":
             from policy.decode import format_diverse
 
-            sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k,
-                                     plausible_formats(m.indptr, m.indices, m.shape), hint=hint,
+            sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, formats, hint=hint,
                                      config=greedy_cfg, references=refs)
         else:
             sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint, references=refs,

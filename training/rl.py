@@ -256,7 +256,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                 f"{entry['correct_rate']:.3f}, timed {entry['timed']}/{entry['problems']}"
                 + (" - new best, saved to best/" if new_best else f"; best {was['score']:.4f} after {was['step']}"))
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
-    structs, hints, refs, hint_entries = {}, {}, {}, None
+    structs, hints, refs, formats, hint_entries = {}, {}, {}, {}, None
     if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
         from training.neighbours import entries_from_records
 
@@ -288,6 +288,11 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
             if pi not in structs:
                 m = pb.matrix
                 structs[pi] = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+                if raft and hint_entries is None and cfg.raft_explore != "temperature":
+                    from policy.provider import plausible_formats
+
+                    # the format candidates' formats, once per problem (the pattern's features: O(nnz))
+                    formats[pi] = plausible_formats(m.indptr, m.indices, m.shape)
                 if hint_entries is not None:  # from the other matrices, as in SFT
                     from policy.retrieval import nearest_hints, problem_for
 
@@ -296,22 +301,19 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                                               cfg.k if raft else 1, exclude=pb.label,
                                               problem=problem_for(pb.op, pb.dtype, pb.n, m))
                 if cfg.speculative:  # drafts: speed only, the samples' distribution is the model's
-                    from policy.provider import plausible_formats
                     from policy.retrieval import default_entries, reference_sources
 
                     # format candidates (--raft-explore formats|mixed) get a draft of their own format
-                    explore = raft and hint_entries is None and cfg.raft_explore != "temperature"
                     refs[pi] = reference_sources(structs[pi].features, pb.op, pb.dtype, pb.n,
                                                  hint_entries or default_entries(), m,
                                                  count=max(4, cfg.k) if raft else 4, exclude=pb.label,
-                                                 formats=plausible_formats(m.indptr, m.indices, m.shape)
-                                                 if explore else ())
+                                                 formats=formats.get(pi, ()))
             sample_seed = cfg.seed * 7919 + step * 31 + g  # the same whatever the rank
             if raft:
                 if hint_entries is not None and not hints[pi]:
                     continue  # the table has no runnable point for this problem: nothing to compare
                 rs = _raft_candidates(model, tok, structs[pi], pb, hints.get(pi), refs.get(pi), cfg, seed=sample_seed,
-                                      seconds=parts)
+                                      seconds=parts, formats=formats.get(pi))
             else:
                 dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                   constrained=cfg.constrained, seed=sample_seed)
@@ -379,7 +381,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
 
 
 def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig, seed: int,
-                     seconds: dict | None = None) -> list:
+                     seconds: dict | None = None, formats=None) -> list:
     """A RAFT problem's candidates, the greedy prompt's kernel first: with ``hints`` (a policy
     trained with them) one greedy kernel per hint (``decode.hint_diverse``, what the runtime's
     provider draws); without, the greedy kernel and k - 1 others drawn as ``cfg.raft_explore``
@@ -387,7 +389,8 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     kernels of the policy's next most likely plausible formats (``decode.format_diverse``; after
     SFT nearly all the probability is on one format, so temperature samples rarely try another),
     or half each. A format candidate that repeats the greedy kernel is dropped, so there may be
-    fewer than k. ``seconds``, if given, gains each origin's decoding seconds."""
+    fewer than k. ``seconds``, if given, gains each origin's decoding seconds; ``formats``: the
+    problem's plausible formats where the caller has them (``provider.plausible_formats``)."""
     from policy.decode import DecodeConfig, format_diverse, generate, hint_diverse
 
     seconds = {} if seconds is None else seconds
@@ -402,16 +405,16 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
                               references=references), "greedy")
     n_formats = {"temperature": 0, "formats": cfg.k - 1, "mixed": (cfg.k - 1) // 2}[cfg.raft_explore]
     if n_formats > 0:
-        from policy.provider import plausible_formats
+        if formats is None:
+            from policy.provider import plausible_formats
 
-        m = pb.matrix
+            formats = plausible_formats(pb.matrix.indptr, pb.matrix.indices, pb.matrix.shape)
         # the most likely format is the greedy kernel's own: ask for one more, and drop repeats;
         # with drafts, the greedy kernel drafts that repeat first
         drafts = [rs[0].text] + list(references) if references else None
         with _timed(seconds, "format"):
-            forced = format_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, n_formats + 1,
-                                    plausible_formats(m.indptr, m.indices, m.shape), config=greedy,
-                                    references=drafts)
+            forced = format_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, n_formats + 1, formats,
+                                    config=greedy, references=drafts)
         rs += _tagged([r for r in forced if r.text != rs[0].text][:n_formats], "format")
     if cfg.k - 1 - n_formats > 0:
         sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
