@@ -64,13 +64,15 @@ def main(argv=None) -> int:
     for i, pb in enumerate(problems):
         m = pb.matrix
         st = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+        formats = plausible_formats(m.indptr, m.indices, m.shape)
         refs = reference_sources(st.features, pb.op, pb.dtype, pb.n, default_entries(), m, count=max(4, args.k),
-                                 exclude=pb.label, formats=plausible_formats(m.indptr, m.indices, m.shape))
+                                 exclude=pb.label, formats=formats)
         texts, row = {}, {"problem": f"{pb.label} {pb.op}"}
         for mode in ("plain", "drafted"):
             seconds: dict = {}
             with mock.patch.object(decode, "format_diverse", undrafted if mode == "plain" else format_diverse):
-                rs = _raft_candidates(model, tok, st, pb, None, refs, cfg, seed=1000 + i, seconds=seconds)
+                rs = _raft_candidates(model, tok, st, pb, None, refs, cfg, seed=1000 + i, seconds=seconds,
+                                      formats=formats)
             texts[mode] = [r.text for r in rs]
             row[mode] = {k: round(v, 3) for k, v in seconds.items()}
             for k, v in seconds.items():
