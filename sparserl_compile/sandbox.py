@@ -432,10 +432,16 @@ class SandboxPool:
             self._give(w)
         return res
 
-    def map(self, jobs: list[SandboxJob], pattern, *, timeout_s: float | None = None) -> list[SandboxResult]:
+    @property
+    def workers(self) -> int:
+        """How many jobs the pool runs at once (``map``)."""
+        return self._n
+
+    def map(self, jobs: list[SandboxJob], pattern, *, pattern_key: str | None = None,
+            timeout_s: float | None = None) -> list[SandboxResult]:
         """Run ``jobs`` on one pattern across the pool's workers; results in job order."""
         pattern = Pattern.of(pattern)
-        key = _key(pattern)
+        key = pattern_key or _key(pattern)
         if self._n == 1 or len(jobs) <= 1:
             return [self.run(j, pattern, pattern_key=key, timeout_s=timeout_s) for j in jobs]
         from concurrent.futures import ThreadPoolExecutor

@@ -60,6 +60,10 @@ class Evaluation:
     seconds: float
     #: the reference timed again after the candidates (None: not timed again)
     reference_again: SandboxResult | None = None
+    #: wall seconds by stage in this process: "compile" (``precompile``), "reference" (its
+    #: timings), and "candidates" (each verified and timed in turn) or, with
+    #: ``parallel_verify``, "verify" (all at once) and "time" (the verified ones in turn)
+    parts: dict = field(default_factory=dict)
 
     def reference_us(self) -> float | None:
         """The reference's median (int32 indices, else int64): the faster of its two timings."""
@@ -99,7 +103,7 @@ def _pattern(problem) -> Pattern:
 
 def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executor: str, time: bool = True,
              value_sets: int = 3, seed: int = 0, timeout_s: float | None = None, reps: int = 30,
-             first_verified: bool = False, precompile: bool = False) -> Evaluation:
+             first_verified: bool = False, precompile: bool = False, parallel_verify: bool = False) -> Evaluation:
     """Sandbox every candidate (and, when timing on the GPU, the reference) for ``problem``.
 
     ``first_verified=True`` (what ``choose`` asks for when nothing is timed) stops at the first
@@ -110,29 +114,70 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     compiles every candidate in parallel threads of this process (``compiler.precompile``), so
     the worker finds them in the disk cache. The runtime leaves it off: NVRTC then only ever
     sees generated code inside the worker.
+
+    ``parallel_verify=True`` (the RL rewards), when timing with a pool of several workers:
+    every candidate is first verified (all value sets, no timing) on the pool's workers at
+    once, then the verified ones are timed one at a time, each re-checked on one value set in
+    the worker that times it. Nothing is timed while another job runs, so the timings are as
+    side by side as in the default order (each candidate verified and timed in turn), and the
+    verification of many candidates takes the time of the slowest few instead of their sum.
     """
     t0 = _time.perf_counter()
+    parts: dict[str, float] = {}
     pattern = _pattern(problem)
     timed = time and executor == "gpu"
     common = dict(op=problem.op, dtype=problem.dtype, n=problem.n, executor=executor, seed=seed,
                   value_sets=value_sets, time=timed, reps=reps)
+    run = lambda job: pool.run(job, pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)  # noqa: E731
     if precompile and executor == "gpu" and not first_verified and len(candidates) > 1:
         from sparserl_compile import compiler
 
         compiler.precompile([c.source for c in candidates])
+        parts["compile"] = _time.perf_counter() - t0
+    checked = None
+    if parallel_verify and timed and not first_verified and len(candidates) > 1 and pool.workers > 1:
+        t1 = _time.perf_counter()
+        checked = pool.map([SandboxJob(c, **{**common, "time": False}) for c in candidates], pattern,
+                           pattern_key=problem.fingerprint, timeout_s=timeout_s)
+        parts["verify"] = _time.perf_counter() - t1
     ref = None
     if timed:
-        ref = pool.run(SandboxJob(None, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
+        t1 = _time.perf_counter()
+        ref = run(SandboxJob(None, **common))
+        parts["reference"] = _time.perf_counter() - t1
+    t1 = _time.perf_counter()
     results = []
-    for c in candidates:
-        r = pool.run(SandboxJob(c, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
+    for i, c in enumerate(candidates):
+        if checked is None:
+            r = run(SandboxJob(c, **common))
+        elif checked[i].ok:  # verified on every value set: re-checked on the first, then timed
+            r = run(SandboxJob(c, **{**common, "value_sets": 1}))
+            r = _merged(checked[i], r)
+        else:
+            r = checked[i]
         results.append(r)
         if first_verified and r.ok:
             break
+    parts["time" if checked is not None else "candidates"] = _time.perf_counter() - t1
     again = None
     if ref is not None and any(r.ok and r.kernel_us is not None for r in results):
-        again = pool.run(SandboxJob(None, **common), pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
-    return Evaluation(tuple(results), ref, _time.perf_counter() - t0, again)
+        t1 = _time.perf_counter()
+        again = run(SandboxJob(None, **common))
+        parts["reference"] += _time.perf_counter() - t1
+    return Evaluation(tuple(results), ref, _time.perf_counter() - t0, again, parts)
+
+
+def _merged(checked: SandboxResult, timed: SandboxResult) -> SandboxResult:
+    """A candidate's outcome under ``parallel_verify``: the timed job's (its kind, times and
+    cubin; a failed re-check stands), with the full verification's result and phases."""
+    import dataclasses
+
+    if not timed.ok:
+        return timed
+    phases = {k: v for k, v in checked.phases.items() if k not in ("time", "graph")}
+    phases.update({k: timed.phases[k] for k in ("time", "graph") if k in timed.phases})
+    phases["recheck"] = sum(v for k, v in timed.phases.items() if k not in ("time", "graph"))
+    return dataclasses.replace(timed, verify=checked.verify, wall_s=checked.wall_s + timed.wall_s, phases=phases)
 
 
 def outcome_record(c: Candidate, r: SandboxResult) -> dict:

@@ -143,10 +143,14 @@ class HeaderEvaluator:
 class SandboxEvaluator:
     """Compile + verify (+ time on the GPU) in sandboxed worker processes."""
 
-    def __init__(self, executor: str = "cpu", workers: int = 2, timeout_s: float = 60.0, cost_model=None):
+    def __init__(self, executor: str = "cpu", workers: int = 2, timeout_s: float = 60.0, cost_model=None,
+                 parallel_verify: bool = True):
         from sparserl_compile.sandbox import SandboxPool
 
         self.executor, self.cost_model = executor, cost_model
+        #: GPU rewards: verify a problem's candidates on all workers at once, then time the
+        #: verified ones in turn (``select.evaluate(parallel_verify=True)``)
+        self.parallel_verify = parallel_verify
         self.pool = SandboxPool(workers, timeout_s=timeout_s)
         self.last_seconds: dict[str, float] = {}  # the last call's seconds by part (``reward_seconds``)
 
@@ -170,7 +174,7 @@ class SandboxEvaluator:
         rp = problem.runtime_problem("sm_90" if self.executor == "gpu" else "cpu")
         timed = self.executor == "gpu"
         ev = evaluate(rp, cands, pool=self.pool, executor=self.executor, time=timed,
-                      precompile=True)  # every sample runs
+                      precompile=True, parallel_verify=self.parallel_verify)  # every sample runs
         self.last_seconds = reward_seconds(ev)
         ref = ev.reference_us() if timed else problem.reference_us
         results = iter(ev.results)
@@ -189,14 +193,24 @@ class SandboxEvaluator:
 
 
 def reward_seconds(ev) -> dict[str, float]:
-    """Where one ``select.evaluate`` call's seconds went: the cuSPARSE reference timings, the
-    candidates' verification in the workers (preparing the format, the value sets, the runs and
-    the fp64 reference) and their timing (L2-flushed and CUDA-graph), and the rest ("other": the
-    compile before the workers, and moving jobs and patterns to them)."""
-    ref = sum(r.wall_s for r in (ev.reference, ev.reference_again) if r is not None)
-    verify = sum(v for r in ev.results for k, v in r.phases.items() if k not in ("time", "graph"))
-    timing = sum(r.phases.get("time", 0.0) + r.phases.get("graph", 0.0) for r in ev.results)
-    return {"reference": ref, "verify": verify, "time": timing, "other": max(0.0, ev.seconds - ref - verify - timing)}
+    """Where one ``select.evaluate`` call's seconds went: "compile" (NVRTC in this process's
+    threads, before the workers), the cuSPARSE "reference" timings, the candidates'
+    "verify" (in the workers: preparing the format, the value sets, the runs and the fp64
+    reference) and "time" (L2-flushed and CUDA-graph), and the rest ("other": moving jobs and
+    patterns to the workers, replacing a worker after a failed kernel). With
+    ``parallel_verify`` "verify" is the wall time of verifying them all at once and "time" that
+    of timing the verified ones in turn (each re-checked on one value set first); otherwise both
+    are the workers' own seconds, summed over the candidates run one after another."""
+    parts = getattr(ev, "parts", None) or {}
+    ref = parts.get("reference", sum(r.wall_s for r in (ev.reference, ev.reference_again) if r is not None))
+    compile_s = parts.get("compile", 0.0)
+    if "verify" in parts:
+        verify, timing = parts["verify"], parts.get("time", 0.0)
+    else:
+        verify = sum(v for r in ev.results for k, v in r.phases.items() if k not in ("time", "graph"))
+        timing = sum(r.phases.get("time", 0.0) + r.phases.get("graph", 0.0) for r in ev.results)
+    rest = ev.seconds - ref - compile_s - verify - timing
+    return {"reference": ref, "compile": compile_s, "verify": verify, "time": timing, "other": max(0.0, rest)}
 
 
 def normalized(source: str) -> str:

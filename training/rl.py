@@ -54,6 +54,8 @@ class RLConfig:
     evaluator: str = opt("cpu", "'gpu' (compile+verify+time), 'cpu' (compile+simt verify+cost model), "
                                 "'measured' (H200 outcomes of measured points, 'cpu' for the rest), 'header'")
     workers: int = opt(2, "sandbox worker processes")
+    parallel_verify: bool = opt(True, "gpu rewards: verify a problem's candidates on all the workers at once, then "
+                                      "time the verified ones one at a time (off: each verified and timed in turn)")
     seed: int = opt(0, "seed")
     log_every: int = opt(1, "log every this many steps")
     save_every: int = opt(10, "checkpoint every this many steps")
@@ -118,9 +120,9 @@ def problems_from_records(records, loaded: dict | None = None) -> list:
     return out
 
 
-def make_evaluator(name: str, workers: int = 2, records=None):
+def make_evaluator(name: str, workers: int = 2, records=None, parallel_verify: bool = True):
     """``gpu``, ``cpu``, ``header``, or ``measured`` (replays the H200 outcomes of ``records``'
-    variants, the CPU evaluator for the rest)."""
+    variants, the CPU evaluator for the rest). ``parallel_verify``: ``SandboxEvaluator``'s."""
     from training import rewards
 
     if name == "header":
@@ -131,7 +133,7 @@ def make_evaluator(name: str, workers: int = 2, records=None):
             from training.cost_model import CostModel
 
             cm = CostModel.load_default()
-        return rewards.SandboxEvaluator(name, workers=workers, cost_model=cm)
+        return rewards.SandboxEvaluator(name, workers=workers, cost_model=cm, parallel_verify=parallel_verify)
     if name == "measured":
         if records is None:
             raise ValueError("evaluator='measured' needs the supervision records it replays")
@@ -230,7 +232,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                                              f"{len(problems)} problems)")
     if evaluator is None:
         evaluator = make_evaluator(cfg.evaluator, cfg.workers,
-                                   records=train_records() if cfg.evaluator == "measured" else None)
+                                   records=train_records() if cfg.evaluator == "measured" else None,
+                                   parallel_verify=cfg.parallel_verify)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     validator = None
     if cfg.validate:

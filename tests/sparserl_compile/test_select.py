@@ -74,6 +74,53 @@ def test_evaluate_times_the_reference_again_only_when_a_candidate_was_timed():
     assert pool.jobs == ["reference", "candidate", "candidate"] and ev.reference_again is None
 
 
+class _ParallelPool:
+    """A pool of several workers: verification jobs (untimed) come through ``map``, each
+    answered from ``verified`` in turn; timed jobs through ``run``."""
+
+    workers = 4
+
+    def __init__(self, verified, kernel_us):
+        self.verified, self.kernel_us, self.jobs = verified, kernel_us, []
+
+    def map(self, jobs, pattern, **kw):
+        assert all(not j.time and j.value_sets == 3 for j in jobs)  # every check, nothing timed
+        self.jobs.append(("verify", len(jobs)))
+        return [SandboxResult("ok", phases={"prepare": 0.5}) if ok else SandboxResult("wrong", "error_bound: x")
+                for ok in self.verified]
+
+    def run(self, job, pattern, **kw):
+        if job.candidate is None:
+            self.jobs.append("reference")
+            return _ref(10.0)
+        assert job.time and job.value_sets == 1  # re-checked on one value set, then timed
+        self.jobs.append("time")
+        r = _timed(self.kernel_us.pop(0))
+        return SandboxResult(r.kind, bench=r.bench, phases={"prepare": 0.1, "time": 0.2})
+
+
+def test_parallel_verify_checks_all_at_once_then_times_the_verified_in_turn():
+    from sparserl_compile.select import evaluate
+
+    prob = _problem(matrices.stencil2d(4))
+    cands = CANDS + [candidate(GOOD.replace("float acc", "float   acc"))]
+    pool = _ParallelPool([True, False, True], [9.0, 7.0])
+    ev = evaluate(prob, cands, pool=pool, executor="gpu", parallel_verify=True)
+    # nothing is timed while other jobs run: all verified first, then the reference, the
+    # verified candidates and the reference again, one at a time
+    assert pool.jobs == [("verify", 3), "reference", "time", "time", "reference"]
+    assert [r.kind for r in ev.results] == ["ok", "wrong", "ok"]
+    assert [r.kernel_us for r in ev.results] == [9.0, None, 7.0]
+    # a timed candidate keeps its full verification's phases beside its timing and re-check
+    assert ev.results[0].phases == {"prepare": 0.5, "time": 0.2, "recheck": 0.1}
+    assert set(ev.parts) == {"verify", "reference", "time"} and decide(cands, ev).candidate is cands[2]
+    # one candidate, or a pool of one worker: the default order
+    pool = _ScriptedPool([_ref(10.0), _ref(8.0)], _timed(9.0))
+    pool.workers = 1
+    evaluate(prob, cands, pool=pool, executor="gpu", parallel_verify=True)
+    assert pool.jobs == ["reference", "candidate", "candidate", "candidate", "reference"]
+
+
 def test_generated_kernels_are_told_apart_in_the_record():
     """Policy kernels match no family point: their names carry the format and a digest of the
     source, so a record (and pregen's ranking by name) never confuses two of them."""
@@ -126,3 +173,23 @@ def test_choose_on_gpu_times_against_cusparse():
     rec = c.record["candidates"][0]
     assert rec["kind"] == "ok" and rec["kernel_us"] > 0 and c.reference_us > 0
     print(f"\nstencil2d_300 scalar CSR {rec['kernel_us']:.1f} us vs torch.sparse {c.reference_us:.1f} us")
+
+
+@pytest.mark.gpu
+def test_parallel_verify_agrees_with_the_default_order_on_gpu():
+    """Verified all at once then timed in turn, or each verified and timed in turn: the same
+    outcome for every candidate, and every verified one timed."""
+    from sparserl_compile.sandbox import SandboxPool
+    from sparserl_compile.select import evaluate
+
+    m = matrices.stencil2d(300)
+    wrong = GOOD.replace("acc +=", "acc -=", 1)
+    assert wrong != GOOD
+    cands = [candidate(GOOD), candidate(wrong), candidate(GOOD.replace("float acc", "float  acc"))]
+    with SandboxPool(3, timeout_s=120) as pool:
+        seq = evaluate(_problem(m), cands, pool=pool, executor="gpu")
+        par = evaluate(_problem(m), cands, pool=pool, executor="gpu", parallel_verify=True)
+    assert [r.kind for r in seq.results] == [r.kind for r in par.results] == ["ok", "wrong", "ok"]
+    assert all(r.kernel_us > 0 for r in par.results if r.ok) and par.reference_us() > 0
+    assert set(par.parts) == {"verify", "reference", "time"}
+    print(f"\nstencil2d_300, 3 candidates: default order {seq.seconds:.2f} s, parallel verify {par.seconds:.2f} s")

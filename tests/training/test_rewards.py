@@ -58,8 +58,9 @@ def test_cpu_evaluator_scores_every_sample_in_order():
         (True, True, True)]
     assert len(runs) == 3 and out[1] is out[2] is out[5]  # broken, good and wrong, each once
     # where the call's seconds went (the CPU executor verifies, times nothing, has no reference)
-    assert set(ev.last_seconds) == {"reference", "verify", "time", "other"}
-    assert ev.last_seconds["verify"] > 0 and ev.last_seconds["time"] == ev.last_seconds["reference"] == 0
+    assert set(ev.last_seconds) == {"reference", "compile", "verify", "time", "other"}
+    assert ev.last_seconds["verify"] > 0
+    assert ev.last_seconds["time"] == ev.last_seconds["reference"] == ev.last_seconds["compile"] == 0
 
 
 def test_measured_evaluator_replays_h200_outcomes_and_delegates_the_rest():
