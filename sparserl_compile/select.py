@@ -22,7 +22,7 @@ for the cache entry and for debugging. Nothing is cached or launched here.
 from __future__ import annotations
 
 import time as _time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -170,14 +170,12 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
 def _merged(checked: SandboxResult, timed: SandboxResult) -> SandboxResult:
     """A candidate's outcome under ``parallel_verify``: the timed job's (its kind, times and
     cubin; a failed re-check stands), with the full verification's result and phases."""
-    import dataclasses
-
     if not timed.ok:
         return timed
     phases = {k: v for k, v in checked.phases.items() if k not in ("time", "graph")}
     phases.update({k: timed.phases[k] for k in ("time", "graph") if k in timed.phases})
     phases["recheck"] = sum(v for k, v in timed.phases.items() if k not in ("time", "graph"))
-    return dataclasses.replace(timed, verify=checked.verify, wall_s=checked.wall_s + timed.wall_s, phases=phases)
+    return replace(timed, verify=checked.verify, wall_s=checked.wall_s + timed.wall_s, phases=phases)
 
 
 def outcome_record(c: Candidate, r: SandboxResult) -> dict:

@@ -22,6 +22,12 @@ positional arguments) compares matched pairs, each other against its own base (e
 run against the control of the same seed), and with two or more pairs pools them the same way:
 
     python -m training.compare --pair C.json:ctl1 R.json:run1 --pair C.json:ctl3 R.json:seed3
+
+Pairs scored on different problems (two draws of fresh validation problems) share no record to
+average over; ``--stack`` pools them by putting every pair's per-record log-ratios in one sample
+instead, bootstrapped over all those records:
+
+    python -m training.compare --stack --pair F96.json:temp F96.json:mixed --pair F48.json:temp F48.json:mixed
 """
 
 from __future__ import annotations
@@ -108,6 +114,32 @@ def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRI
                          "other": o[both[i]]} for i in order if abs(logs[i]) > math.log1p(tie)]}
 
 
+def stacked_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRICS[0], n_boot: int = 10_000,
+                  seed: int = 0, tie: float = 0.02, exclude=()) -> dict:
+    """Matched pairs on different records (e.g. two draws of validation problems) pooled as one
+    sample: each pair's per-record log-ratios ``other / base`` over the records both sides of
+    that pair have, all together, bootstrapped over those records. A record present in two
+    pairs counts twice: use ``pooled_pairs`` for replicated runs on the same records."""
+    out = [pooled_pairs([pair], metric, n_boot, seed, tie, exclude) for pair in pairs]
+    logs, changes = [], []
+    for (base, other), r in zip(pairs, out):
+        figs = [{_key(x): x.get(metric) for x in rows if not any(e in x["label"] for e in exclude)}
+                for rows in (base, other)]
+        logs += [math.log(figs[1][k] / figs[0][k]) for k in figs[0] if figs[0][k] and figs[1].get(k)]
+        changes += r["changes"]
+    res = {"metric": metric, "records": len(logs), "left_out": sum(r["left_out"] for r in out),
+           "excluded": sorted(exclude), "stacked": len(pairs)}
+    if not logs:
+        return {**res, "ratio_geomean": None, "ci95": None, "better": 0, "worse": 0, "changes": []}
+    a = np.array(logs)
+    boots = a[np.random.default_rng(seed).integers(0, len(a), size=(n_boot, len(a)))].mean(axis=1)
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    changes.sort(key=lambda c: -abs(math.log(c["other"] / c["base"])))
+    return {**res, "ratio_geomean": math.exp(a.mean()), "ci95": [math.exp(lo), math.exp(hi)],
+            "better": int((a > math.log1p(tie)).sum()), "worse": int((a < -math.log1p(tie)).sum()),
+            "changes": changes}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.compare", description=__doc__.split("\n")[0])
     p.add_argument("base", nargs="?", help="FILE.json:VARIANT, the variant compared against")
@@ -121,16 +153,23 @@ def main(argv=None) -> int:
     p.add_argument("--exclude", action="append", default=[], metavar="TEXT",
                    help="leave out records whose label contains TEXT (repeatable)")
     p.add_argument("--pool", action="store_true", help="also compare all the others together (replicated runs)")
+    p.add_argument("--stack", action="store_true",
+                   help="with --pair: pool pairs scored on different problems (draws) by putting their records' "
+                        "ratios together, instead of averaging each record over the pairs")
     p.add_argument("--json", help="also write the comparisons here")
     args = p.parse_args(argv)
     if bool(args.pair) == bool(args.base) or (args.base and not args.others):
         p.error("give BASE and one or more OTHERS, or one or more --pair BASE OTHER")
+    if args.stack and len(args.pair) < 2:
+        p.error("--stack pools two or more --pair BASE OTHER")
     kw = dict(metric=args.metric, n_boot=args.bootstrap, tie=args.tie, exclude=args.exclude)
     try:
         if args.pair:
             pairs = {f"{o} vs {b}": (load_rows(b), load_rows(o)) for b, o in args.pair}
             results = {name: pooled_pairs([pair], **kw) for name, pair in pairs.items()}
-            if len(pairs) > 1:
+            if args.stack:
+                results["stacked pairs: " + " + ".join(pairs)] = stacked_pairs(list(pairs.values()), **kw)
+            elif len(pairs) > 1:
                 results["pooled pairs: " + " + ".join(pairs)] = pooled_pairs(list(pairs.values()), **kw)
         else:
             base = load_rows(args.base)
@@ -148,7 +187,12 @@ def main(argv=None) -> int:
           + (f"; records whose label contains {' or '.join(map(repr, args.exclude))} left out" if args.exclude else ""))
     for spec, r in results.items():
         if r["ratio_geomean"] is None:
-            print(f"  {spec}: no record with a figure on both sides")
+            hint = ""
+            if spec.startswith("pooled pairs") and all(x["ratio_geomean"] is not None for x in results.values()
+                                                       if x is not r):
+                hint = ("; the pairs share no record (different problems?): --stack pools such pairs, "
+                        "averaging needs replicated runs on the same records")
+            print(f"  {spec}: no record with a figure on both sides{hint}")
             continue
         lo, hi = r["ci95"]
         print(f"  {spec}: x{r['ratio_geomean']:.3f} [{lo:.3f}, {hi:.3f}] over {r['records']} records "

@@ -123,3 +123,27 @@ def test_the_command_compares_matched_pairs(tmp_path, capsys):
     with pytest.raises(SystemExit):  # pairs and a positional base at once
         main([f"{f}:c1", f"{f}:r1", "--pair", f"{f}:c3", f"{f}:r3"])
     assert "--pair" in capsys.readouterr().err
+
+
+def test_pairs_on_different_problems_are_stacked_not_averaged(tmp_path, capsys):
+    """Two draws of validation problems share no record: averaging over the pairs has nothing to
+    average, and the command says so and names --stack, which puts both draws' records together."""
+    from training.compare import stacked_pairs
+
+    base1, other1 = _rows([1.0, 1.0]), _rows([2.0, 1.0])  # draw 1: m0 doubles
+    base2 = [dict(r, label="d2_" + r["label"]) for r in _rows([1.0, 1.0, 1.0])]  # draw 2: other records
+    other2 = [dict(r, label="d2_" + r["label"]) for r in _rows([1.0, 1.0, 0.5])]  # m2 halves
+    r = stacked_pairs([(base1, other1), (base2, other2)], n_boot=200)
+    assert r["records"] == 5 and r["stacked"] == 2 and (r["better"], r["worse"]) == (1, 1)
+    assert r["ratio_geomean"] == pytest.approx(1.0)  # (log 2 + 0 + 0 + 0 - log 2) / 5
+    assert [c["label"] for c in r["changes"]] == ["m0", "d2_m2"]
+    assert pooled_pairs([(base1, other1), (base2, other2)])["ratio_geomean"] is None
+    f = tmp_path / "eval.json"
+    f.write_text(json.dumps({"per_record": {"b1": base1, "o1": other1, "b2": base2, "o2": other2}}))
+    pairs = ["--pair", f"{f}:b1", f"{f}:o1", "--pair", f"{f}:b2", f"{f}:o2", "--bootstrap", "100"]
+    assert main(pairs) == 0
+    assert "share no record" in capsys.readouterr().out
+    assert main(pairs + ["--stack"]) == 0
+    assert f"stacked pairs: {f}:o1 vs {f}:b1 + {f}:o2 vs {f}:b2: x1.000" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--stack", "--pair", f"{f}:b1", f"{f}:o1"])
