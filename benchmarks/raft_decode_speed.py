@@ -7,6 +7,11 @@ them), with the format candidates decoded two ways:
   format (``reference_sources(formats=...)``) and the greedy kernel, for the formats a draft
   has; the rest in one batch (``decode.format_diverse``; what RL does now).
 
+With ``--batched-samples`` a third mode, ``batched``, decodes as ``drafted`` but writes the
+temperature samples in one batch without drafts (``sparserl train rl --no-sample-drafts``)
+instead of speculatively one at a time; its samples are other draws of the same distribution,
+so only its greedy and format candidates are checked against the other modes.
+
 Greedy decoding writes the same tokens either way; the script checks that every candidate is
 the same text in both runs and exits 1 otherwise. The problems are RL's (``--unlabelled-mix``
 problems at ``--seed``; ``SPARSERL_SHARED_MATRICES`` names the shared folder for ``shared:``
@@ -19,6 +24,7 @@ sources).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from unittest import mock
@@ -45,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=1200)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batched-samples", action="store_true", help="also time the samples in one batch, undrafted")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -60,24 +67,29 @@ def main(argv=None) -> int:
     def undrafted(*a, references=None, **kw):  # format candidates as RL decoded them before
         return format_diverse(*a, **kw)
 
-    rows, totals, same_all = [], {"plain": {}, "drafted": {}}, True
+    modes = ("plain", "drafted") + (("batched",) if args.batched_samples else ())
+    batched_cfg = dataclasses.replace(cfg, sample_drafts=False)
+    rows, totals, same_all = [], {mode: {} for mode in modes}, True
     for i, pb in enumerate(problems):
         m = pb.matrix
         st = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
         formats = plausible_formats(m.indptr, m.indices, m.shape)
         refs = reference_sources(st.features, pb.op, pb.dtype, pb.n, default_entries(), m, count=max(4, args.k),
                                  exclude=pb.label, formats=formats)
-        texts, row = {}, {"problem": f"{pb.label} {pb.op}"}
-        for mode in ("plain", "drafted"):
+        texts, unsampled, row = {}, {}, {"problem": f"{pb.label} {pb.op}"}
+        for mode in modes:
             seconds: dict = {}
             with mock.patch.object(decode, "format_diverse", undrafted if mode == "plain" else format_diverse):
-                rs = _raft_candidates(model, tok, st, pb, None, refs, cfg, seed=1000 + i, seconds=seconds,
-                                      formats=formats)
+                rs = _raft_candidates(model, tok, st, pb, None, refs, batched_cfg if mode == "batched" else cfg,
+                                      seed=1000 + i, seconds=seconds, formats=formats)
             texts[mode] = [r.text for r in rs]
+            unsampled[mode] = [r.text for r in rs if r.extra.get("origin") != "sample"]
             row[mode] = {k: round(v, 3) for k, v in seconds.items()}
             for k, v in seconds.items():
                 totals[mode][k] = totals[mode].get(k, 0.0) + v
         row["same_candidates"] = texts["plain"] == texts["drafted"]
+        if "batched" in unsampled:  # its samples are other draws: the greedy and format candidates only
+            row["same_candidates"] &= unsampled["batched"] == unsampled["drafted"]
         row["formats"] = [decode.format_of(t) for t in texts["drafted"]]
         same_all &= row["same_candidates"]
         rows.append(row)

@@ -70,6 +70,9 @@ class RLConfig:
     labelled: bool = opt(True, "the training records' problems (off with --unlabelled N: new structures only)")
     speculative: bool = opt(True, "decode rollouts speculatively against the nearest measured kernels "
                                   "(the same samples' distribution, fewer model calls)")
+    sample_drafts: bool = opt(True, "raft: decode the temperature samples speculatively, one at a time against the "
+                                    "drafts (off: all of a problem's samples in one batch without drafts; the "
+                                    "greedy and format candidates keep their drafts)")
     time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
     raft_margin: float = opt(0.05, "raft: another hint's kernel replaces the first's as its prompt's target only "
                                    "when this much faster (a fraction; timing noise)")
@@ -422,9 +425,10 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     if cfg.k - 1 - n_formats > 0:
         sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                constrained=cfg.constrained, seed=seed)
-        with _timed(seconds, "sample"):
+        with _timed(seconds, "sample"):  # speculative decoding writes its samples one at a time
             rs += _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1 - n_formats,
-                                   config=sampled, references=references), "sample")
+                                   config=sampled, references=references if cfg.sample_drafts else None),
+                          "sample")
     return rs
 
 

@@ -235,3 +235,28 @@ def test_raft_format_exploration_spends_candidates_on_other_formats(tmp_path, ti
         assert formats[1] != formats[0] and formats[1] in plausible  # a forced format, not the greedy one
         if explore == "formats":
             assert formats[2] not in formats[:2] and formats[2] in plausible
+
+
+@pytest.mark.parametrize("sample_drafts", [True, False])
+def test_raft_samples_are_drafted_unless_sample_drafts_is_off(monkeypatch, sample_drafts):
+    """The greedy kernel always decodes against the drafts; the temperature samples do too by
+    default (speculatively, one at a time), and in one undrafted batch with --no-sample-drafts."""
+    from types import SimpleNamespace
+
+    import policy.decode as decode
+    from training.rl import _raft_candidates
+
+    calls = []
+
+    def fake_generate(model, tok, structure, op, dtype, n, k=1, config=None, references=None, **kw):
+        calls.append((k, config.greedy, references))
+        return [SimpleNamespace(text=f"kernel {len(calls)} {i}", extra={}) for i in range(k)]
+
+    monkeypatch.setattr(decode, "generate", fake_generate)
+    cfg = RLConfig(init="", data="", out_dir="", k=4, raft_explore="temperature", sample_drafts=sample_drafts)
+    pb = SimpleNamespace(op="spmv", dtype="f32", n=1)
+    seconds = {}
+    rs = _raft_candidates(None, None, None, pb, None, ["draft"], cfg, seed=0, seconds=seconds)
+    assert [r.extra["origin"] for r in rs] == ["greedy", "sample", "sample", "sample"]
+    assert calls == [(1, True, ["draft"]), (3, False, ["draft"] if sample_drafts else None)]
+    assert set(seconds) == {"greedy", "sample"}
