@@ -9,8 +9,11 @@ them), with the format candidates decoded two ways:
 
 With ``--batched-samples`` a third mode, ``batched``, decodes as ``drafted`` but writes the
 temperature samples in one batch without drafts (``sparserl train rl --no-sample-drafts``)
-instead of speculatively one at a time; its samples are other draws of the same distribution,
-so only its greedy and format candidates are checked against the other modes.
+instead of speculatively one at a time. With ``--traced-samples`` a fourth, ``traced``, decodes
+as ``drafted`` with the samples traced (a grammar mask and log-probability at every position, as
+RAFT drew them until the nineteenth session; now untraced: a mask only where an unmasked draw is
+rejected). Their samples are other draws of the same distribution, so only their greedy and
+format candidates are checked against the other modes.
 
 Greedy decoding writes the same tokens either way; the script checks that every candidate is
 the same text in both runs and exits 1 otherwise. The problems are RL's (``--unlabelled-mix``
@@ -52,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=1200)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batched-samples", action="store_true", help="also time the samples in one batch, undrafted")
+    ap.add_argument("--traced-samples", action="store_true", help="also time the samples traced (as before)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -67,7 +71,12 @@ def main(argv=None) -> int:
     def undrafted(*a, references=None, **kw):  # format candidates as RL decoded them before
         return format_diverse(*a, **kw)
 
-    modes = ("plain", "drafted") + (("batched",) if args.batched_samples else ())
+    modes = ("plain", "drafted") + (("batched",) if args.batched_samples else ()) + (
+        ("traced",) if args.traced_samples else ())
+    plain_config = decode.DecodeConfig
+
+    def traced_config(**kw):  # the samples' config as RAFT built it before: traced
+        return plain_config(**{**kw, "trace": True}) if not kw.get("greedy") else plain_config(**kw)
     batched_cfg = dataclasses.replace(cfg, sample_drafts=False)
     rows, totals, same_all = [], {mode: {} for mode in modes}, True
     for i, pb in enumerate(problems):
@@ -79,7 +88,8 @@ def main(argv=None) -> int:
         texts, unsampled, row = {}, {}, {"problem": f"{pb.label} {pb.op}"}
         for mode in modes:
             seconds: dict = {}
-            with mock.patch.object(decode, "format_diverse", undrafted if mode == "plain" else format_diverse):
+            with mock.patch.object(decode, "format_diverse", undrafted if mode == "plain" else format_diverse), \
+                    mock.patch.object(decode, "DecodeConfig", traced_config if mode == "traced" else plain_config):
                 rs = _raft_candidates(model, tok, st, pb, None, refs, batched_cfg if mode == "batched" else cfg,
                                       seed=1000 + i, seconds=seconds, formats=formats)
             texts[mode] = [r.text for r in rs]
@@ -88,8 +98,9 @@ def main(argv=None) -> int:
             for k, v in seconds.items():
                 totals[mode][k] = totals[mode].get(k, 0.0) + v
         row["same_candidates"] = texts["plain"] == texts["drafted"]
-        if "batched" in unsampled:  # its samples are other draws: the greedy and format candidates only
-            row["same_candidates"] &= unsampled["batched"] == unsampled["drafted"]
+        for mode in ("batched", "traced"):  # other draws of the samples: the greedy and format candidates only
+            if mode in unsampled:
+                row["same_candidates"] &= unsampled[mode] == unsampled["drafted"]
         row["formats"] = [decode.format_of(t) for t in texts["drafted"]]
         same_all &= row["same_candidates"]
         rows.append(row)

@@ -38,9 +38,12 @@ class DecodeConfig:
     max_new_tokens: int = 1024  # a sample not finished by then is returned with finished=False
     constrained: bool = True  # llguidance grammar masks; False is the unconstrained ablation
     seed: int | None = None  # torch generator seed for reproducible samples
-    #: record each token's grammar mask and log-probability (PPO needs them). False, with greedy
-    #: speculative decoding: where the model's top token is grammatical it is the masked argmax
-    #: too, so the mask is not computed there (same tokens; ``logprobs`` NaN, ``masks`` None)
+    #: record each token's grammar mask and log-probability (PPO needs them). False, with
+    #: speculative decoding: greedy, where the model's top token is grammatical it is the masked
+    #: argmax too, so the mask is not computed there (same tokens); sampling without top-k, each
+    #: forward's positions are drawn unmasked at once and a draw the grammar rejects is drawn
+    #: again under its mask (the masked distribution; other draws than traced). ``logprobs`` NaN
+    #: there, ``masks`` None
     trace: bool = True
     #: speculative decoding (``references`` given): the longest draft one forward checks. Longer
     #: drafts cost little more per forward (the model is small; a step is mostly host work) and
@@ -303,6 +306,13 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     ids = torch.tensor([prompt], device=device)
     first = model(ids, sb, use_cache=True)
     fast = config.greedy and not config.trace
+    # untraced sampling without top-k: each forward's positions are drawn from the unmasked
+    # distribution in one batch and one transfer; a draw the grammar allows is kept, one it
+    # rejects is drawn again under the mask. Rejection sampling: P(s) = p(s) + (1 - p(S)) p(s) / p(S)
+    # = p(s) / p(S) for an allowed s, exactly the masked distribution (top-k would not commute
+    # with the mask). Other draws than the traced path's for the same seed, the same distribution.
+    fast_sample = not config.greedy and not config.trace and not config.top_k
+    sample_temp = max(config.temperature, 1e-5)
     rollouts = []
     for s_i in range(k):
         prefix = forced[s_i] if forced is not None else []
@@ -333,9 +343,15 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                 top = rows.float().argmax(-1).tolist()
                 run = next((top[:j + 1] for j, t in enumerate(top) if j >= len(draft) or t != draft[j]), top)
                 n_top = matcher.validate_tokens(run) if matcher is not None else len(run)
+            drawn = None
+            if fast_sample:
+                drawn = torch.multinomial(torch.softmax(rows.float() / sample_temp, -1), 1, generator=gen)[:, 0].tolist()
             for j in range(rows.shape[0]):
                 if j < n_top:
                     t, lpv = top[j], math.nan
+                elif drawn is not None and p0 + j >= len(prefix) and (
+                        matcher is None or matcher.validate_tokens(drawn[j:j + 1]) == 1):
+                    t, lpv = drawn[j], math.nan  # allowed: a draw of the masked distribution
                 else:
                     logits = rows[j:j + 1].float().clone()
                     if matcher is not None:
@@ -370,7 +386,8 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
         body = tokens[:-1] if finished else tokens
         rollouts.append(Rollout(
             prompt_ids=list(prompt), tokens=tokens, text=tokenizer.decode(body), logprobs=logps,
-            finished=finished, masks=torch.stack(masks) if matcher is not None and masks and not fast else None,
+            finished=finished,
+            masks=torch.stack(masks) if matcher is not None and masks and config.trace else None,
             grammar_error=error))
         refs.insert(0, tokens)  # samples of one problem are often alike: the last one drafts first
     return rollouts

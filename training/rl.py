@@ -423,8 +423,10 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
                                     config=greedy, references=drafts)
         rs += _tagged([r for r in forced if r.text != rs[0].text][:n_formats], "format")
     if cfg.k - 1 - n_formats > 0:
+        # untraced: RAFT's loss needs no log-probabilities or masks, and untraced speculative
+        # sampling computes a grammar mask only where an unmasked draw is rejected
         sampled = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                               constrained=cfg.constrained, seed=seed)
+                               constrained=cfg.constrained, seed=seed, trace=False)
         with _timed(seconds, "sample"):  # speculative decoding writes its samples one at a time
             rs += _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=cfg.k - 1 - n_formats,
                                    config=sampled, references=references if cfg.sample_drafts else None),

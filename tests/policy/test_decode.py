@@ -218,3 +218,47 @@ def test_speculative_sampling_keeps_the_masks_and_logprob_bookkeeping(tiny_model
         allowed = unpack_masks(r.masks, len(tiny_tok))
         assert r.masks.shape[0] == len(r.tokens) == len(r.logprobs)
         assert all(allowed[t, tok] for t, tok in enumerate(r.tokens)) and max(r.logprobs) <= 0
+
+
+def test_untraced_speculative_sampling_keeps_the_grammar(tiny_model, tiny_tok):
+    """Untraced sampling draws each forward's positions unmasked and draws again under the mask
+    where the grammar rejects one: every token of every sample is one the grammar allows."""
+    from policy.decode import make_matcher
+
+    rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=4, references=["// sparserl op=spmv"],
+                  config=DecodeConfig(max_new_tokens=80, seed=3, trace=False))
+    assert len(rs) == 4 and all(r.masks is None for r in rs)
+    for r in rs:
+        contract.parse_header(r.text)
+        m = make_matcher(tiny_tok, len(tiny_tok), None, "spmv", "f32")
+        assert all(m.consume_token(t) for t in r.tokens)
+
+
+def test_untraced_speculative_sampling_draws_the_masked_distribution(tiny_model, tiny_tok):
+    """The format token after a forced "format=" in 3000 untraced samples (unmasked draws kept
+    where the grammar allows them, drawn again under the mask where not) against the masked
+    softmax the traced path draws from: the same distribution, up to sampling noise."""
+    import llguidance.torch as llt
+
+    from policy.decode import _apply_masks, make_matcher
+    from policy.encoder import StructureBatch
+    from policy.tokenizer import prompt_text
+
+    n, vocab, temp = 3000, len(tiny_tok), 1.5
+    prefix = tiny_tok.encode("// sparserl op=spmv format=")
+    cfg = DecodeConfig(max_new_tokens=len(prefix) + 1, seed=5, trace=False, temperature=temp)
+    rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=n, references=["// sparserl op=spmv"],
+                  config=cfg, forced=[prefix] * n)
+    assert all(r.tokens[:-1] == prefix for r in rs)
+    seen = torch.bincount(torch.tensor([r.tokens[-1] for r in rs]), minlength=vocab).double() / n
+    ids = torch.tensor([tiny_tok.encode(prompt_text("spmv", "f32", 1, None)) + prefix])
+    with torch.no_grad():
+        logits = tiny_model(ids, StructureBatch.collate([_s()])).logits[0, -1:].float()
+    matcher = make_matcher(tiny_tok, vocab, None, "spmv", "f32")
+    assert all(matcher.consume_token(t) for t in prefix)
+    bitmask = llt.allocate_token_bitmask(1, vocab)
+    llt.fill_next_token_bitmask(matcher, bitmask, 0)
+    want = torch.softmax(_apply_masks(logits, bitmask, vocab, tiny_tok.eos_token_id) / temp, -1)[0].double()
+    assert (want > 0.02).sum() >= 3  # several formats carry weight: a real test of the mix
+    assert float((seen - want).abs().sum()) / 2 < 0.05  # total variation distance
+    assert float(seen[want == 0].sum()) == 0.0  # never a token the grammar forbids
