@@ -119,7 +119,9 @@ def test_rl_refuses_to_resume_a_run_started_with_other_settings(tmp_path, tiny_t
                                          r".*new --out-dir"):
         run(dataclasses.replace(cfg, seed=3, reward="correctness"))
     assert (tmp_path / "rl" / "rl_config.json").read_text() == saved  # the first run's record is kept
-    r = run(dataclasses.replace(cfg, steps=2, time_budget_s=100.0, workers=4))  # longer: a resume
+    # longer, and verifying and sampling another way (same outcomes and distribution): a resume
+    r = run(dataclasses.replace(cfg, steps=2, time_budget_s=100.0, workers=4, parallel_verify=False,
+                                sample_drafts=False))
     assert (r.start_step, r.step) == (1, 2)
 
 
