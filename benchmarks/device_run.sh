@@ -109,6 +109,7 @@ run_hook decode "${DECODE:-}" "${DECODE_TIMEOUT:-180}" 20 "Warning\|warn\|Loadin
 
 # RAFT's candidate decoding by origin, format candidates plain vs drafted (needs the shared
 # matrices: SPARSERL_SHARED_MATRICES): RAFT_DECODE="args of benchmarks/raft_decode_speed.py", e.g. "--device cuda"
+# (add --traced-samples to time the samples traced as before, --batched-samples in one undrafted batch)
 run_hook raft_decode "${RAFT_DECODE:-}" "${RAFT_DECODE_TIMEOUT:-300}" 12 "Warning\|warn\|Loading weights\|forward_call" \
   python3 benchmarks/raft_decode_speed.py --json "$BENCH_DIR/raft_decode_speed.json"
 
