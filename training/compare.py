@@ -81,6 +81,11 @@ def pooled(base: list[dict], others: list[list[dict]], metric: str = METRICS[0],
     return pooled_pairs([(base, other) for other in others], metric, n_boot, seed, tie, exclude)
 
 
+def _figures(rows: list[dict], metric: str, exclude=()) -> dict:
+    """Record -> its figure, the records whose label contains an ``exclude`` text left out."""
+    return {_key(r): r.get(metric) for r in rows if not any(e in r["label"] for e in exclude)}
+
+
 def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRICS[0], n_boot: int = 10_000,
                  seed: int = 0, tie: float = 0.02, exclude=()) -> dict:
     """Per-record log-ratios ``other / base`` of each ``(base, other)`` pair, averaged over the
@@ -88,11 +93,8 @@ def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRI
     ``changes`` show the geometric means of the bases' and of the others' figures."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: choose from {METRICS}")
-    def figures(rows):  # record -> its figure, the excluded records left out
-        return {_key(r): r.get(metric) for r in rows if not any(e in r["label"] for e in exclude)}
-
-    bs = [figures(base) for base, _ in pairs]
-    os_ = [figures(other) for _, other in pairs]
+    bs = [_figures(base, metric, exclude) for base, _ in pairs]
+    os_ = [_figures(other, metric, exclude) for _, other in pairs]
     both = [k for k in bs[0] if all(x.get(k) for x in bs + os_)]
     logs = np.array([np.mean([math.log(o[k] / b[k]) for b, o in zip(bs, os_)]) for k in both])
     def geomean(figs):  # one variant: its own figures, as they are; else their geometric mean
@@ -123,9 +125,8 @@ def stacked_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METR
     out = [pooled_pairs([pair], metric, n_boot, seed, tie, exclude) for pair in pairs]
     logs, changes = [], []
     for (base, other), r in zip(pairs, out):
-        figs = [{_key(x): x.get(metric) for x in rows if not any(e in x["label"] for e in exclude)}
-                for rows in (base, other)]
-        logs += [math.log(figs[1][k] / figs[0][k]) for k in figs[0] if figs[0][k] and figs[1].get(k)]
+        b, o = _figures(base, metric, exclude), _figures(other, metric, exclude)
+        logs += [math.log(o[k] / b[k]) for k in b if b[k] and o.get(k)]
         changes += r["changes"]
     res = {"metric": metric, "records": len(logs), "left_out": sum(r["left_out"] for r in out),
            "excluded": sorted(exclude), "stacked": len(pairs)}
