@@ -62,7 +62,7 @@ class Evaluation:
     reference_again: SandboxResult | None = None
     #: wall seconds by stage in this process: "compile" (``precompile``), "reference" (its
     #: timings), and "candidates" (each verified and timed in turn) or, with
-    #: ``parallel_verify``, "verify" (all at once) and "time" (the verified ones in turn)
+    #: ``parallel_verify``, "verify" (all at once) and, when timed, "time" (the verified ones in turn)
     parts: dict = field(default_factory=dict)
 
     def reference_us(self) -> float | None:
@@ -115,12 +115,13 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     the worker finds them in the disk cache. The runtime leaves it off: NVRTC then only ever
     sees generated code inside the worker.
 
-    ``parallel_verify=True`` (the RL rewards), when timing with a pool of several workers:
-    every candidate is first verified (all value sets, no timing) on the pool's workers at
-    once, then the verified ones are timed one at a time, each re-checked on one value set in
-    the worker that times it. Nothing is timed while another job runs, so the timings are as
-    side by side as in the default order (each candidate verified and timed in turn), and the
+    ``parallel_verify=True`` (the RL rewards), with a pool of several workers: every candidate
+    is first verified (all value sets, no timing) on the pool's workers at once. When timing,
+    the verified ones are then timed one at a time, each re-checked on one value set in the
+    worker that times it. Nothing is timed while another job runs, so the timings are as side
+    by side as in the default order (each candidate verified and timed in turn), and the
     verification of many candidates takes the time of the slowest few instead of their sum.
+    Untimed (the CPU executor) the verification is all there is.
     """
     t0 = _time.perf_counter()
     parts: dict[str, float] = {}
@@ -135,7 +136,7 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
         compiler.precompile([c.source for c in candidates])
         parts["compile"] = _time.perf_counter() - t0
     checked = None
-    if parallel_verify and timed and not first_verified and len(candidates) > 1 and pool.workers > 1:
+    if parallel_verify and not first_verified and len(candidates) > 1 and pool.workers > 1:
         t1 = _time.perf_counter()
         checked = pool.map([SandboxJob(c, **{**common, "time": False}) for c in candidates], pattern,
                            pattern_key=problem.fingerprint, timeout_s=timeout_s)
@@ -150,7 +151,7 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     for i, c in enumerate(candidates):
         if checked is None:
             r = run(SandboxJob(c, **common))
-        elif checked[i].ok:  # verified on every value set: re-checked on the first, then timed
+        elif checked[i].ok and timed:  # verified on every value set: re-checked on the first, then timed
             r = run(SandboxJob(c, **{**common, "value_sets": 1}))
             r = _merged(checked[i], r)
         else:
@@ -158,7 +159,10 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
         results.append(r)
         if first_verified and r.ok:
             break
-    parts["time" if checked is not None else "candidates"] = _time.perf_counter() - t1
+    if checked is None:
+        parts["candidates"] = _time.perf_counter() - t1
+    elif timed:
+        parts["time"] = _time.perf_counter() - t1
     again = None
     if ref is not None and any(r.ok and r.kernel_us is not None for r in results):
         t1 = _time.perf_counter()

@@ -63,6 +63,32 @@ def test_cpu_evaluator_scores_every_sample_in_order():
     assert ev.last_seconds["time"] == ev.last_seconds["reference"] == ev.last_seconds["compile"] == 0
 
 
+def test_cpu_evaluator_verifies_on_all_workers_at_once():
+    """With two workers the samples are verified at once (``parallel_verify``, untimed on the
+    CPU): the same outcomes, in order, as one after another."""
+    from sparserl_compile.kernels import render
+    from sparserl_compile.matrices import banded
+    from training.rewards import RLProblem, SandboxEvaluator
+
+    m = banded(40, 2)
+    good = render("csr_scalar", "spmv", "f32", {"block": 64}, m)
+    good = good if isinstance(good, str) else good.source
+    wrong = good.replace("acc = fmaf(", "acc = 2.0f * fmaf(", 1)
+    broken = good.replace("fmaf(", "fmaf_missing(", 1)
+    ev = SandboxEvaluator("cpu", workers=2)
+    mapped = []
+    pool_map = ev.pool.map
+    ev.pool.map = lambda jobs, *a, **kw: mapped.append(len(jobs)) or pool_map(jobs, *a, **kw)
+    try:
+        out = ev(RLProblem(m, "spmv", "f32", 1, reference_us=20.0), [broken, good, "no header", wrong, good])
+    finally:
+        ev.close()
+    assert mapped == [3]  # broken, good and wrong, at once
+    assert [(o.parsed, o.compiled, o.correct) for o in out] == [
+        (True, False, False), (True, True, True), (False, False, False), (True, True, False), (True, True, True)]
+    assert ev.last_seconds["verify"] > 0 and ev.last_seconds["time"] == ev.last_seconds["reference"] == 0
+
+
 def test_measured_evaluator_replays_h200_outcomes_and_delegates_the_rest():
     """A sample that is a measured point gets the H200 outcome of that exact source (whitespace
     aside); a failed point counts as wrong; anything else goes to the inner evaluator."""
