@@ -312,7 +312,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     # = p(s) / p(S) for an allowed s, exactly the masked distribution (top-k would not commute
     # with the mask). Other draws than the traced path's for the same seed, the same distribution.
     fast_sample = not config.greedy and not config.trace and not config.top_k
-    sample_temp = max(config.temperature, 1e-5)
+    temp = 1.0 if config.greedy else max(config.temperature, 1e-5)  # forced positions' log-probabilities, draws
     rollouts = []
     for s_i in range(k):
         prefix = forced[s_i] if forced is not None else []
@@ -345,7 +345,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                 n_top = matcher.validate_tokens(run) if matcher is not None else len(run)
             drawn = None
             if fast_sample:
-                drawn = torch.multinomial(torch.softmax(rows.float() / sample_temp, -1), 1, generator=gen)[:, 0].tolist()
+                drawn = torch.multinomial(torch.softmax(rows.float() / temp, -1), 1, generator=gen)[:, 0].tolist()
             for j in range(rows.shape[0]):
                 if j < n_top:
                     t, lpv = top[j], math.nan
@@ -360,7 +360,6 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                         masks.append(bitmask[0].clone())
                     if p0 + j < len(prefix):  # forced: the prefix's token, at the model's log-probability
                         t = prefix[p0 + j]
-                        temp = 1.0 if config.greedy else max(config.temperature, 1e-5)
                         lpv = float(torch.log_softmax(logits[0] / temp, -1)[t])
                     else:
                         tok, lp = _pick(logits, config, gen)
