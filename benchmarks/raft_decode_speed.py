@@ -32,9 +32,8 @@ import json
 import sys
 from unittest import mock
 
-from policy.encoder import prepare_structure
 from policy.model import load_policy
-from policy.provider import plausible_formats
+from policy.provider import structure_and_formats
 from policy.retrieval import default_entries, reference_sources
 from training.rl import RLConfig, _raft_candidates
 from training.unlabelled import parse_mix, unlabelled_problems
@@ -81,8 +80,7 @@ def main(argv=None) -> int:
     rows, totals, same_all = [], {mode: {} for mode in modes}, True
     for i, pb in enumerate(problems):
         m = pb.matrix
-        st = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
-        formats = plausible_formats(m.indptr, m.indices, m.shape)
+        st, formats = structure_and_formats(m.indptr, m.indices, m.shape, model.config.max_points)  # as RL
         refs = reference_sources(st.features, pb.op, pb.dtype, pb.n, default_entries(), m, count=max(4, args.k),
                                  exclude=pb.label, formats=formats)
         texts, unsampled, row = {}, {}, {"problem": f"{pb.label} {pb.op}"}

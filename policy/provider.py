@@ -84,6 +84,20 @@ def plausible_formats(indptr, indices, shape, features=None) -> tuple[str, ...]:
     return tuple(fmt for fmt in contract.FORMATS if search.format_plausible(fmt, f))
 
 
+def structure_and_formats(indptr, indices, shape, max_points: int, formats: bool = True):
+    """The encoder's ``prepare_structure`` and, when ``formats``, the ``plausible_formats``
+    (else ``()``), from one ``structure.features`` pass: both read the pattern's features, O(nnz)."""
+    from sparserl_compile import structure
+
+    if not formats:
+        return prepare_structure(indptr, indices, shape, max_points=max_points), ()
+    indptr, indices, shape = _host(indptr).astype(np.int32), _host(indices).astype(np.int32), (int(shape[0]), int(shape[1]))
+    feats = structure.features(indptr, indices, shape)
+    s = prepare_structure(indptr, indices, shape, max_points=max_points,
+                          features=np.asarray(feats.as_vector(), np.float32))
+    return s, plausible_formats(indptr, indices, shape, features=feats)
+
+
 class PolicyProvider:
     """Kernel candidates sampled from a policy checkpoint."""
 

@@ -140,7 +140,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     with retrieval hints (``model.config.retrieval``). ``progress(stats)`` is called after
     every record."""
     from policy.decode import DecodeConfig, check_samples, generate
-    from policy.encoder import prepare_structure
+    from policy.provider import structure_and_formats
     from training.sft import default_render
 
     check_samples(samples, model)
@@ -151,8 +151,8 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     for i, (kind, pb) in enumerate(problems):
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
-        s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
-        from policy.provider import plausible_formats
+        s, formats = structure_and_formats(m.indptr, m.indices, m.shape, model.config.max_points,
+                                           formats=samples == "formats")
         from policy.retrieval import (default_entries, hint_name, nearest_hint, nearest_points, problem_for,
                                       reference_sources)
 
@@ -165,7 +165,6 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             else:
                 hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable)
         # drafts for speculative decoding (the decoding's speed only, never its samples)
-        formats = plausible_formats(m.indptr, m.indices, m.shape) if samples == "formats" else ()
         refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
                                  hint_entries if hint_entries is not None else default_entries(), m,
                                  count=max(4, k) if samples == "hints" else 4, formats=formats)

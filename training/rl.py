@@ -157,8 +157,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
     gradients). Rank 0 logs and writes checkpoints; the time-budget stop is rank 0's decision.
     """
     from policy.decode import DecodeConfig, generate
-    from policy.encoder import prepare_structure
     from policy.model import load_policy
+    from policy.provider import structure_and_formats
     from training.checkpoint import TrainerState, has_state, load_state, save_state
     from training.data import load_supervision, split
     from training.ppo import PPOConfig, make_batch, ppo_update
@@ -293,12 +293,10 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
             pb = problems[pi]
             if pi not in structs:
                 m = pb.matrix
-                structs[pi] = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
-                if raft and hint_entries is None and cfg.raft_explore != "temperature":
-                    from policy.provider import plausible_formats
-
-                    # the format candidates' formats, once per problem (the pattern's features: O(nnz))
-                    formats[pi] = plausible_formats(m.indptr, m.indices, m.shape)
+                # the format candidates' formats (--raft-explore formats|mixed), once per problem
+                structs[pi], formats[pi] = structure_and_formats(
+                    m.indptr, m.indices, m.shape, model.config.max_points,
+                    formats=raft and hint_entries is None and cfg.raft_explore != "temperature")
                 if hint_entries is not None:  # from the other matrices, as in SFT
                     from policy.retrieval import nearest_hints, problem_for
 

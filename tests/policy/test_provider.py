@@ -114,3 +114,21 @@ def test_hint_fill_up_stops_at_its_time_budget(tiny_model, tiny_tok, kernel_sour
     roomy = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False, fill_budget_s=60.0)
     assert len(roomy.candidates(_Problem(banded(32, 1)), k=3)) == 1
     assert asked == [f"h{i}" for i in range(6)]  # up to 2k hints while under budget
+
+
+def test_structure_and_formats_from_one_features_pass():
+    """The encoder's structure and the plausible formats, read off one features pass: the same
+    as each computed on its own; without formats, () and the plain structure."""
+    import numpy as np
+
+    from policy.encoder import prepare_structure
+    from policy.provider import plausible_formats, structure_and_formats
+    from sparserl_compile.matrices import banded
+
+    m = banded(300, 3)
+    s, formats = structure_and_formats(m.indptr, m.indices, m.shape, max_points=256)
+    alone = prepare_structure(m.indptr, m.indices, m.shape, max_points=256)
+    assert formats == plausible_formats(m.indptr, m.indices, m.shape) and "dia" in formats
+    assert np.allclose(s.features, alone.features) and np.array_equal(s.points, alone.points)
+    s2, none = structure_and_formats(m.indptr, m.indices, m.shape, max_points=256, formats=False)
+    assert none == () and np.allclose(s2.features, alone.features)
