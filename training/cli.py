@@ -1,4 +1,4 @@
-"""``sparserl train pretrain|sft|rl`` and ``sparserl eval``: every config field is a flag."""
+"""``sparserl train pretrain|sft|rl|soup`` and ``sparserl eval``: every config field is a flag."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def add_cli(subparsers) -> None:
     stage("pretrain", PretrainConfig, _pretrain, "stage 1: causal LM on the CUDA corpus")
     stage("sft", SFTConfig, _sft, "stage 2: matrix -> best verified kernel")
     stage("rl", RLConfig, _rl, "stage 3: PPO/GRPO on compile/correct/speed rewards")
+    from training.soup import add_parser as add_soup
+    add_soup(stages)
 
     ev = subparsers.add_parser("eval", help="evaluate policy checkpoints on the held-out split")
     add_dataclass_args(ev, EvalConfig)

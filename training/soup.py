@@ -1,0 +1,173 @@
+"""Weight averaging of policy checkpoints ("model soup"): ``sparserl train soup``.
+
+RAFT runs from one SFT stage gain on some held-out records and lose on others, and the gains and
+losses differ from run to run (docs/training.md, "Where RL stands"). Averaging the weights of
+several fine-tuned runs of one initialisation keeps what the runs share and averages out what
+each run learned alone (Wortsman et al., "Model soups", ICML 2022); averaging a fine-tuned run
+with its own initialisation interpolates between them (WiSE-FT, Wortsman et al., CVPR 2022).
+
+The inputs must be one model: the same architecture config, the same tokenizer (token ids must
+mean the same thing) and the same tensors by name and shape. Floating-point tensors are averaged
+in float64 and written back in their own dtype; any other tensor must be equal in every input.
+The output is a plain policy folder (``config.json``, ``model.safetensors``, ``tokenizer.json``)
+that every command loads like a trained one, plus ``soup.json``: the inputs, their weights and the
+SHA-256 of each input's ``model.safetensors``. It holds no trainer state, so ``sparserl train rl
+--init SOUP`` starts a new run from it rather than resuming one.
+
+Written here rather than taken from a merging library: mergekit, the well-kept one, needs an
+architecture definition per model type and has none for this policy (a Llama decoder plus a
+structure encoder); a weighted linear average with these checks is what it would do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SOUP_FILE = "soup.json"
+#: config keys that differ between saves of one model and do not change the computation
+_VOLATILE = {"transformers_version", "_name_or_path", "_commit_hash", "architectures", "torch_dtype", "dtype"}
+
+
+class SoupError(ValueError):
+    """The inputs cannot be averaged (the message says which input and why)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def parse_inputs(spec: str) -> list[tuple[str, float]]:
+    """``"DIR[=WEIGHT],DIR[=WEIGHT],..."`` -> ``[(dir, weight), ...]`` (weight 1 where omitted)."""
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        path, sep, w = part.rpartition("=")
+        if not sep:
+            path, w = part, "1"
+        try:
+            weight = float(w)
+        except ValueError:
+            raise SoupError(f"weight {w!r} of {path!r} is not a number (write DIR=WEIGHT, e.g. runs/rl=0.5)") from None
+        out.append((path, weight))
+    return out
+
+
+def soup(inputs: list[tuple[str, float]], out_dir: str | Path) -> dict:
+    """Average the checkpoints ``inputs`` (``(folder, weight)``; weights are normalised to sum 1)
+    into ``out_dir``; returns the provenance written to ``soup.json``."""
+    from safetensors.torch import load_file
+
+    from policy.model import load_policy, save_policy
+
+    if len(inputs) < 2:
+        raise SoupError(f"a soup needs at least two checkpoints, got {len(inputs)}")
+    weights = [w for _, w in inputs]
+    if any(not (w >= 0) for w in weights) or sum(weights) <= 0:
+        raise SoupError(f"weights must be >= 0 with a positive sum, got {weights}")
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    out = Path(out_dir)
+    if any(out.resolve() == Path(d).resolve() for d, _ in inputs):
+        raise SoupError(f"--out {out} is one of the inputs; write the soup to a new folder")
+
+    model, tok = load_policy(inputs[0][0])  # the folder to write back into; the others are read as files
+    first = Path(inputs[0][0])
+    ref_cfg, ref_tok = _config(first), _tokenizer(first)
+    ref_sd = load_file(str(first / "model.safetensors"))
+    acc = {k: v.to(torch.float64) * weights[0] if v.is_floating_point() else v for k, v in ref_sd.items()}
+    for (d, _), w in zip(inputs[1:], weights[1:]):
+        cfg = _config(Path(d))
+        diff = sorted(k for k in set(cfg) | set(ref_cfg) if cfg.get(k) != ref_cfg.get(k))
+        if diff:
+            raise SoupError(f"{d} is another model than {first}: config differs in {diff}")
+        if _tokenizer(Path(d)) != ref_tok:
+            raise SoupError(f"{d} has another tokenizer than {first}: token ids would not match")
+        sd = load_file(str(Path(d) / "model.safetensors"))
+        if set(sd) != set(ref_sd):
+            raise SoupError(f"{d} has other tensors than {first}: {sorted(set(sd) ^ set(ref_sd))[:5]}")
+        for k, v in sd.items():
+            if v.shape != ref_sd[k].shape:
+                raise SoupError(f"{d}: tensor {k} has shape {tuple(v.shape)}, {first} {tuple(ref_sd[k].shape)}")
+            if v.is_floating_point():
+                acc[k] += v.to(torch.float64) * w
+            elif not torch.equal(v, ref_sd[k]):
+                raise SoupError(f"{d}: non-float tensor {k} differs from {first}; it cannot be averaged")
+    avg = {k: v.to(ref_sd[k].dtype) for k, v in acc.items()}
+    missing, unexpected = model.load_state_dict(avg, strict=False)
+    if unexpected or any(k not in _tied(model) for k in missing):
+        raise SoupError(f"the averaged tensors do not fit the model: missing {missing}, unexpected {unexpected}")
+    save_policy(model, tok, out)
+    info = {
+        "inputs": [{"checkpoint": str(d), "weight": w, "model_sha256": _sha256(Path(d) / "model.safetensors")}
+                   for (d, _), w in zip(inputs, weights)],
+        "method": "weighted linear average of every floating-point tensor (float64 accumulation); "
+                  "other tensors equal in all inputs",
+    }
+    (out / SOUP_FILE).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} in {path.parent} ({path.name} missing): not a policy checkpoint folder")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SoupError(f"{path} is not valid JSON ({e}); the checkpoint folder is damaged") from None
+
+
+def _config(d: Path) -> dict:
+    return {k: v for k, v in _read_json(d / "config.json", "config").items() if k not in _VOLATILE}
+
+
+def _tokenizer(d: Path) -> dict:
+    return _read_json(d / "tokenizer.json", "tokenizer")
+
+
+def _tied(model) -> set[str]:
+    """Names of parameters that a checkpoint leaves out because they are tied to another."""
+    keys = getattr(model, "_tied_weights_keys", None) or []
+    return set(keys if not isinstance(keys, dict) else keys.keys())
+
+
+def add_parser(stages) -> None:
+    """``sparserl train soup``."""
+    _arguments(stages.add_parser("soup", help="average the weights of checkpoints of one model (model soup, WiSE-FT)",
+                                 description=__doc__.split("\n\n")[0]))
+
+
+def _arguments(p) -> None:
+    p.add_argument("--checkpoints", required=True,
+                   help="comma-separated DIR[=WEIGHT] (weight 1 where omitted; normalised to sum 1), "
+                        "e.g. runs/rl1,runs/rl2,runs/rl3 or runs/sft=0.5,runs/rl=0.5")
+    p.add_argument("--out", required=True, help="new folder for the averaged checkpoint")
+    p.set_defaults(func=_cli)
+
+
+def _cli(a) -> int:
+    try:
+        info = soup(parse_inputs(a.checkpoints), a.out)
+    except (SoupError, FileNotFoundError) as e:
+        print(f"sparserl train soup: {e}", file=sys.stderr)
+        return 2
+    for i in info["inputs"]:
+        print(f"{i['weight']:.4f}  {i['checkpoint']}")
+    print(f"soup of {len(info['inputs'])} checkpoints in {a.out}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m training.soup --checkpoints ... --out ...
+    ap = argparse.ArgumentParser(prog="python -m training.soup", description=__doc__.split("\n\n")[0])
+    _arguments(ap)
+    sys.exit(_cli(ap.parse_args()))
