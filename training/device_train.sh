@@ -17,6 +17,9 @@
 # FRESH="--count 48 --seed 7 --max-nnz 1000000 --mix ..." then scores what was trained on fresh validation
 # problems (python -m training.validation, FRESH_EVALUATOR: gpu) beside FRESH_CHECKPOINTS (default: the shipped
 # default checkpoint, as v3), in the same call: $OUT/fresh.json, paired later with training.compare.
+# SEEDS="1 2 3" trains one RL run per seed instead of one (rl_s<seed>, each RL_S; one per GPU at once
+# where several are visible, else in turn) and their weight average rl_soup (sparserl train soup),
+# which FRESH and EVAL score beside the runs; ckpt_rl_soup.tgz and the first KEEP_MEMBERS (4) runs' come back.
 # RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
 # the stages found there. Give an independent run its own RUNS; a stage resumed under other settings
 # (another --seed, --reward, ...) stops with an error instead of continuing the first run.
@@ -69,7 +72,7 @@ rl_stage() {  # name, extra args
   timeout $((RL_S + 150)) $SR train rl --init "${RL_INIT:-$RUNS/sft}" --out-dir "$RUNS/$name" --data "$DATA" --steps 10000 \
     --evaluator "${RL_EVALUATOR:-gpu}" --workers 4 --k 8 --problems-per-step 2 --lr 1e-5 --save-every 100000 \
     --time-budget-s "$RL_S" ${RL_ARGS:-} "$@" >"$LOGS/$name.log" 2>&1
-  echo "rc=$?"; grep -E "^\[rl\]" "$LOGS/$name.log" | tail -6; keep "$name"
+  echo "rc=$?"; grep -E "^\[rl\]" "$LOGS/$name.log" | tail -6; [ "${KEEP_EACH:-1}" = 0 ] || keep "$name"
 }
 
 TRAINED=""
@@ -79,7 +82,30 @@ if [ "$SFT_S" != 0 ]; then
 elif [ -z "${RL_INIT:-}" ] && [ "$RL_S" != 0 ]; then
   echo "SFT_S=0 skips SFT: set RL_INIT to the checkpoint RL starts from"; exit 2
 fi
-if [ "$RL_S" != 0 ]; then
+if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
+  # one RL run per seed from the same start, then their weight average (docs/training.md, "Weight averaging")
+  NGPU="${NGPU:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")}"  # NGPU=2 on a CPU tests the parallel path
+  i=0; MEMBERS=""
+  for seed in $SEEDS; do
+    if [ "$NGPU" -gt 1 ]; then  # one run per GPU at once; a new group starts when every GPU is busy
+      CUDA_VISIBLE_DEVICES=$((i % NGPU)) KEEP_EACH=0 rl_stage "rl_s$seed" --seed "$seed" &
+      i=$((i + 1)); [ $((i % NGPU)) = 0 ] && wait
+    else
+      KEEP_EACH=0 rl_stage "rl_s$seed" --seed "$seed"
+    fi
+    MEMBERS="${MEMBERS:+$MEMBERS,}$RUNS/rl_s$seed"
+  done
+  wait
+  echo "== soup of $MEMBERS"
+  $SR train soup --checkpoints "$MEMBERS" --out "$RUNS/rl_soup" >"$LOGS/soup.log" 2>&1; echo "rc=$?"; tail -1 "$LOGS/soup.log"
+  keep rl_soup
+  TRAINED="${TRAINED:+$TRAINED,}rl_soup=$RUNS/rl_soup"
+  n=0
+  for seed in $SEEDS; do  # at most 8 files come back from a call: the first KEEP_MEMBERS runs' checkpoints
+    [ "$n" -lt "${KEEP_MEMBERS:-4}" ] && keep "rl_s$seed"; n=$((n + 1))
+    TRAINED="$TRAINED,rl_s$seed=$RUNS/rl_s$seed"
+  done
+elif [ "$RL_S" != 0 ]; then
   rl_stage rl
   TRAINED="${TRAINED:+$TRAINED,}rl=$RUNS/rl"
 fi
