@@ -278,6 +278,7 @@ def evaluate_nearest(table, problems, evaluator, *, k: int, space_sources=None, 
 def run_eval(cfg: EvalConfig, log=print) -> dict:
     from policy.model import load_policy
     from training.data import load_supervision, split
+    from training.soup import provenance
     from training.rewards import measured_sources
     from training.rl import make_evaluator, problems_from_records
     from training.sft import default_render
@@ -303,7 +304,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
         return tables[0]
 
     report = {"held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
-              "in_progress": None, "variants": {}, "per_record": {}}
+              "in_progress": None, "checkpoints": {}, "variants": {}, "per_record": {}}
 
     def save():  # after every record: a run cut short keeps what it measured
         if cfg.out:
@@ -320,6 +321,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
         for pair in filter(None, cfg.checkpoints.split(",")):
             name, _, path = pair.partition("=")
             model, tok = load_policy(path or name, resolve_device(cfg.device))
+            report["checkpoints"][name] = provenance(path or name)
             modes = [(name, True)] + ([(name + "/unconstrained", False)] if cfg.ablate_unconstrained else [])
             for label, constrained in modes:
                 st = evaluate_policy(model, tok, problems, evaluator, k=cfg.k, temperature=cfg.temperature,

@@ -135,6 +135,16 @@ def _tokenizer(d: Path) -> dict:
     return _read_json(d / "tokenizer.json", "tokenizer")
 
 
+def provenance(directory: str | Path) -> dict:
+    """Which checkpoint a report scored: its folder, the SHA-256 of its weights, and for a soup its
+    inputs (``soup.json``). ``sparserl eval`` records this per variant."""
+    d = Path(directory)
+    out: dict = {"path": str(d), "model_sha256": _sha256(d / "model.safetensors")}
+    if (d / SOUP_FILE).is_file():
+        out["soup"] = json.loads((d / SOUP_FILE).read_text())["inputs"]
+    return out
+
+
 def _tied(model) -> set[str]:
     """Names of parameters that a checkpoint leaves out because they are tied to another."""
     keys = getattr(model, "_tied_weights_keys", None) or []

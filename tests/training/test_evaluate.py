@@ -197,6 +197,9 @@ def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features
     rows = rep["per_record"]["tiny"]
     assert sorted((r["label"], r["op"], r["n"]) for r in rows) == sorted((h.matrix.label, h.op, h.n) for h in held)
     assert all(r["kind"] in rep["variants"]["tiny"] and r["samples"] == 3 for r in rows)
+    import hashlib  # which weights were scored: the folder and their SHA-256 (a soup also names its inputs)
+    assert rep["checkpoints"] == {"tiny": {"path": str(ckpt), "model_sha256": hashlib.sha256(
+        (ckpt / "model.safetensors").read_bytes()).hexdigest()}}
 
 
 def test_a_correct_greedy_kernel_that_is_no_measured_point_is_counted_and_flagged(tiny_model, tiny_tok):

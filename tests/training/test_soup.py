@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from policy.model import PolicyHParams, build_policy, load_policy, save_policy
 from sparserl_compile.cli import main
-from training.soup import SoupError, parse_inputs, soup
+from training.soup import SoupError, parse_inputs, provenance, soup
 
 
 @pytest.fixture()
@@ -38,6 +38,9 @@ def test_uniform_soup_is_the_mean_and_loads_as_a_policy(three, tmp_path):
         assert v.dtype == parts[0][k].dtype
     assert [round(i["weight"], 6) for i in info["inputs"]] == [0.333333] * 3
     assert json.loads((out / "soup.json").read_text())["inputs"][2]["checkpoint"] == str(three[2])
+    prov = provenance(out)  # what sparserl eval records of it
+    assert [i["checkpoint"] for i in prov["soup"]] == [str(d) for d in three] and len(prov["model_sha256"]) == 64
+    assert "soup" not in provenance(three[0])
     model, tok = load_policy(out)  # every command loads it like a trained checkpoint
     loaded = dict(model.state_dict())
     assert all(torch.equal(loaded[k], v) for k, v in got.items())
