@@ -20,6 +20,8 @@
 # SEEDS="1 2 3" trains one RL run per seed instead of one (rl_s<seed>, each RL_S; one per GPU at once
 # where several are visible, else in turn) and their weight average rl_soup (sparserl train soup),
 # which FRESH and EVAL score beside the runs; ckpt_rl_soup.tgz and the first KEEP_MEMBERS (4) runs' come back.
+# A run that finished in an earlier call on the same warm machine (same RUNS) is kept, not run again:
+# SEEDS="1" in one call, then SEEDS="1 2" in the next, trains seed 2 and averages the two.
 # RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
 # the stages found there. Give an independent run its own RUNS; a stage resumed under other settings
 # (another --seed, --reward, ...) stops with an error instead of continuing the first run.
@@ -66,13 +68,16 @@ sft_stage() {  # name, extra args
   echo "rc=$?"; grep -E "training examples|ablation|budget|held-out|step .*loss" "$LOGS/$name.log" | tail -5; keep "$name"
 }
 
+DONE=.sr_finished  # in a run folder: the stage ended by itself (budget or steps), not by timeout
 rl_stage() {  # name, extra args
   local name="$1"; shift
   echo "== $name ($RL_S s, ${RL_EVALUATOR:-gpu} rewards) ${RL_ARGS:-} $*"
   timeout $((RL_S + 150)) $SR train rl --init "${RL_INIT:-$RUNS/sft}" --out-dir "$RUNS/$name" --data "$DATA" --steps 10000 \
     --evaluator "${RL_EVALUATOR:-gpu}" --workers 4 --k 8 --problems-per-step 2 --lr 1e-5 --save-every 100000 \
     --time-budget-s "$RL_S" ${RL_ARGS:-} "$@" >"$LOGS/$name.log" 2>&1
-  echo "rc=$?"; grep -E "^\[rl\]" "$LOGS/$name.log" | tail -6; [ "${KEEP_EACH:-1}" = 0 ] || keep "$name"
+  local rc=$?; echo "rc=$rc"; grep -E "^\[rl\]" "$LOGS/$name.log" | tail -6
+  [ "$rc" = 0 ] && touch "$RUNS/$name/$DONE"  # SEEDS: a later call on this machine does not run it again
+  [ "${KEEP_EACH:-1}" = 0 ] || keep "$name"
 }
 
 TRAINED=""
@@ -85,26 +90,32 @@ fi
 if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
   # one RL run per seed from the same start, then their weight average (docs/training.md, "Weight averaging")
   NGPU="${NGPU:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")}"  # NGPU=2 on a CPU tests the parallel path
-  i=0; MEMBERS=""
+  i=0; MEMBERS=""; NEW=""
   for seed in $SEEDS; do
+    MEMBERS="${MEMBERS:+$MEMBERS,}$RUNS/rl_s$seed"
+    if [ -f "$RUNS/rl_s$seed/$DONE" ]; then  # finished in an earlier call on this warm machine: not run again
+      echo "== rl_s$seed: finished in an earlier call"; TRAINED="${TRAINED:+$TRAINED,}rl_s$seed=$RUNS/rl_s$seed"; continue
+    fi
+    NEW="$NEW $seed"
     if [ "$NGPU" -gt 1 ]; then  # one run per GPU at once; a new group starts when every GPU is busy
       CUDA_VISIBLE_DEVICES=$((i % NGPU)) KEEP_EACH=0 rl_stage "rl_s$seed" --seed "$seed" &
       i=$((i + 1)); [ $((i % NGPU)) = 0 ] && wait
     else
       KEEP_EACH=0 rl_stage "rl_s$seed" --seed "$seed"
     fi
-    MEMBERS="${MEMBERS:+$MEMBERS,}$RUNS/rl_s$seed"
   done
   wait
-  echo "== soup of $MEMBERS"
-  $SR train soup --checkpoints "$MEMBERS" --out "$RUNS/rl_soup" >"$LOGS/soup.log" 2>&1; echo "rc=$?"; tail -1 "$LOGS/soup.log"
-  keep rl_soup
-  TRAINED="${TRAINED:+$TRAINED,}rl_soup=$RUNS/rl_soup"
   n=0
-  for seed in $SEEDS; do  # at most 8 files come back from a call: the first KEEP_MEMBERS runs' checkpoints
+  for seed in $NEW; do  # at most 8 files come back from a call: the first KEEP_MEMBERS new runs' checkpoints
     [ "$n" -lt "${KEEP_MEMBERS:-4}" ] && keep "rl_s$seed"; n=$((n + 1))
-    TRAINED="$TRAINED,rl_s$seed=$RUNS/rl_s$seed"
+    TRAINED="${TRAINED:+$TRAINED,}rl_s$seed=$RUNS/rl_s$seed"
   done
+  if [ "$(echo $SEEDS | wc -w)" -gt 1 ]; then
+    echo "== soup of $MEMBERS"
+    $SR train soup --checkpoints "$MEMBERS" --out "$RUNS/rl_soup" >"$LOGS/soup.log" 2>&1; echo "rc=$?"; tail -1 "$LOGS/soup.log"
+    keep rl_soup
+    TRAINED="rl_soup=$RUNS/rl_soup,$TRAINED"
+  fi
 elif [ "$RL_S" != 0 ]; then
   rl_stage rl
   TRAINED="${TRAINED:+$TRAINED,}rl=$RUNS/rl"
