@@ -51,7 +51,8 @@ def load_rows(spec: str) -> list[dict]:
     if not sep or not path:
         raise ValueError(f"{spec!r}: write FILE.json:VARIANT (a variant of sparserl eval's report)")
     report = json.loads(Path(path).read_text())
-    if "checkpoints" in report:  # a training.validation result
+    if "checkpoints" in report and "per_record" not in report:  # a training.validation result (an eval
+        # report also names its checkpoints, for provenance, beside per_record)
         if variant not in report["checkpoints"]:
             raise ValueError(f"{path}: no checkpoint {variant!r}; it holds {sorted(report['checkpoints'])}")
         return report["checkpoints"][variant]["rows"]

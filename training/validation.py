@@ -166,6 +166,7 @@ def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: 
     from policy.model import load_policy
     from training.config import resolve_device
     from training.rl import make_evaluator
+    from training.soup import provenance
     from training.unlabelled import parse_mix
 
     pairs = [p.partition("=") for p in filter(None, checkpoints.split(","))]
@@ -180,6 +181,7 @@ def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: 
             model, tok = load_policy(path, resolve_device(device))
             r = v(model, tok, 0)
             out["checkpoints"][name] = {k: r[k] for k in ("score", "correct_rate", "timed", "problems", "rows")}
+            out["checkpoints"][name]["provenance"] = provenance(path)  # which weights: folder, SHA-256, soup inputs
             log(f"[validation] {name}: score {r['score']:.4f} (x cuSPARSE, geomean), correct {r['correct_rate']:.3f}, "
                 f"timed {r['timed']}/{r['problems']}")
     finally:

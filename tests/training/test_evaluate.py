@@ -200,6 +200,8 @@ def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features
     import hashlib  # which weights were scored: the folder and their SHA-256 (a soup also names its inputs)
     assert rep["checkpoints"] == {"tiny": {"path": str(ckpt), "model_sha256": hashlib.sha256(
         (ckpt / "model.safetensors").read_bytes()).hexdigest()}}
+    from training.compare import load_rows  # the report still reads as an eval report, not a validation result
+    assert load_rows(f"{out}:tiny") == rows
 
 
 def test_a_correct_greedy_kernel_that_is_no_measured_point_is_counted_and_flagged(tiny_model, tiny_tok):

@@ -141,5 +141,6 @@ def test_compare_validates_several_checkpoints_on_the_same_problems(tmp_path, ti
     assert res["problems"] == [f"{p.label} {p.op}" for p in want]
     assert set(res["checkpoints"]) == {"a", "b"}
     assert all(c["problems"] == 2 and len(c["rows"]) == 2 for c in res["checkpoints"].values())
+    assert res["checkpoints"]["a"]["provenance"]["path"] == str(tmp_path / "a")  # which weights were scored
     with pytest.raises(ValueError, match="write name=folder"):
         validation.compare(f"{tmp_path / 'a'}", 2, evaluator="header")
