@@ -80,6 +80,9 @@ def soup(inputs: list[tuple[str, float]], out_dir: str | Path) -> dict:
     out = Path(out_dir)
     if any(out.resolve() == Path(d).resolve() for d, _ in inputs):
         raise SoupError(f"--out {out} is one of the inputs; write the soup to a new folder")
+    if (out / "model.safetensors").is_file() and not (out / SOUP_FILE).is_file():
+        raise SoupError(f"--out {out} holds a checkpoint that is not a soup; write the soup to a new folder "
+                        "(an earlier soup there is replaced)")
 
     model, tok = load_policy(inputs[0][0])  # the folder to write back into; the others are read as files
     first = Path(inputs[0][0])

@@ -82,6 +82,11 @@ def test_refuses_inputs_that_are_not_one_model(three, tmp_path, tiny_tok, n_feat
     with pytest.raises(SoupError, match="one of the inputs"):
         soup([(str(three[0]), 1), (str(three[1]), 1)], three[1])
     assert not (tmp_path / "out").exists()  # nothing half-written
+    with pytest.raises(SoupError, match="not a soup"):  # a trained checkpoint is never overwritten
+        soup([(str(three[0]), 1), (str(three[1]), 1)], three[2])
+    soup([(str(three[0]), 1), (str(three[1]), 1)], tmp_path / "again")
+    soup([(str(three[0]), 1), (str(three[2]), 1)], tmp_path / "again")  # an earlier soup is replaced
+    assert json.loads((tmp_path / "again" / "soup.json").read_text())["inputs"][1]["checkpoint"] == str(three[2])
 
 
 def test_cli_soup_and_its_errors(three, tmp_path, capsys):
