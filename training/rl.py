@@ -67,6 +67,8 @@ class RLConfig:
     unlabelled_mix: str = opt("", "weights of the unlabelled problems' sources, e.g. 'shared:social_powerlaw=3,"
                                   "rmat=1': generators, 'shared' or 'shared:<kind>' (structures derived from the "
                                   "shared folder's training side); default: the generators equally")
+    unlabelled_spmm_n: str = opt("32", "the unlabelled SpMM problems' widths N, comma-separated, drawn equally "
+                                       "(e.g. '8,32,128'; the held-out split has SpMM with N = 8, 32 and 128)")
     labelled: bool = opt(True, "the training records' problems (off with --unlabelled N: new structures only)")
     speculative: bool = opt(True, "decode rollouts speculatively against the nearest measured kernels "
                                   "(the same samples' distribution, fewer model calls)")
@@ -207,6 +209,12 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
 
         mix = parse_mix(cfg.unlabelled_mix) if cfg.unlabelled_mix else None
         vmix = parse_mix(cfg.validate_mix) if cfg.validate_mix else mix
+    try:  # a bad width list fails before any data is read
+        spmm_widths = tuple(int(w) for w in cfg.unlabelled_spmm_n.split(",") if w.strip())
+    except ValueError:
+        raise ValueError(f"--unlabelled-spmm-n {cfg.unlabelled_spmm_n!r}: write widths N as integers, e.g. 8,32,128") from None
+    if not spmm_widths or min(spmm_widths) < 2:
+        raise ValueError(f"--unlabelled-spmm-n {cfg.unlabelled_spmm_n!r}: give one or more SpMM widths N >= 2")
     if cfg.validate and ctx.distributed:
         raise ValueError("--validate runs in one process; launch without torchrun")
     if cfg.validate and cfg.validate_every < 1:
@@ -226,7 +234,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
             from training.unlabelled import unlabelled_problems
 
             problems += unlabelled_problems(cfg.unlabelled, cfg.seed, cfg.max_nnz,
-                                            exclude_labels={r.matrix.label for r in train_records()}, mix=mix)
+                                            exclude_labels={r.matrix.label for r in train_records()}, mix=mix,
+                                            spmm_widths=spmm_widths)
     if not problems:
         raise ValueError("RL needs at least one training problem" + (f" (--max-nnz {cfg.max_nnz} left none)"
                                                                       if cfg.max_nnz else ""))

@@ -5,7 +5,9 @@ little left to find (docs/training.md, "Known gaps"). What it can add is reward 
 the supervision never measured. This module draws them: the training generators
 (``sparserl_compile.matrices.GENERATORS``) at seeds from 100 up (the supervision uses 0-2) and
 at sizes drawn from ranges like the supervision's. Each is SpMV or SpMM with N = 32 (the two
-products the supervision mostly holds), float32.
+products the supervision mostly holds), float32. ``spmm_widths`` (``--unlabelled-spmm-n``) gives
+the SpMM problems other widths, drawn equally: the held-out split holds SpMM with N = 8 and 128,
+which no RL problem had before (twentieth session).
 
 Such a problem has no measured reference and no kernel-space best. The GPU evaluator times
 cuSPARSE itself, so the speed term of the reward is ``log2(cuSPARSE / kernel)`` alone
@@ -137,9 +139,10 @@ def derive_shared(m, rng: np.random.Generator):
 
 def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_labels=frozenset(),
                         max_draws: int | None = None, mix: dict[str, float] | None = None,
-                        first_seed: int = FIRST_SEED) -> list:
+                        first_seed: int = FIRST_SEED, spmm_widths=(32,)) -> list:
     """``count`` ``RLProblem``s on matrices no supervision record names (module doc): generated,
     and with ``mix`` naming ``shared`` sources, derived from the shared folder's training side.
+    Half are SpMV, half SpMM with an N of ``spmm_widths``, drawn equally.
     Deterministic in ``seed`` (and the shared folder). The generators' and derivations' seeds
     count from ``first_seed`` (stage 3's validation problems use their own range,
     ``training/validation.py``). Raises ValueError when ``max_draws``
@@ -149,6 +152,9 @@ def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_lab
     from training.data import MatrixRef, is_held_out
     from training.rewards import RLProblem
 
+    widths = tuple(int(w) for w in spmm_widths)
+    if not widths or any(w < 2 for w in widths):
+        raise ValueError(f"spmm_widths {spmm_widths!r}: give one or more SpMM widths N >= 2 (e.g. 8,32,128)")
     rng = np.random.default_rng(seed)
     names = sorted(SAMPLERS) if mix is None else sorted(k for k, w in mix.items() if w > 0)
     weights = None if mix is None else np.array([mix[k] for k in names]) / sum(mix[k] for k in names)
@@ -183,6 +189,8 @@ def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_lab
             m, label = matrices.generate(gen, **kwargs), ref.label
         if m.nnz == 0 or (max_nnz and m.nnz > max_nnz) or label in exclude_labels:
             continue
-        op, n = ("spmv", 1) if rng.random() < 0.5 else ("spmm", 32)
+        op, n = ("spmv", 1) if rng.random() < 0.5 else ("spmm", widths[0])
+        if op == "spmm" and len(widths) > 1:  # one more draw only then: the default draws stay as before
+            n = widths[int(rng.integers(len(widths)))]
         out.append(RLProblem(m, op, "f32", n, label))
     return out

@@ -166,6 +166,9 @@ def test_rl_on_unlabelled_problems_only(tmp_path, tiny_tok, n_features, mix):
     assert r.step == 1 and len(r.mean_rewards) == 1
     with pytest.raises(ValueError, match="unlabelled mix entry 'stencil9=1'"):
         rl(dataclasses.replace(cfg, out_dir=str(tmp_path / "bad"), unlabelled_mix="rmat=1,stencil9=1"), log=QUIET)
+    for bad in ("32,x", "1", ""):
+        with pytest.raises(ValueError, match="--unlabelled-spmm-n"):
+            rl(dataclasses.replace(cfg, out_dir=str(tmp_path / "bad"), unlabelled_spmm_n=bad), log=QUIET)
 
 
 def test_sft_rejects_hints_without_retrieval(tmp_path):

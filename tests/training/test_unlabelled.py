@@ -28,6 +28,20 @@ def test_problems_are_deterministic_new_and_never_held_out():
         assert not is_held_out(MatrixRef("generated", gen, tuple(sorted(typed.items()))))
 
 
+def test_spmm_widths_are_drawn_equally_and_the_default_draws_stay_as_before():
+    base = unlabelled_problems(12, seed=3, max_nnz=100_000)
+    assert [(p.label, p.op, p.n) for p in unlabelled_problems(12, seed=3, max_nnz=100_000, spmm_widths=(32,))] == \
+        [(p.label, p.op, p.n) for p in base]  # one width: no extra draw, the problems of earlier runs
+    wide = unlabelled_problems(40, seed=3, max_nnz=100_000, spmm_widths=(8, 32, 128))
+    assert {p.n for p in wide if p.op == "spmm"} == {8, 32, 128}
+    assert all(p.n == 1 for p in wide if p.op == "spmv")
+    only = unlabelled_problems(6, seed=3, max_nnz=100_000, spmm_widths=(128,))
+    assert {p.n for p in only if p.op == "spmm"} == {128}
+    for bad in ((), (1,), (32, 0)):
+        with pytest.raises(ValueError, match="SpMM widths"):
+            unlabelled_problems(2, seed=3, spmm_widths=bad)
+
+
 def test_excluded_labels_are_skipped():
     first = unlabelled_problems(1, seed=5, max_nnz=100_000)[0]
     again = unlabelled_problems(1, seed=5, max_nnz=100_000, exclude_labels={first.label})[0]
