@@ -31,7 +31,7 @@ import torch
 
 SOUP_FILE = "soup.json"
 #: config keys that differ between saves of one model and do not change the computation
-_VOLATILE = {"transformers_version", "_name_or_path", "_commit_hash", "architectures", "torch_dtype", "dtype"}
+_VOLATILE = {"transformers_version", "_name_or_path", "_commit_hash", "torch_dtype", "dtype"}
 
 
 class SoupError(ValueError):
@@ -84,9 +84,9 @@ def soup(inputs: list[tuple[str, float]], out_dir: str | Path) -> dict:
         raise SoupError(f"--out {out} holds a checkpoint that is not a soup; write the soup to a new folder "
                         "(an earlier soup there is replaced)")
 
-    model, tok = load_policy(inputs[0][0])  # the folder to write back into; the others are read as files
     first = Path(inputs[0][0])
-    ref_cfg, ref_tok = _config(first), _tokenizer(first)
+    ref_cfg, ref_tok = _config(first), _tokenizer(first)  # a missing or damaged file says so before loading
+    model, tok = load_policy(first)  # the model to write the average back into; the others are read as files
     ref_sd = load_file(str(first / "model.safetensors"))
     acc = {k: v.to(torch.float64) * weights[0] if v.is_floating_point() else v for k, v in ref_sd.items()}
     for (d, _), w in zip(inputs[1:], weights[1:]):

@@ -94,8 +94,9 @@ def test_cli_soup_and_its_errors(three, tmp_path, capsys):
     assert main(["train", "soup", "--checkpoints", f"{three[0]},{three[1]}", "--out", str(out)]) == 0
     assert "soup of 2 checkpoints" in capsys.readouterr().out and (out / "model.safetensors").is_file()
     missing = tmp_path / "nowhere"
-    assert main(["train", "soup", "--checkpoints", f"{three[0]},{missing}", "--out", str(tmp_path / "x")]) == 2
-    assert "config.json missing" in capsys.readouterr().err
+    for pair in (f"{three[0]},{missing}", f"{missing},{three[0]}"):  # the first input is checked as the others
+        assert main(["train", "soup", "--checkpoints", pair, "--out", str(tmp_path / "x")]) == 2
+        assert "config.json missing" in capsys.readouterr().err
     (three[2] / "config.json").write_text("{not json")
     assert main(["train", "soup", "--checkpoints", f"{three[0]},{three[2]}", "--out", str(tmp_path / "y")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
