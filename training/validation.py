@@ -57,12 +57,14 @@ HISTORY_FILE = "validation.json"
 BEST_DIR = "best"
 
 
-def validation_problems(count: int, seed: int, max_nnz: int, exclude_labels=frozenset(), mix=None) -> list:
-    """``count`` validation ``RLProblem``s (module doc), deterministic in ``seed``."""
+def validation_problems(count: int, seed: int, max_nnz: int, exclude_labels=frozenset(), mix=None,
+                        spmm_widths=(32,)) -> list:
+    """``count`` validation ``RLProblem``s (module doc), deterministic in ``seed``; SpMM widths as
+    ``unlabelled_problems`` draws them (default N = 32, the draws of every earlier session)."""
     from training.unlabelled import unlabelled_problems
 
     return unlabelled_problems(count, seed, max_nnz, exclude_labels=exclude_labels, mix=mix,
-                               first_seed=VALIDATION_FIRST_SEED)
+                               first_seed=VALIDATION_FIRST_SEED, spmm_widths=spmm_widths)
 
 
 class Validator:
@@ -160,7 +162,8 @@ def record(out_dir, history: list[dict], entry: dict, model, tok) -> bool:
 
 
 def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: str = "", evaluator: str = "gpu",
-            workers: int = 4, max_new_tokens: int = 1200, device: str = "auto", log=print) -> dict:
+            workers: int = 4, max_new_tokens: int = 1200, device: str = "auto", log=print,
+            spmm_widths=(32,)) -> dict:
     """Validate every ``name=folder`` of ``checkpoints`` on the same ``count`` problems with one
     ``Validator`` -> ``{"problems": [labels], "checkpoints": {name: validation}}``."""
     from policy.model import load_policy
@@ -172,7 +175,7 @@ def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: 
     pairs = [p.partition("=") for p in filter(None, checkpoints.split(","))]
     if not pairs or any(not name or not path for name, _, path in pairs):
         raise ValueError(f"--checkpoints {checkpoints!r}: write name=folder[,name=folder...]")
-    probs = validation_problems(count, seed, max_nnz, mix=parse_mix(mix) if mix else None)
+    probs = validation_problems(count, seed, max_nnz, mix=parse_mix(mix) if mix else None, spmm_widths=spmm_widths)
     ev = make_evaluator(evaluator, workers)
     v = Validator(probs, ev, max_new_tokens=max_new_tokens)
     out = {"problems": [f"{p.label} {p.op}" for p in probs], "evaluator": evaluator, "checkpoints": {}}
@@ -202,13 +205,20 @@ def main(argv=None) -> int:
                          "for comparing a selected checkpoint without the selection's favour)")
     ap.add_argument("--max-nnz", type=int, default=0, help="the RL run's --max-nnz")
     ap.add_argument("--mix", default="", help="the RL run's --validate-mix (else --unlabelled-mix)")
+    ap.add_argument("--spmm-n", default="32", help="the SpMM problems' widths N, comma-separated, drawn equally "
+                                                   "(as sparserl train rl --unlabelled-spmm-n; 32 draws as before)")
     ap.add_argument("--evaluator", default="gpu", help="'gpu', 'cpu' or 'header'")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=1200)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default="", help="write the result as JSON here")
     a = ap.parse_args(argv)
-    res = compare(a.checkpoints, a.count, a.seed, a.max_nnz, a.mix, a.evaluator, a.workers, a.max_new_tokens, a.device)
+    try:
+        widths = tuple(int(w) for w in a.spmm_n.split(",") if w.strip())
+    except ValueError:
+        ap.error(f"--spmm-n {a.spmm_n!r}: write widths N as integers, e.g. 8,32,128")
+    res = compare(a.checkpoints, a.count, a.seed, a.max_nnz, a.mix, a.evaluator, a.workers, a.max_new_tokens, a.device,
+                  spmm_widths=widths)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0

@@ -144,3 +144,7 @@ def test_compare_validates_several_checkpoints_on_the_same_problems(tmp_path, ti
     assert res["checkpoints"]["a"]["provenance"]["path"] == str(tmp_path / "a")  # which weights were scored
     with pytest.raises(ValueError, match="write name=folder"):
         validation.compare(f"{tmp_path / 'a'}", 2, evaluator="header")
+    wide = validation.validation_problems(24, 4, 200_000, mix={"banded": 1.0}, spmm_widths=(8, 128))
+    assert {p.n for p in wide if p.op == "spmm"} == {8, 128}
+    with pytest.raises(SystemExit):
+        validation.main(["--checkpoints", f"a={tmp_path / 'a'}", "--spmm-n", "8,x", "--evaluator", "header"])
