@@ -13,7 +13,8 @@
 # runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 # SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
-# RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz.
+# RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz;
+# RL_ARGS="--average-from N ..." the run's weights averaged from update N on: ckpt_rl_average.tgz.
 # FRESH="--count 48 --seed 7 --max-nnz 1000000 --mix ..." then scores what was trained on fresh validation
 # problems (python -m training.validation, FRESH_EVALUATOR: gpu) beside FRESH_CHECKPOINTS (default: the shipped
 # default checkpoint, as v3), in the same call: $OUT/fresh.json, paired later with training.compare.
@@ -45,8 +46,9 @@ SR="python3 -m sparserl_compile.cli"
 keep() {  # a stage's checkpoint (weights, tokenizer, configs, trainer log; not the optimizer) and
   # the logs so far, as tarballs: the device returns few files per call, each under 16 MiB, so
   # RL's validation-best checkpoint (--validate: <out>/best/) is a tarball of its own
-  [ -d "$RUNS/$1" ] && tar -czf "$OUT/ckpt_$1.tgz" -C "$RUNS/$1" --exclude 'optimizer*' --exclude './best' .
+  [ -d "$RUNS/$1" ] && tar -czf "$OUT/ckpt_$1.tgz" -C "$RUNS/$1" --exclude 'optimizer*' --exclude './best' --exclude './average' .
   [ -d "$RUNS/$1/best" ] && tar -czf "$OUT/ckpt_$1_best.tgz" -C "$RUNS/$1/best" .
+  [ -d "$RUNS/$1/average" ] && tar -czf "$OUT/ckpt_$1_average.tgz" -C "$RUNS/$1/average" .  # --average-from
   tar -czf "$OUT/logs.tgz" -C "$OUT" logs
 }
 

@@ -93,6 +93,9 @@ class RLConfig:
                            "kinds, never held-out ones; training/validation.py) before the first update, every "
                            "--validate-every updates and after the last, keeping the best in <out>/best/")
     validate_every: int = opt(4, "updates between validations")
+    average_from: int = opt(0, "also keep the uniform average of the weights after every update from this one "
+                               "on (weight averaging along the run; 0 = off), written to <out>/average/ with "
+                               "each checkpoint (training/soup.py)")
     validate_mix: str = opt("", "the validation problems' sources, as --unlabelled-mix (default: --unlabelled-mix)")
 
 
@@ -186,6 +189,11 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
     ref_model.to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     state = load_state(out, optim) if resume else TrainerState("rl")
+    average = None  # --average-from: the weights averaged along the run, checked before any data is read
+    if cfg.average_from:
+        from training.soup import RunningAverage
+
+        average = RunningAverage.resume(out, cfg.average_from, state.step) if resume else RunningAverage(cfg.average_from)
     raft = cfg.algo == "raft"  # checked before any data, problem or evaluator worker is made
     if raft:
         from training.raft import RaftBuffer
@@ -359,6 +367,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         rec["seconds_parts"]["update"] = round(max(0.0, rec["seconds"] - sum(
             v for k, v in parts.items() if not k.startswith("rewards_"))), 1)
         state.step = step + 1
+        if average is not None and ctx.is_main:
+            average.update(model, state.step)
         res.mean_rewards.append(rec["mean_reward"])
         res.stats.append(rec)
         if (step + 1) % cfg.log_every == 0:
@@ -378,6 +388,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
             over = tdist.broadcast_scalar(over)  # rank 0's clock: every rank stops after the same step
         if ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or over) and ctx.is_main:
             save_state(out, model, tok, optim, state)
+            if average is not None and average.save(model, tok, out) is not None:
+                log(f"[rl] average of updates {average.start}-{average.last} ({average.count}) saved to {out / 'average'}")
         if validator is not None and ((step + 1) % cfg.validate_every == 0 or step + 1 == cfg.steps or over):
             validate(step + 1)
         if over:

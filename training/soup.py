@@ -148,6 +148,77 @@ def provenance(directory: str | Path) -> dict:
     return out
 
 
+AVERAGE_DIR = "average"
+AVERAGE_FILE = "average.json"
+
+
+class RunningAverage:
+    """The uniform average of a model's weights after each update from update ``start`` on, along
+    one run (stochastic weight averaging, Izmailov et al., UAI 2018): ``sparserl train rl
+    --average-from N`` keeps it beside the run and writes it to ``<out>/average/`` with every
+    checkpoint. Where a soup averages runs, this averages one run's last updates, at no extra
+    device time. Kept on the CPU in float32, every floating-point tensor of the state dict."""
+
+    def __init__(self, start: int):
+        if start < 1:
+            raise ValueError(f"--average-from {start}: the first update to average is 1 or later")
+        self.start, self.count, self.last, self.sd = start, 0, 0, None
+
+    def update(self, model, update: int) -> None:
+        """Fold in the weights after update ``update`` (1-based; earlier than ``start``: nothing)."""
+        if update < self.start:
+            return
+        with torch.no_grad():
+            cur = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if v.is_floating_point()}
+            self.count += 1
+            if self.sd is None:
+                self.sd = {k: v.clone() for k, v in cur.items()}
+            else:
+                for k, v in cur.items():
+                    self.sd[k] += (v - self.sd[k]) / self.count
+        self.last = update
+
+    def save(self, model, tokenizer, out_dir: str | Path) -> Path | None:
+        """Write the average as a policy folder ``<out_dir>/average`` (None before ``start``)."""
+        import copy
+
+        from policy.model import save_policy
+
+        if self.sd is None:
+            return None
+        m = copy.deepcopy(model).cpu()
+        sd = m.state_dict()
+        m.load_state_dict({k: self.sd[k].to(sd[k].dtype) for k in self.sd}, strict=False)
+        d = save_policy(m, tokenizer, Path(out_dir) / AVERAGE_DIR)
+        (d / AVERAGE_FILE).write_text(json.dumps({"from_update": self.start, "updates": self.count,
+                                                  "last_update": self.last}, indent=1))
+        return d
+
+    @classmethod
+    def resume(cls, out_dir: str | Path, start: int, step: int) -> "RunningAverage":
+        """The average a run saved in ``out_dir`` when it stopped at update ``step`` (a new one
+        where none is due yet). Raises ValueError when the saved average does not end at ``step``."""
+        from policy.model import load_policy
+
+        avg = cls(start)
+        d = Path(out_dir) / AVERAGE_DIR
+        if not (d / AVERAGE_FILE).is_file():
+            if step >= start:
+                raise ValueError(f"{out_dir}: the run is at update {step} but holds no average of updates "
+                                 f"{start}-{step} ({d / AVERAGE_FILE} missing); resume it without --average-from "
+                                 "changes, or start a new --out-dir")
+            return avg
+        meta = _read_json(d / AVERAGE_FILE, "average")
+        if meta.get("from_update") != start or meta.get("last_update") != step:
+            raise ValueError(f"{d} averages updates {meta.get('from_update')}-{meta.get('last_update')}, "
+                             f"but the run resumes at update {step} with --average-from {start}; "
+                             "start a new --out-dir")
+        m = load_policy(d)[0]
+        avg.sd = {k: v.float().clone() for k, v in m.state_dict().items() if v.is_floating_point()}
+        avg.count, avg.last = int(meta["updates"]), step
+        return avg
+
+
 def _tied(model) -> set[str]:
     """Names of parameters that a checkpoint leaves out because they are tied to another."""
     keys = getattr(model, "_tied_weights_keys", None) or []

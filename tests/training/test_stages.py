@@ -104,6 +104,37 @@ def test_grpo_raises_the_reward(tmp_path, tiny_tok, n_features):
     assert (r2.start_step, r2.step) == (10, 11)
 
 
+def test_rl_average_from_keeps_the_mean_of_the_updates_weights_across_a_resume(tmp_path, tiny_tok, n_features):
+    """--average-from 2: after update 2 the average is update 2's weights; resumed to update 3,
+    it is the mean of updates 2 and 3 (each read back from the run's own checkpoints)."""
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1), tiny_tok, init)
+    out = tmp_path / "avg"
+    cfg = RLConfig(init=str(init), out_dir=str(out), steps=2, problems_per_step=1, k=4, max_new_tokens=16,
+                   lr=3e-3, algo="grpo", save_every=1, kl_coef=0.01, average_from=2)
+    probs = [RLProblem(banded(48, 2), "spmv", "f32", 1)]
+    logs = []
+    run = lambda c: rl(c, problems=probs, evaluator=_PrefersDia(), reward_fn=lambda o: float(o.correct),  # noqa: E731
+                       log=logs.append)
+    run(cfg)
+    w2 = load_policy(out)[0].state_dict()
+    avg = load_policy(out / "average")[0].state_dict()
+    assert all(torch.equal(avg[k], w2[k]) for k in w2)  # one update averaged: itself
+    assert json.loads((out / "average" / "average.json").read_text()) == {"from_update": 2, "updates": 1,
+                                                                           "last_update": 2}
+    run(dataclasses.replace(cfg, steps=3))
+    w3 = load_policy(out)[0].state_dict()
+    avg = load_policy(out / "average")[0].state_dict()
+    assert any(not torch.equal(w2[k], w3[k]) for k in w2)  # the third update moved the weights
+    assert all(torch.allclose(avg[k], (w2[k] + w3[k]) / 2, atol=1e-6) for k in w2)
+    assert any("average of updates 2-3 (2) saved" in m for m in logs)
+    (out / "average" / "average.json").unlink()  # a run at update 3 without its average cannot resume it
+    with pytest.raises(ValueError, match="holds no average of updates 2-3"):
+        run(dataclasses.replace(cfg, steps=4))
+    with pytest.raises(ValueError, match="1 or later"):
+        run(dataclasses.replace(cfg, out_dir=str(tmp_path / "neg"), average_from=-1))
+
+
 def test_rl_refuses_to_resume_a_run_started_with_other_settings(tmp_path, tiny_tok, n_features):
     """A second run pointed at a left-over folder must not continue the first one silently."""
     init = tmp_path / "init"
