@@ -4,7 +4,8 @@
 # Stage budgets in seconds: PT_S, SFT_S, RL_S (defaults below); SIZE=default|small|tiny.
 # The supervision records name matrices of ../shared/matrices: carry .device_carry too and set
 # SPARSERL_SHARED_MATRICES (benchmarks/NOTES.md). Writes under "$OUT" after each stage:
-# ckpt_<stage>.tgz (model, tokenizer, trainer state; no optimizer) and logs.tgz, so a call cut
+# ckpt_<stage>.tgz (model, tokenizer, trainer state; no optimizer) and logs.tgz (the logs themselves
+# are not under $OUT, which returns at most 8 files), so a call cut
 # by its limit keeps the stages that finished. ckpt_rl becomes policy/checkpoints/default/.
 # Knobs: PT_S=0 skips pretraining and SFT starts from SFT_INIT; SFT_ARGS / RL_ARGS are added to
 # those stages (e.g. SFT_ARGS="--retrieval --top-variants 3"); RL_EVALUATOR (gpu | measured | cpu);
@@ -20,7 +21,8 @@
 # default checkpoint, as v3), in the same call: $OUT/fresh.json, paired later with training.compare.
 # SEEDS="1 2 3" trains one RL run per seed instead of one (rl_s<seed>, each RL_S; one per GPU at once
 # where several are visible, else in turn) and their weight average rl_soup (sparserl train soup),
-# which FRESH and EVAL score beside the runs; ckpt_rl_soup.tgz and the first KEEP_MEMBERS (4) runs' come back.
+# which FRESH and EVAL score beside the runs; ckpt_rl_soup.tgz comes back, then the runs' (at most KEEP_MEMBERS,
+# default 4) while the call's 8 files allow.
 # A run that finished in an earlier call on the same warm machine (same RUNS) is kept, not run again:
 # SEEDS="1" in one call, then SEEDS="1 2" in the next, trains seed 2 and averages the two.
 # RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
@@ -33,7 +35,9 @@ RUNS="${RUNS:-/tmp/sr_runs}"
 SIZE="${SIZE:-default}"
 PT_S="${PT_S:-90}"; SFT_S="${SFT_S:-100}"; RL_S="${RL_S:-130}"
 DATA="${DATA:-$(python3 -c "from training.data import DEFAULT_SUPERVISION as d; print(d)")}"  # the stages' default files
-LOGS="$OUT/logs"; mkdir -p "$LOGS" "$RUNS"
+# the logs stay out of $OUT (at most 8 files come back from a call; loose logs could crowd out a
+# checkpoint) and come back in logs.tgz
+LOGS_ROOT="$(mktemp -d)"; LOGS="$LOGS_ROOT/logs"; mkdir -p "$LOGS" "$RUNS" "$OUT"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -49,7 +53,7 @@ keep() {  # a stage's checkpoint (weights, tokenizer, configs, trainer log; not 
   [ -d "$RUNS/$1" ] && tar -czf "$OUT/ckpt_$1.tgz" -C "$RUNS/$1" --exclude 'optimizer*' --exclude './best' --exclude './average' .
   [ -d "$RUNS/$1/best" ] && tar -czf "$OUT/ckpt_$1_best.tgz" -C "$RUNS/$1/best" .
   [ -d "$RUNS/$1/average" ] && tar -czf "$OUT/ckpt_$1_average.tgz" -C "$RUNS/$1/average" .  # --average-from
-  tar -czf "$OUT/logs.tgz" -C "$OUT" logs
+  tar -czf "$OUT/logs.tgz" -C "$LOGS_ROOT" logs
 }
 
 if [ "$PT_S" != 0 ]; then
@@ -96,7 +100,7 @@ if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
   for seed in $SEEDS; do
     MEMBERS="${MEMBERS:+$MEMBERS,}$RUNS/rl_s$seed"
     if [ -f "$RUNS/rl_s$seed/$DONE" ]; then  # finished in an earlier call on this warm machine: not run again
-      echo "== rl_s$seed: finished in an earlier call"; TRAINED="${TRAINED:+$TRAINED,}rl_s$seed=$RUNS/rl_s$seed"; continue
+      echo "== rl_s$seed: finished in an earlier call"; continue
     fi
     NEW="$NEW $seed"
     if [ "$NGPU" -gt 1 ]; then  # one run per GPU at once; a new group starts when every GPU is busy
@@ -107,17 +111,23 @@ if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
     fi
   done
   wait
-  n=0
-  for seed in $NEW; do  # at most 8 files come back from a call: the first KEEP_MEMBERS new runs' checkpoints
-    [ "$n" -lt "${KEEP_MEMBERS:-4}" ] && keep "rl_s$seed"; n=$((n + 1))
-    TRAINED="${TRAINED:+$TRAINED,}rl_s$seed=$RUNS/rl_s$seed"
-  done
   if [ "$(echo $SEEDS | wc -w)" -gt 1 ]; then
     echo "== soup of $MEMBERS"
     $SR train soup --checkpoints "$MEMBERS" --out "$RUNS/rl_soup" >"$LOGS/soup.log" 2>&1; echo "rc=$?"; tail -1 "$LOGS/soup.log"
     keep rl_soup
-    TRAINED="rl_soup=$RUNS/rl_soup,$TRAINED"
+    TRAINED="${TRAINED:+$TRAINED,}rl_soup=$RUNS/rl_soup"
   fi
+  # at most 8 files come back from a call: after the soup, the first KEEP_MEMBERS new runs'
+  # checkpoints (and their --average-from averages) while room is left for fresh.json and eval.json
+  budget=8; n=0
+  [ -n "${FRESH:-}" ] && budget=$((budget - 1)); [ -n "${EVAL:-}" ] && budget=$((budget - 1))
+  for seed in $NEW; do
+    need=$((1 + $([ -d "$RUNS/rl_s$seed/average" ] && echo 1 || echo 0) + $([ -f "$OUT/logs.tgz" ] && echo 0 || echo 1)))
+    if [ "$n" -lt "${KEEP_MEMBERS:-4}" ] && [ $(( $(ls "$OUT" | wc -l) + need )) -le "$budget" ]; then
+      keep "rl_s$seed"; n=$((n + 1))
+    fi
+  done
+  for seed in $SEEDS; do TRAINED="${TRAINED:+$TRAINED,}rl_s$seed=$RUNS/rl_s$seed"; done
 elif [ "$RL_S" != 0 ]; then
   rl_stage rl
   TRAINED="${TRAINED:+$TRAINED,}rl=$RUNS/rl"
