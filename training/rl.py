@@ -217,12 +217,12 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
 
         mix = parse_mix(cfg.unlabelled_mix) if cfg.unlabelled_mix else None
         vmix = parse_mix(cfg.validate_mix) if cfg.validate_mix else mix
+    from training.unlabelled import parse_spmm_widths
+
     try:  # a bad width list fails before any data is read
-        spmm_widths = tuple(int(w) for w in cfg.unlabelled_spmm_n.split(",") if w.strip())
-    except ValueError:
-        raise ValueError(f"--unlabelled-spmm-n {cfg.unlabelled_spmm_n!r}: write widths N as integers, e.g. 8,32,128") from None
-    if not spmm_widths or min(spmm_widths) < 2:
-        raise ValueError(f"--unlabelled-spmm-n {cfg.unlabelled_spmm_n!r}: give one or more SpMM widths N >= 2")
+        spmm_widths = parse_spmm_widths(cfg.unlabelled_spmm_n)
+    except ValueError as e:
+        raise ValueError(f"--unlabelled-spmm-n: {e}") from None
     if cfg.validate and ctx.distributed:
         raise ValueError("--validate runs in one process; launch without torchrun")
     if cfg.validate and cfg.validate_every < 1:

@@ -87,6 +87,19 @@ ESTIMATES = {
 FIRST_SEED = 100
 
 
+def parse_spmm_widths(widths) -> tuple[int, ...]:
+    """The SpMM widths N of ``unlabelled_problems``: a sequence of ints, or their comma-separated
+    text (``--unlabelled-spmm-n 8,32,128``). Raises ValueError unless one or more integers >= 2."""
+    try:
+        out = tuple(int(w) for w in (widths.split(",") if isinstance(widths, str) else widths)
+                    if not isinstance(w, str) or w.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 2:
+        raise ValueError(f"SpMM widths {widths!r}: give one or more SpMM widths N >= 2, e.g. 8,32,128")
+    return out
+
+
 def parse_mix(text: str) -> dict[str, float]:
     """``'shared:social_powerlaw=3,rmat=1,shared=0.5'`` -> source -> weight. A source is a
     generator of ``SAMPLERS``, ``shared`` (any kind of the shared folder's training side) or
@@ -152,9 +165,7 @@ def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_lab
     from training.data import MatrixRef, is_held_out
     from training.rewards import RLProblem
 
-    widths = tuple(int(w) for w in spmm_widths)
-    if not widths or any(w < 2 for w in widths):
-        raise ValueError(f"spmm_widths {spmm_widths!r}: give one or more SpMM widths N >= 2 (e.g. 8,32,128)")
+    widths = parse_spmm_widths(spmm_widths)
     rng = np.random.default_rng(seed)
     names = sorted(SAMPLERS) if mix is None else sorted(k for k, w in mix.items() if w > 0)
     weights = None if mix is None else np.array([mix[k] for k in names]) / sum(mix[k] for k in names)

@@ -213,10 +213,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default="", help="write the result as JSON here")
     a = ap.parse_args(argv)
+    from training.unlabelled import parse_spmm_widths
+
     try:
-        widths = tuple(int(w) for w in a.spmm_n.split(",") if w.strip())
-    except ValueError:
-        ap.error(f"--spmm-n {a.spmm_n!r}: write widths N as integers, e.g. 8,32,128")
+        widths = parse_spmm_widths(a.spmm_n)
+    except ValueError as e:
+        ap.error(f"--spmm-n: {e}")
     res = compare(a.checkpoints, a.count, a.seed, a.max_nnz, a.mix, a.evaluator, a.workers, a.max_new_tokens, a.device,
                   spmm_widths=widths)
     if a.out:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from training.data import MatrixRef, is_held_out
-from training.unlabelled import FIRST_SEED, derive_shared, parse_mix, unlabelled_problems
+from training.unlabelled import FIRST_SEED, derive_shared, parse_mix, parse_spmm_widths, unlabelled_problems
 
 
 def _ref(label_problem):
@@ -40,6 +40,10 @@ def test_spmm_widths_are_drawn_equally_and_the_default_draws_stay_as_before():
     for bad in ((), (1,), (32, 0)):
         with pytest.raises(ValueError, match="SpMM widths"):
             unlabelled_problems(2, seed=3, spmm_widths=bad)
+    assert parse_spmm_widths("8, 32,128,") == (8, 32, 128) == parse_spmm_widths([8, 32, 128])
+    for bad in ("", "32,x", "1"):
+        with pytest.raises(ValueError, match="SpMM widths"):
+            parse_spmm_widths(bad)
 
 
 def test_excluded_labels_are_skipped():
