@@ -145,12 +145,16 @@ class SparseRLPolicy(LlamaPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, structure: StructureBatch | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values=None,
-                use_cache: bool = False, **_) -> PolicyOutput:
+                use_cache: bool = False, past_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **_) -> PolicyOutput:
         """Run the decoder over ``[structure prefix] + input_ids``.
 
         With ``structure`` the prefix is prepended (the first call of a generation or a training
         step); without it ``input_ids`` continue ``past_key_values``. ``attention_mask`` covers
-        ``input_ids`` only (the prefix is always attended).
+        ``input_ids`` only (the prefix is always attended). ``past_mask`` (B, cache length): which
+        cached positions each row attends to (default all; batched speculative decoding leaves
+        holes where a row rejected draft tokens), with ``position_ids`` (B, T) the rows' own
+        positions of ``input_ids`` (default: right after the cache).
         """
         emb = self.model.embed_tokens(input_ids)
         n_prefix = 0
@@ -163,15 +167,29 @@ class SparseRLPolicy(LlamaPreTrainedModel):
                                   device=attention_mask.device)
                 attention_mask = torch.cat([ones, attention_mask], dim=1)
         elif attention_mask is not None and past_key_values is not None:
-            past = past_key_values.get_seq_length()
-            ones = torch.ones(attention_mask.shape[0], past, dtype=attention_mask.dtype,
-                              device=attention_mask.device)
-            attention_mask = torch.cat([ones, attention_mask], dim=1)
+            if past_mask is None:
+                past_mask = torch.ones(attention_mask.shape[0], past_key_values.get_seq_length(),
+                                       dtype=attention_mask.dtype, device=attention_mask.device)
+            attention_mask = torch.cat([past_mask.to(attention_mask.dtype), attention_mask], dim=1)
         out = self.model(inputs_embeds=emb, attention_mask=attention_mask, use_cache=use_cache,
-                         **{_CACHE: past_key_values})
+                         position_ids=position_ids, **{_CACHE: past_key_values})
         h = out.last_hidden_state[:, n_prefix:]
         return PolicyOutput(self.lm_head(h).float(), self.value_head(h).squeeze(-1).float(),
                             out.get(_CACHE) if use_cache else None)
+
+
+class CountingPolicy(nn.Module):
+    """A policy that counts its forwards (``calls``), for benchmarks and tests of decoding: on
+    the H200 a forward of this small model costs about as much for one row as for several, so
+    the count is what speculative and batched decoding save there."""
+
+    def __init__(self, model: SparseRLPolicy):
+        super().__init__()
+        self.model, self.config, self.calls = model, model.config, 0
+
+    def forward(self, *a, **kw):
+        self.calls += 1
+        return self.model(*a, **kw)
 
 
 def build_policy(hp: PolicyHParams, seed: int = 0) -> SparseRLPolicy:
