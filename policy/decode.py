@@ -51,6 +51,10 @@ class DecodeConfig:
     #: took 0.18-0.36 s per kernel with 16, 0.09-0.15 s with 64, 0.08-0.10 s with 128 (same
     #: tokens; benchmarks/results/h200_decode_speed_2026-12-03b.json). Never changes a sample.
     draft_len: int = 128
+    #: speculative decoding of k > 1 samples: all in one batch, each with its own drafts (the
+    #: other samples' tokens so far among them), instead of one after another. The same
+    #: distribution; about as many forwards as the slowest sample takes instead of their sum
+    batch_drafts: bool = False
 
 
 @dataclass
@@ -268,19 +272,27 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                          forced: list[list[int]] | None = None) -> list[Rollout]:
     """``generate``'s samples, decoded speculatively against reference kernels.
 
-    Each sample is decoded on its own: a draft of up to ``config.draft_len`` tokens is looked up in
-    the tokenized ``references`` (``draft_tokens``), the model scores the last chosen token and
-    the whole draft in one forward, and the positions are then taken in order exactly as
-    ``generate`` takes one: the grammar mask of the matcher's state, temperature, top-k, a
-    token chosen from that distribution (argmax when greedy). A chosen token equal to the
-    draft's moves on to the next position; the first that differs ends the step, and the
-    cache is cut back to the tokens chosen. Because every token is drawn from the model's own
-    (masked) distribution given the tokens before it, the samples have ``generate``'s
-    distribution (greedy: the same tokens, up to floating-point ties), with ``logprobs`` and
-    ``masks`` as ``generate`` records them; the drafts only decide how many positions one
-    forward checks. A sample that writes what a reference says takes about
-    ``tokens / config.draft_len`` forwards instead of ``tokens``. Each finished sample becomes the
-    first reference of the next (samples of one problem are often alike).
+    A draft of up to ``config.draft_len`` tokens is looked up in the tokenized ``references``
+    (``draft_tokens``), the model scores the last chosen token and the whole draft in one
+    forward, and the positions are then taken in order exactly as ``generate`` takes one: the
+    grammar mask of the matcher's state, temperature, top-k, a token chosen from that
+    distribution (argmax when greedy). A chosen token equal to the draft's moves on to the next
+    position; the first that differs ends the step, and the cache is cut back to the tokens
+    chosen. Because every token is drawn from the model's own (masked) distribution given the
+    tokens before it, the samples have ``generate``'s distribution (greedy: the same tokens, up
+    to floating-point ties), with ``logprobs`` and ``masks`` as ``generate`` records them; the
+    drafts only decide how many positions one forward checks. A sample that writes what a
+    reference says takes about ``tokens / config.draft_len`` forwards instead of ``tokens``.
+
+    By default the samples are decoded one after another, and each finished sample becomes the
+    first reference of the next (samples of one problem are often alike). With
+    ``config.batch_drafts`` they are decoded together: one forward a step checks every
+    unfinished sample's own draft (padded to the longest), each sample drafting from the other
+    samples' tokens so far before the references; a sample's rejected draft positions stay in
+    the batch's cache as holes its later positions do not attend to (``past_mask``,
+    ``position_ids``), and the cache is cut back to the last position any sample keeps. The
+    same distribution either way; the batch takes about as many forwards as its slowest sample
+    instead of the sum over samples.
 
     ``forced`` (one prefix per sample, as in ``generate``): a sample's first tokens are its
     prefix whatever the model prefers, each with the log-probability and mask the model gave it;
@@ -293,18 +305,51 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     if config.draft_len < 1:
         raise ValueError(f"DecodeConfig.draft_len={config.draft_len}: a draft holds at least one token")
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
     eos = tokenizer.eos_token_id
     prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
     refs = [tokenizer.encode(r) + [eos] for r in references]
     gen = _generator(config, device)
+    prefixes = forced if forced is not None else [[] for _ in range(k)]
+    together = config.batch_drafts and k > 1
+    sb = StructureBatch.collate([structure])
+    if together:
+        sb = sb.repeat(k)
+    first = model(torch.tensor([prompt] * (k if together else 1), device=device), sb.to(device), use_cache=True)
+    if together:
+        rolls = _speculate(model, tokenizer, first, prefixes, refs, config, gen, grammar_text, op, dtype)
+    else:
+        rolls = []
+        for s_i in range(k):
+            (r,) = _speculate(model, tokenizer, first, prefixes[s_i:s_i + 1], refs, config, gen, grammar_text,
+                              op, dtype, copy_cache=k > 1)  # each crops its own copy of the prompt's cache
+            rolls.append(r)
+            refs.insert(0, r.tokens)  # samples of one problem are often alike: the last one drafts first
+    for r in rolls:
+        r.prompt_ids = list(prompt)
+    return rolls
+
+
+def _speculate(model, tokenizer, first, prefixes: list[list[int]], refs: list[list[int]], config: DecodeConfig,
+               gen, grammar_text, op: str, dtype: str, copy_cache: bool = False) -> list[Rollout]:
+    """``generate_speculative``'s decoding of ``len(prefixes)`` samples in one batch, continuing
+    ``first`` (the prompt's forward, one row per sample). One sample is the sequential case: its
+    cache has no holes, so the model is called without ``past_mask``/``position_ids`` and a
+    step's rejected draft is cropped off, as before batching."""
+    n_rows = len(prefixes)
+    device = first.logits.device
+    vocab = model.config.vocab_size
+    eos = tokenizer.eos_token_id
+    past = copy.deepcopy(first.past_key_values) if copy_cache else first.past_key_values
+    pending = first.logits[:, -1:]  # (rows, 1, V): the distribution of each sample's first position
+    holes = n_rows > 1
+    valid = torch.ones(n_rows, past.get_seq_length(), dtype=torch.long, device=device)  # cache positions attended
+    pos = [past.get_seq_length()] * n_rows  # each sample's next position id
+    matchers = ([make_matcher(tokenizer, vocab, grammar_text, op, dtype) for _ in range(n_rows)]
+                if config.constrained else [None] * n_rows)
     if config.constrained:
         import llguidance.torch as llt
 
         bitmask = llt.allocate_token_bitmask(1, vocab)
-    sb = StructureBatch.collate([structure]).to(device)
-    ids = torch.tensor([prompt], device=device)
-    first = model(ids, sb, use_cache=True)
     fast = config.greedy and not config.trace
     # untraced sampling without top-k: each forward's positions are drawn from the unmasked
     # distribution in one batch and one transfer; a draw the grammar allows is kept, one it
@@ -313,40 +358,67 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     # with the mask). Other draws than the traced path's for the same seed, the same distribution.
     fast_sample = not config.greedy and not config.trace and not config.top_k
     temp = 1.0 if config.greedy else max(config.temperature, 1e-5)  # forced positions' log-probabilities, draws
-    rollouts = []
-    for s_i in range(k):
-        prefix = forced[s_i] if forced is not None else []
-        past = copy.deepcopy(first.past_key_values) if k > 1 else first.past_key_values  # each crops its own
-        pending = first.logits[0, -1:]  # (1, V): the distribution of the next position
-        matcher = make_matcher(tokenizer, vocab, grammar_text, op, dtype) if config.constrained else None
-        tokens, logps, masks = [], [], []
-        error = None
-        done = False
-        while not done and len(tokens) < config.max_new_tokens:
-            p0 = len(tokens)  # the position rows[0] chooses
+    tokens: list[list[int]] = [[] for _ in range(n_rows)]
+    logps: list[list[float]] = [[] for _ in range(n_rows)]
+    masks: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
+    errors: list[str | None] = [None] * n_rows
+    done = [False] * n_rows
+    live = list(range(n_rows))  # the unfinished samples, in the batch's row order
+    step = 0
+    while live:
+        drafts, fed = {}, {}
+        for i in live:
+            p0 = len(tokens[i])  # the position the sample's first row chooses
             room = config.max_new_tokens - p0 - 1
-            draft = (prefix[p0:p0 + max(0, room)] if p0 < len(prefix)  # the rest of the forced prefix
-                     else draft_tokens(tokens, refs, min(config.draft_len, room)))
+            prefix = prefixes[i]
+            if p0 < len(prefix):  # the rest of the forced prefix
+                drafts[i] = prefix[p0:p0 + max(0, room)]
+            else:
+                others = [tokens[j] for j in range(n_rows) if j != i and tokens[j]]
+                drafts[i] = draft_tokens(tokens[i], others + refs, min(config.draft_len, room))
             # fed to the model: the last chosen token (not yet in the cache; none before the first,
             # whose logits the prompt gave) and the draft, scored in one forward
-            fed = tokens[-1:] + draft
-            if fed:
-                out = model(torch.tensor([fed], device=device), past_key_values=past, use_cache=True)
-                past, rows = out.past_key_values, out.logits[0]
-            if not tokens:
-                rows = torch.cat([pending, rows], dim=0) if fed else pending
+            fed[i] = tokens[i][-1:] + drafts[i]
+        width = max(map(len, fed.values()))
+        cached = valid.shape[1]
+        if width:
+            ids = torch.full((len(live), width), eos, dtype=torch.long)
+            new = torch.zeros((len(live), width), dtype=torch.long)
+            for b, i in enumerate(live):
+                ids[b, :len(fed[i])] = torch.tensor(fed[i])
+                new[b, :len(fed[i])] = 1
+            ids, new = ids.to(device), new.to(device)
+            if holes:
+                at = torch.tensor([pos[i] for i in live])[:, None] + torch.arange(width)
+                out = model(ids, past_key_values=past, use_cache=True, attention_mask=new, past_mask=valid,
+                            position_ids=at.to(device))
+            else:  # one sample: no padding, no holes
+                out = model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            valid = torch.cat([valid, new], dim=1)
+        # each sample's rows: the distribution of its next position, then one per draft token
+        if step == 0:
+            rows_all = torch.cat([pending, out.logits], dim=1) if width else pending
+        else:
+            rows_all = out.logits
+        step += 1
+        # untraced greedy: each position's unmasked top token, in one transfer; the positions
+        # up to the first that leaves the draft take it where the grammar accepts the run
+        top_all = rows_all.float().argmax(-1).tolist() if fast else None
+        drawn_all = None
+        if fast_sample:
+            flat = torch.softmax(rows_all.float().reshape(-1, rows_all.shape[-1]) / temp, -1)
+            drawn_all = torch.multinomial(flat, 1, generator=gen)[:, 0].view(len(live), -1).tolist()
+        for b, i in enumerate(live):
+            draft, p0, prefix, matcher, rows = drafts[i], len(tokens[i]), prefixes[i], matchers[i], rows_all[b]
             taken = 0  # draft tokens chosen
-            # untraced greedy: each position's unmasked top token, in one transfer; the positions
-            # up to the first that leaves the draft take it where the grammar accepts the run
             top, n_top = [], 0
             if fast and p0 >= len(prefix):
-                top = rows.float().argmax(-1).tolist()
+                top = top_all[b][:len(draft) + 1]
                 run = next((top[:j + 1] for j, t in enumerate(top) if j >= len(draft) or t != draft[j]), top)
                 n_top = matcher.validate_tokens(run) if matcher is not None else len(run)
-            drawn = None
-            if fast_sample:
-                drawn = torch.multinomial(torch.softmax(rows.float() / temp, -1), 1, generator=gen)[:, 0].tolist()
-            for j in range(rows.shape[0]):
+            drawn = drawn_all[b] if drawn_all is not None else None
+            for j in range(len(draft) + 1):
                 if j < n_top:
                     t, lpv = top[j], math.nan
                 elif drawn is not None and p0 + j >= len(prefix) and (
@@ -357,7 +429,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                     if matcher is not None:
                         llt.fill_next_token_bitmask(matcher, bitmask, 0)
                         logits = _apply_masks(logits, bitmask, vocab, eos)
-                        masks.append(bitmask[0].clone())
+                        masks[i].append(bitmask[0].clone())
                     if p0 + j < len(prefix):  # forced: the prefix's token, at the model's log-probability
                         t = prefix[p0 + j]
                         lpv = float(torch.log_softmax(logits[0] / temp, -1)[t])
@@ -365,12 +437,12 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                         tok, lp = _pick(logits, config, gen)
                         t, lpv = torch.cat([tok.double(), lp.double()]).tolist()  # one transfer per position
                         t = int(t)
-                tokens.append(t)
-                logps.append(lpv)
+                tokens[i].append(t)
+                logps[i].append(lpv)
                 if matcher is not None and not matcher.consume_token(t) and matcher.is_error():
-                    error = matcher.get_error()
-                if t == eos or len(tokens) >= config.max_new_tokens:
-                    done = True
+                    errors[i] = matcher.get_error()
+                if t == eos or len(tokens[i]) >= config.max_new_tokens:
+                    done[i] = True
                     break
                 if j < len(draft) and t == draft[j]:
                     taken += 1
@@ -378,17 +450,28 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                 break
             # keep in the cache what was chosen: the token fed first (when there was one) and the
             # draft tokens taken; the token chosen last is fed with the next draft
-            extra = len(draft) - taken  # the draft tokens not taken
-            if extra > 0:
-                past.crop(-extra)  # a negative count removes that many (every transformers 4.4x-5.x)
-        finished = bool(tokens) and tokens[-1] == eos
-        body = tokens[:-1] if finished else tokens
+            kept = len(fed[i]) - (len(draft) - taken)
+            pos[i] += kept
+            valid[b, cached + kept:] = 0
+        # finished samples leave the batch; the cache is cut back to the last position one attends
+        keep = [b for b, i in enumerate(live) if not done[i]]
+        if keep and len(keep) < len(live):
+            past.batch_select_indices(torch.tensor(keep, device=device))
+            valid = valid[keep]
+        live = [live[b] for b in keep]
+        if width and live:
+            last = int(valid.any(0).nonzero().max()) + 1
+            if last < valid.shape[1]:
+                past.crop(last - valid.shape[1])  # a negative count removes that many (every transformers 4.4x-5.x)
+                valid = valid[:, :last]
+    rollouts = []
+    for i in range(n_rows):
+        finished = bool(tokens[i]) and tokens[i][-1] == eos
+        body = tokens[i][:-1] if finished else tokens[i]
         rollouts.append(Rollout(
-            prompt_ids=list(prompt), tokens=tokens, text=tokenizer.decode(body), logprobs=logps,
-            finished=finished,
-            masks=torch.stack(masks) if matcher is not None and masks and config.trace else None,
-            grammar_error=error))
-        refs.insert(0, tokens)  # samples of one problem are often alike: the last one drafts first
+            prompt_ids=[], tokens=tokens[i], text=tokenizer.decode(body), logprobs=logps[i], finished=finished,
+            masks=torch.stack(masks[i]) if matchers[i] is not None and masks[i] and config.trace else None,
+            grammar_error=errors[i]))
     return rollouts
 
 

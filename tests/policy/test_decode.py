@@ -1,11 +1,17 @@
+from pathlib import Path
+
 import pytest
 import torch
 
 from policy.decode import DecodeConfig, generate, grammar_accepts, unpack_masks
 from policy.encoder import prepare_structure
+from policy.model import CountingPolicy
 from policy.grammar import kernel_grammar
 from sparserl_compile import contract
 from sparserl_compile.matrices import banded
+
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "policy" / "checkpoints" / "default"
 
 
 def _s():
@@ -99,28 +105,15 @@ def test_draft_tokens_follow_the_longest_matching_suffix():
     assert draft_tokens([42], refs, 4) == [] and draft_tokens([1], [], 4) == []
 
 
-class _Counting(torch.nn.Module):
-    """Counts the model calls of a decoding (forwards everything else to the policy)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.calls = model, 0
-        self.config = model.config
-
-    def forward(self, *a, **kw):
-        self.calls += 1
-        return self.model(*a, **kw)
-
-
 def test_speculative_decoding_writes_the_same_tokens_in_fewer_calls(tiny_model, tiny_tok):
     """Greedy with drafts is greedy without: the same tokens, log-probabilities and masks;
     a reference that is the answer makes it take a fraction of the model calls, a useless one
     only costs what plain decoding does."""
     g = DecodeConfig(greedy=True, max_new_tokens=60)
-    plain_model = _Counting(tiny_model)
+    plain_model = CountingPolicy(tiny_model)
     plain = generate(plain_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)[0]
     for ref, few in ((plain.text, True), ("// nothing alike " * 5, False)):
-        m = _Counting(tiny_model)
+        m = CountingPolicy(tiny_model)
         spec = generate(m, tiny_tok, _s(), "spmv", "f32", 1, config=g, references=[ref])[0]
         assert spec.tokens == plain.tokens and spec.text == plain.text
         assert torch.allclose(torch.tensor(spec.logprobs), torch.tensor(plain.logprobs), atol=1e-4)
@@ -136,11 +129,11 @@ def test_speculative_decoding_keeps_forced_prefixes(tiny_model, tiny_tok):
 
     g = DecodeConfig(greedy=True, max_new_tokens=60)
     forced = [tiny_tok.encode(header_prefix("spmv", f)) for f in ("ell", "csr")]
-    plain_model = _Counting(tiny_model)
+    plain_model = CountingPolicy(tiny_model)
     plain = generate(plain_model, tiny_tok, _s(), "spmv", "f32", 1, k=2, config=g, forced=forced)
     assert [r.tokens[: len(f)] for r, f in zip(plain, forced)] == forced
     for refs, few in (([r.text for r in plain], True), (["// nothing alike " * 5], False)):
-        m = _Counting(tiny_model)
+        m = CountingPolicy(tiny_model)
         spec = generate(m, tiny_tok, _s(), "spmv", "f32", 1, k=2, config=g, forced=forced, references=refs)
         for a, b in zip(spec, plain):
             assert a.tokens == b.tokens and a.text == b.text and a.finished == b.finished
@@ -234,7 +227,79 @@ def test_untraced_speculative_sampling_keeps_the_grammar(tiny_model, tiny_tok):
         assert all(m.consume_token(t) for t in r.tokens)
 
 
-def test_untraced_speculative_sampling_draws_the_masked_distribution(tiny_model, tiny_tok):
+@pytest.mark.parametrize("trace", [True, False])
+def test_batched_speculative_greedy_writes_the_sequential_tokens(tiny_model, tiny_tok, trace):
+    """batch_drafts: forced prefixes of different lengths and drafts each sample takes a different
+    part of, decoded in one batch, write the same tokens (and, traced, log-probabilities and masks)
+    as the samples decoded one after another, in fewer model calls than their sum."""
+    from policy.decode import header_prefix
+
+    forced = [tiny_tok.encode(header_prefix("spmv", f)) for f in ("ell", "csr", "csr_vector")]
+    g = DecodeConfig(greedy=True, max_new_tokens=60, trace=trace)
+    plain = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=3, config=g, forced=forced)
+    for refs in ([plain[0].text[:50], plain[2].text], [r.text for r in plain], ["// nothing alike " * 5]):
+        seq, bat = CountingPolicy(tiny_model), CountingPolicy(tiny_model)
+        one = generate(seq, tiny_tok, _s(), "spmv", "f32", 1, k=3, config=g, forced=forced, references=refs)
+        together = generate(bat, tiny_tok, _s(), "spmv", "f32", 1, k=3, forced=forced, references=refs,
+                            config=DecodeConfig(greedy=True, max_new_tokens=60, trace=trace, batch_drafts=True))
+        for a, b in zip(together, plain):
+            assert a.tokens == b.tokens and a.text == b.text and a.finished == b.finished
+            assert a.prompt_ids == b.prompt_ids
+            if trace:
+                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+                assert torch.equal(a.masks, b.masks)
+        assert [r.tokens for r in one] == [r.tokens for r in plain]
+        assert bat.calls < seq.calls
+
+
+def test_batched_speculative_greedy_of_the_shipped_policy_is_its_sequential_greedy():
+    """The shipped policy's format candidates on a 20000-row banded matrix, drafted from its
+    retrieval sources (kernels of several hundred tokens; the samples keep different parts of the
+    drafts, so the batch's cache has holes): one batch writes every candidate token for token as
+    one-at-a-time decoding does, in fewer model calls."""
+    from policy.decode import format_diverse
+    from policy.model import load_policy
+    from policy.provider import structure_and_formats
+    from policy.retrieval import default_entries, reference_sources
+
+    model, tok = load_policy(DEFAULT_CHECKPOINT, "cpu")
+    m = banded(20000, 3)
+    s, formats = structure_and_formats(m.indptr, m.indices, m.shape, model.config.max_points)
+    refs = reference_sources(s.features, "spmv", "f32", 1, default_entries(), m, count=8, formats=formats)
+    out = {}
+    for batch in (False, True):
+        counted = CountingPolicy(model)
+        cfg = DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=batch)
+        rs = format_diverse(counted, tok, s, "spmv", "f32", 1, 4, formats, config=cfg, references=refs)
+        out[batch] = ([(r.extra["format"], r.tokens) for r in rs], counted.calls)
+    assert out[True][0] == out[False][0] and all(len(t) > 100 for _, t in out[True][0])
+    assert out[True][1] < out[False][1]
+
+
+def test_batched_speculative_sampling_keeps_the_grammar_and_the_bookkeeping(tiny_model, tiny_tok):
+    """Samples decoded speculatively in one batch, traced and untraced: every token is one the
+    grammar allows; traced samples carry a mask and log-probability per token."""
+    from policy.decode import make_matcher
+
+    for trace in (True, False):
+        rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=5, references=["// sparserl op=spmv"],
+                      config=DecodeConfig(max_new_tokens=80, seed=4, trace=trace, batch_drafts=True))
+        assert len(rs) == 5
+        for r in rs:
+            contract.parse_header(r.text)
+            m = make_matcher(tiny_tok, len(tiny_tok), None, "spmv", "f32")
+            assert all(m.consume_token(t) for t in r.tokens)
+            assert len(r.logprobs) == len(r.tokens)
+            if trace:
+                allowed = unpack_masks(r.masks, len(tiny_tok))
+                assert r.masks.shape[0] == len(r.tokens) and max(r.logprobs) <= 0
+                assert all(allowed[t, tok] for t, tok in enumerate(r.tokens))
+            else:
+                assert r.masks is None
+
+
+@pytest.mark.parametrize("batch_drafts", [False, True])
+def test_untraced_speculative_sampling_draws_the_masked_distribution(tiny_model, tiny_tok, batch_drafts):
     """The format token after a forced "format=" in 3000 untraced samples (unmasked draws kept
     where the grammar allows them, drawn again under the mask where not) against the masked
     softmax the traced path draws from: the same distribution, up to sampling noise."""
@@ -246,7 +311,8 @@ def test_untraced_speculative_sampling_draws_the_masked_distribution(tiny_model,
 
     n, vocab, temp = 3000, len(tiny_tok), 1.5
     prefix = tiny_tok.encode("// sparserl op=spmv format=")
-    cfg = DecodeConfig(max_new_tokens=len(prefix) + 1, seed=5, trace=False, temperature=temp)
+    cfg = DecodeConfig(max_new_tokens=len(prefix) + 1, seed=5, trace=False, temperature=temp,
+                       batch_drafts=batch_drafts)
     rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=n, references=["// sparserl op=spmv"],
                   config=cfg, forced=[prefix] * n)
     assert all(r.tokens[:-1] == prefix for r in rs)
