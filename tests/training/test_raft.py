@@ -260,3 +260,31 @@ def test_raft_samples_are_drafted_unless_sample_drafts_is_off(monkeypatch, sampl
     assert [r.extra["origin"] for r in rs] == ["greedy", "sample", "sample", "sample"]
     assert calls == [(1, True, ["draft"]), (3, False, ["draft"] if sample_drafts else None)]
     assert set(seconds) == {"greedy", "sample"}
+
+
+@pytest.mark.parametrize("batch_drafts", [False, True])
+def test_raft_batch_drafts_decodes_the_samples_and_format_candidates_together(monkeypatch, batch_drafts):
+    """--batch-drafts: the temperature samples and the format candidates are decoded with
+    DecodeConfig.batch_drafts (speculatively in one batch); the greedy kernel, one sample, is not."""
+    from types import SimpleNamespace
+
+    import policy.decode as decode
+    from training.rl import _raft_candidates
+
+    seen = []
+
+    def fake_generate(model, tok, structure, op, dtype, n, k=1, config=None, references=None, **kw):
+        seen.append(("greedy" if config.greedy else "sample", config.batch_drafts))
+        return [SimpleNamespace(text=f"kernel {len(seen)} {i}", extra={}) for i in range(k)]
+
+    def fake_formats(model, tok, structure, op, dtype, n, k, formats, config=None, references=None, **kw):
+        seen.append(("format", config.batch_drafts))
+        return [SimpleNamespace(text=f"format {i}", extra={}) for i in range(k)]
+
+    monkeypatch.setattr(decode, "generate", fake_generate)
+    monkeypatch.setattr(decode, "format_diverse", fake_formats)
+    cfg = RLConfig(init="", data="", out_dir="", k=5, raft_explore="mixed", batch_drafts=batch_drafts)
+    pb = SimpleNamespace(op="spmv", dtype="f32", n=1)
+    rs = _raft_candidates(None, None, None, pb, None, ["draft"], cfg, seed=0, formats=["csr", "ell"])
+    assert [r.extra["origin"] for r in rs] == ["greedy", "format", "format", "sample", "sample"]
+    assert seen == [("greedy", False), ("format", batch_drafts), ("sample", batch_drafts)]
