@@ -6,7 +6,8 @@ For each generated matrix and product, the checkpoint's greedy sample and k temp
 are decoded both ways (the retrieval hint and the references as the policy provider gives
 them) and timed; the greedy texts must be identical (speculative decoding only changes how many
 positions one forward checks). Untraced greedy is also timed at each ``--draft-lens`` value
-(``DecodeConfig.draft_len``, the longest draft one forward checks).
+(``DecodeConfig.draft_len``, the longest draft one forward checks), and the k samples also
+speculatively in one batch (``DecodeConfig(batch_drafts=True)``, ``speculative_batched_s``).
 
     python benchmarks/decode_speed.py [--checkpoint policy/checkpoints/retrieval] [--device cpu|cuda]
                                       [--k 4] [--draft-lens 16,64,128] [--json out.json]
@@ -24,7 +25,7 @@ import torch
 
 from policy.decode import DecodeConfig, generate
 from policy.encoder import prepare_structure
-from policy.model import load_policy
+from policy.model import CountingPolicy, load_policy
 from policy.retrieval import default_entries, nearest_hint, problem_for, reference_sources
 from sparserl_compile import matrices
 from sparserl_compile.bench import sync
@@ -47,6 +48,11 @@ def _timed(fn, device: str):
 
 def run(checkpoint: str, device: str, k: int, draft_lens=(16, 64, 128)) -> list[dict]:
     model, tok = load_policy(checkpoint, device)
+    counted = CountingPolicy(model)
+
+    def calls(fn):  # fn's result and its model calls
+        counted.calls = 0
+        return fn(), counted.calls
     rows = []
     for label, gen, kw, op, n in CASES:
         m = matrices.generate(gen, **kw)
@@ -58,13 +64,20 @@ def run(checkpoint: str, device: str, k: int, draft_lens=(16, 64, 128)) -> list[
         for mode, cfg, kk in (("greedy", DecodeConfig(greedy=True, max_new_tokens=1536), 1),
                               (f"sample_k{k}", DecodeConfig(temperature=0.8, seed=0, max_new_tokens=1536), k)):
             plain, tp = _timed(lambda: generate(model, tok, s, op, "f32", n, k=kk, hint=hint, config=cfg), device)
-            spec, ts = _timed(lambda: generate(model, tok, s, op, "f32", n, k=kk, hint=hint, config=cfg,
-                                               references=refs), device)
+            (spec, spec_calls), ts = _timed(lambda: calls(lambda: generate(counted, tok, s, op, "f32", n, k=kk, hint=hint,
+                                                                           config=cfg, references=refs)), device)
             row = {"matrix": label, "op": op, "n": n, "mode": mode, "plain_s": tp, "speculative_s": ts,
                    "tokens_plain": sum(len(r.tokens) for r in plain),
                    "tokens_speculative": sum(len(r.tokens) for r in spec),
-                   "same_text": [r.text for r in plain] == [r.text for r in spec]}
+                   "same_text": [r.text for r in plain] == [r.text for r in spec], "calls_speculative": spec_calls}
             extra = ""
+            if mode != "greedy":  # the k samples speculatively in one batch (other draws, the same distribution)
+                (together, together_calls), tb = _timed(lambda: calls(lambda: generate(
+                    counted, tok, s, op, "f32", n, k=kk, hint=hint, references=refs,
+                    config=replace(cfg, batch_drafts=True))), device)
+                row.update(speculative_batched_s=tb, tokens_speculative_batched=sum(len(r.tokens) for r in together),
+                           calls_speculative_batched=together_calls)
+                extra = f"  speculative in one batch {tb:6.2f}s (model calls {spec_calls} -> {together_calls})"
             if mode == "greedy":  # untraced: no grammar mask where the top token is grammatical
                 fast, tu = _timed(lambda: generate(model, tok, s, op, "f32", n, k=1, hint=hint, references=refs,
                                                    config=replace(cfg, trace=False)), device)

@@ -12,8 +12,12 @@ temperature samples in one batch without drafts (``sparserl train rl --no-sample
 instead of speculatively one at a time. With ``--traced-samples`` a fourth, ``traced``, decodes
 as ``drafted`` with the samples traced (a grammar mask and log-probability at every position, as
 RAFT drew them until the nineteenth session; now untraced: a mask only where an unmasked draw is
-rejected). Their samples are other draws of the same distribution, so only their greedy and
-format candidates are checked against the other modes.
+rejected). With ``--batch-drafts`` a fifth, ``together``, decodes as ``drafted`` but writes a
+problem's drafted samples, and its drafted format candidates, speculatively in one batch
+(``sparserl train rl --batch-drafts``) instead of one at a time. Their samples are other draws of
+the same distribution, so only their greedy and format candidates are checked against the other
+modes. Every mode also counts its model calls (``calls``): on the H200, where a forward of this
+small model costs about the same for one row as for eight, they are what batching saves.
 
 Greedy decoding writes the same tokens either way; the script checks that every candidate is
 the same text in both runs and exits 1 otherwise. The problems are RL's (``--unlabelled-mix``
@@ -21,7 +25,7 @@ problems at ``--seed``; ``SPARSERL_SHARED_MATRICES`` names the shared folder for
 sources).
 
     python benchmarks/raft_decode_speed.py [--checkpoint policy/checkpoints/default] [--count 8]
-        [--seed 3] [--max-nnz 300000] [--explore mixed] [--device cpu|cuda] [--json out.json]
+        [--seed 3] [--max-nnz 300000] [--explore mixed] [--device cpu|cuda] [--batch-drafts] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import json
 import sys
 from unittest import mock
 
-from policy.model import load_policy
+from policy.model import CountingPolicy, load_policy
 from policy.provider import structure_and_formats
 from policy.retrieval import default_entries, reference_sources
 from training.rl import RLConfig, _raft_candidates
@@ -55,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batched-samples", action="store_true", help="also time the samples in one batch, undrafted")
     ap.add_argument("--traced-samples", action="store_true", help="also time the samples traced (as before)")
+    ap.add_argument("--batch-drafts", action="store_true",
+                    help="also time the drafted samples and format candidates speculatively in one batch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -71,12 +77,14 @@ def main(argv=None) -> int:
         return format_diverse(*a, **kw)
 
     modes = ("plain", "drafted") + (("batched",) if args.batched_samples else ()) + (
-        ("traced",) if args.traced_samples else ())
+        ("traced",) if args.traced_samples else ()) + (("together",) if args.batch_drafts else ())
     plain_config = decode.DecodeConfig
 
     def traced_config(**kw):  # the samples' config as RAFT built it before: traced
         return plain_config(**{**kw, "trace": True}) if not kw.get("greedy") else plain_config(**kw)
-    batched_cfg = dataclasses.replace(cfg, sample_drafts=False)
+    mode_cfg = {"batched": dataclasses.replace(cfg, sample_drafts=False),
+                "together": dataclasses.replace(cfg, batch_drafts=True)}
+    counted = CountingPolicy(model)
     rows, totals, same_all = [], {mode: {} for mode in modes}, True
     for i, pb in enumerate(problems):
         m = pb.matrix
@@ -88,15 +96,17 @@ def main(argv=None) -> int:
             seconds: dict = {}
             with mock.patch.object(decode, "format_diverse", undrafted if mode == "plain" else format_diverse), \
                     mock.patch.object(decode, "DecodeConfig", traced_config if mode == "traced" else plain_config):
-                rs = _raft_candidates(model, tok, st, pb, None, refs, batched_cfg if mode == "batched" else cfg,
+                counted.calls = 0
+                rs = _raft_candidates(counted, tok, st, pb, None, refs, mode_cfg.get(mode, cfg),
                                       seed=1000 + i, seconds=seconds, formats=formats)
+            seconds["calls"] = counted.calls
             texts[mode] = [r.text for r in rs]
             unsampled[mode] = [r.text for r in rs if r.extra.get("origin") != "sample"]
             row[mode] = {k: round(v, 3) for k, v in seconds.items()}
             for k, v in seconds.items():
                 totals[mode][k] = totals[mode].get(k, 0.0) + v
         row["same_candidates"] = texts["plain"] == texts["drafted"]
-        for mode in ("batched", "traced"):  # other draws of the samples: the greedy and format candidates only
+        for mode in ("batched", "traced", "together"):  # other draws of the samples: the greedy and format candidates only
             if mode in unsampled:
                 row["same_candidates"] &= unsampled[mode] == unsampled["drafted"]
         row["formats"] = [decode.format_of(t) for t in texts["drafted"]]
