@@ -51,9 +51,9 @@ class DecodeConfig:
     #: took 0.18-0.36 s per kernel with 16, 0.09-0.15 s with 64, 0.08-0.10 s with 128 (same
     #: tokens; benchmarks/results/h200_decode_speed_2026-12-03b.json). Never changes a sample.
     draft_len: int = 128
-    #: speculative decoding of k > 1 samples: all in one batch, each with its own drafts (the
-    #: other samples' tokens so far among them), instead of one after another. The same
-    #: distribution; about as many forwards as the slowest sample takes instead of their sum
+    #: speculative decoding of k > 1 samples: all in one batch, each with its own drafts, instead
+    #: of one after another (``generate_speculative``). The same distribution; about as many
+    #: forwards as the slowest sample takes instead of their sum
     batch_drafts: bool = False
 
 
@@ -287,12 +287,14 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     By default the samples are decoded one after another, and each finished sample becomes the
     first reference of the next (samples of one problem are often alike). With
     ``config.batch_drafts`` they are decoded together: one forward a step checks every
-    unfinished sample's own draft (padded to the longest), each sample drafting from the other
-    samples' tokens so far before the references; a sample's rejected draft positions stay in
-    the batch's cache as holes its later positions do not attend to (``past_mask``,
-    ``position_ids``), and the cache is cut back to the last position any sample keeps. The
-    same distribution either way; the batch takes about as many forwards as its slowest sample
-    instead of the sum over samples.
+    unfinished sample's own draft from the references, padded to the longest (drafting from the
+    other samples' tokens so far as well saved no forwards on RAFT's problems: 408 model calls
+    without, 413 with, ``benchmarks/raft_decode_speed.py --batch-drafts`` on the CPU). A
+    sample's rejected draft positions stay in the batch's cache as holes its later positions do
+    not attend to (``past_mask``, ``position_ids``), a finished sample leaves the batch, and the
+    cache is cut back to the last position a sample keeps. The same distribution either way;
+    the batch takes about as many forwards as its slowest sample instead of the sum over
+    samples.
 
     ``forced`` (one prefix per sample, as in ``generate``): a sample's first tokens are its
     prefix whatever the model prefers, each with the log-probability and mask the model gave it;
@@ -374,8 +376,7 @@ def _speculate(model, tokenizer, first, prefixes: list[list[int]], refs: list[li
             if p0 < len(prefix):  # the rest of the forced prefix
                 drafts[i] = prefix[p0:p0 + max(0, room)]
             else:
-                others = [tokens[j] for j in range(n_rows) if j != i and tokens[j]]
-                drafts[i] = draft_tokens(tokens[i], others + refs, min(config.draft_len, room))
+                drafts[i] = draft_tokens(tokens[i], refs, min(config.draft_len, room))
             # fed to the model: the last chosen token (not yet in the cache; none before the first,
             # whose logits the prompt gave) and the draft, scored in one forward
             fed[i] = tokens[i][-1:] + drafts[i]
