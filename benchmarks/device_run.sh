@@ -103,13 +103,15 @@ run_hook pregen "${PREGEN:-}" "${PREGEN_TIMEOUT:-300}" 60 "Warning\|warn" \
 [ -z "${PREGEN:-}" ] || [ ! -d "$PREGEN_CACHE" ] \
   || tar czf "$OUT/pregen_cache.tgz" -C "$(dirname "$PREGEN_CACHE")" "$(basename "$PREGEN_CACHE")"
 
-# Policy decoding, plain vs speculative: DECODE="args of benchmarks/decode_speed.py", e.g. "--k 4"
+# Policy decoding, plain vs speculative (the k samples also in one batch): DECODE="args of
+# benchmarks/decode_speed.py", e.g. "--k 4"
 run_hook decode "${DECODE:-}" "${DECODE_TIMEOUT:-180}" 20 "Warning\|warn\|Loading weights\|forward_call" \
   python3 benchmarks/decode_speed.py --json "$BENCH_DIR/decode_speed.json"
 
 # RAFT's candidate decoding by origin, format candidates plain vs drafted (needs the shared
 # matrices: SPARSERL_SHARED_MATRICES): RAFT_DECODE="args of benchmarks/raft_decode_speed.py", e.g. "--device cuda"
-# (add --traced-samples to time the samples traced as before, --batched-samples in one undrafted batch)
+# (add --traced-samples to time the samples traced as before, --batched-samples in one undrafted batch,
+# --batch-drafts the drafted samples and format candidates speculatively in one batch)
 run_hook raft_decode "${RAFT_DECODE:-}" "${RAFT_DECODE_TIMEOUT:-300}" 12 "Warning\|warn\|Loading weights\|forward_call" \
   python3 benchmarks/raft_decode_speed.py --json "$BENCH_DIR/raft_decode_speed.json"
 
