@@ -252,17 +252,19 @@ def test_batched_speculative_greedy_writes_the_sequential_tokens(tiny_model, tin
         assert bat.calls < seq.calls
 
 
-def test_batched_speculative_greedy_of_the_shipped_policy_is_its_sequential_greedy():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_batched_speculative_greedy_of_the_shipped_policy_is_its_sequential_greedy(device):
     """The shipped policy's format candidates on a 20000-row banded matrix, drafted from its
     retrieval sources (kernels of several hundred tokens; the samples keep different parts of the
     drafts, so the batch's cache has holes): one batch writes every candidate token for token as
-    one-at-a-time decoding does, in fewer model calls."""
+    one-at-a-time decoding does, in fewer model calls (on the GPU too, where attention with a
+    mask may take another kernel than without)."""
     from policy.decode import format_diverse
     from policy.model import load_policy
     from policy.provider import structure_and_formats
     from policy.retrieval import default_entries, reference_sources
 
-    model, tok = load_policy(DEFAULT_CHECKPOINT, "cpu")
+    model, tok = load_policy(DEFAULT_CHECKPOINT, device)
     m = banded(20000, 3)
     s, formats = structure_and_formats(m.indptr, m.indices, m.shape, model.config.max_points)
     refs = reference_sources(s.features, "spmv", "f32", 1, default_entries(), m, count=8, formats=formats)
