@@ -269,7 +269,7 @@ def draft_tokens(generated: list[int], refs: list[list[int]], length: int, max_n
 def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
                          references: list[str], k: int = 1, config: DecodeConfig = DecodeConfig(),
                          grammar_text: str | None = None, hint: str | None = None,
-                         forced: list[list[int]] | None = None) -> list[Rollout]:
+                         forced: list[list[int]] | None = None, hints: list[str] | None = None) -> list[Rollout]:
     """``generate``'s samples, decoded speculatively against reference kernels.
 
     A draft of up to ``config.draft_len`` tokens is looked up in the tokenized ``references``
@@ -298,54 +298,83 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
 
     ``forced`` (one prefix per sample, as in ``generate``): a sample's first tokens are its
     prefix whatever the model prefers, each with the log-probability and mask the model gave it;
-    the prefix is that sample's first draft, so it costs one forward.
+    the prefix is that sample's first draft, so it costs one forward. ``hints``: one retrieval
+    hint per sample (``hint_diverse``) instead of ``hint`` for all; in one batch the prompts of
+    different lengths are padded, the padding left as holes.
     """
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one sample")
     if forced is not None and len(forced) != k:
         raise ValueError(f"forced has {len(forced)} prefixes for k={k} samples")
+    if hints is not None and (len(hints) != k or hint is not None):
+        raise ValueError(f"hints has {len(hints)} hints for k={k} samples" if len(hints) != k
+                         else "give hint (every sample's) or hints (one per sample), not both")
     if config.draft_len < 1:
         raise ValueError(f"DecodeConfig.draft_len={config.draft_len}: a draft holds at least one token")
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
-    prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
+    prompts = [tokenizer.encode(prompt_text(op, dtype, n, h)) for h in (hints if hints is not None else [hint] * k)]
     refs = [tokenizer.encode(r) + [eos] for r in references]
     gen = _generator(config, device)
     prefixes = forced if forced is not None else [[] for _ in range(k)]
-    together = config.batch_drafts and k > 1
-    sb = StructureBatch.collate([structure])
-    if together:
-        sb = sb.repeat(k)
-    first = model(torch.tensor([prompt] * (k if together else 1), device=device), sb.to(device), use_cache=True)
-    if together:
-        rolls = _speculate(model, tokenizer, first, prefixes, refs, config, gen, grammar_text, op, dtype)
+    if config.batch_drafts and k > 1:
+        past, pending, valid = _prompt_forward(model, structure, prompts, eos)
+        rolls = _speculate(model, tokenizer, past, pending, valid, prefixes, refs, config, gen, grammar_text,
+                           op, dtype)
     else:
-        rolls = []
+        rolls, firsts = [], {}
         for s_i in range(k):
-            (r,) = _speculate(model, tokenizer, first, prefixes[s_i:s_i + 1], refs, config, gen, grammar_text,
-                              op, dtype, copy_cache=k > 1)  # each crops its own copy of the prompt's cache
+            key = tuple(prompts[s_i])
+            if key not in firsts:  # the samples of one prompt share its forward
+                firsts[key] = _prompt_forward(model, structure, prompts[s_i:s_i + 1], eos)
+            past, pending, valid = firsts[key]
+            past = copy.deepcopy(past) if k > 1 else past  # each sample crops its own copy
+            (r,) = _speculate(model, tokenizer, past, pending, valid, prefixes[s_i:s_i + 1], refs, config, gen,
+                              grammar_text, op, dtype)
             rolls.append(r)
             refs.insert(0, r.tokens)  # samples of one problem are often alike: the last one drafts first
-    for r in rolls:
+    for r, prompt in zip(rolls, prompts):
         r.prompt_ids = list(prompt)
     return rolls
 
 
-def _speculate(model, tokenizer, first, prefixes: list[list[int]], refs: list[list[int]], config: DecodeConfig,
-               gen, grammar_text, op: str, dtype: str, copy_cache: bool = False) -> list[Rollout]:
-    """``generate_speculative``'s decoding of ``len(prefixes)`` samples in one batch, continuing
-    ``first`` (the prompt's forward, one row per sample). One sample is the sequential case: its
-    cache has no holes, so the model is called without ``past_mask``/``position_ids`` and a
-    step's rejected draft is cropped off, as before batching."""
+def _prompt_forward(model, structure: PreparedStructure, prompts: list[list[int]], pad: int):
+    """The prompts' forward, one row each: ``(cache, pending, valid)``, the KV cache, each row's
+    logits for its first completion position (rows, 1, V), and which cache positions each row
+    attends to (its structure prefix and its own prompt: shorter prompts are padded, the padding
+    left out)."""
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+        mask[i, :len(p)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    sb = StructureBatch.collate([structure]).repeat(len(prompts)).to(device)
+    padded = any(len(p) < width for p in prompts)
+    out = model(ids, sb, attention_mask=mask if padded else None, use_cache=True)
+    ends = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    pending = out.logits[torch.arange(len(prompts), device=device), ends][:, None]
+    n_prefix = out.past_key_values.get_seq_length() - width
+    valid = torch.cat([torch.ones(len(prompts), n_prefix, dtype=torch.long, device=device), mask], dim=1)
+    return out.past_key_values, pending, valid
+
+
+def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tensor, prefixes: list[list[int]],
+               refs: list[list[int]], config: DecodeConfig, gen, grammar_text, op: str, dtype: str) -> list[Rollout]:
+    """``generate_speculative``'s decoding of ``len(prefixes)`` samples in one batch, continuing the
+    prompts' forward (``_prompt_forward``: ``past``, ``pending``, ``valid``). One sample is the
+    sequential case: its cache has no holes, so the model is called without
+    ``past_mask``/``position_ids`` and a step's rejected draft is cropped off, as before
+    batching."""
     n_rows = len(prefixes)
-    device = first.logits.device
+    device = pending.device
     vocab = model.config.vocab_size
     eos = tokenizer.eos_token_id
-    past = copy.deepcopy(first.past_key_values) if copy_cache else first.past_key_values
-    pending = first.logits[:, -1:]  # (rows, 1, V): the distribution of each sample's first position
     holes = n_rows > 1
-    valid = torch.ones(n_rows, past.get_seq_length(), dtype=torch.long, device=device)  # cache positions attended
-    pos = [past.get_seq_length()] * n_rows  # each sample's next position id
+    valid = valid.clone()  # the prompts' forward may be shared by samples decoded one at a time
+    pos = valid.sum(1).tolist()  # each sample's next position id: the positions it attends so far
     matchers = ([make_matcher(tokenizer, vocab, grammar_text, op, dtype) for _ in range(n_rows)]
                 if config.constrained else [None] * n_rows)
     if config.constrained:
@@ -581,10 +610,18 @@ def hint_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype:
     prompt (greedy by default). A hinted policy's temperature samples are mostly copies of its
     greedy kernel; conditioning each candidate on a different retrieved winner spends the k
     candidates on k different pieces of evidence instead, and the model still writes, and may
-    change, every kernel. Each rollout's ``extra["hint"]`` is its hint."""
+    change, every kernel. Each rollout's ``extra["hint"]`` is its hint. With
+    ``config.batch_drafts`` and ``references`` the hints' kernels are decoded speculatively in
+    one batch (``generate_speculative(hints=)``), else one after another."""
     if not hints:
         raise ValueError("hint_diverse needs at least one hint (the policy's retrieval table had no entry "
                          "for this op and dtype)")
+    if config.batch_drafts and references and len(hints) > 1:  # one batch, a prompt per hint
+        rolls = generate_speculative(model, tokenizer, structure, op, dtype, n, references, k=len(hints),
+                                     config=config, grammar_text=grammar_text, hints=list(hints))
+        for r, h in zip(rolls, hints):
+            r.extra["hint"] = h
+        return rolls
     rolls = []
     for h in hints:
         (r,) = generate(model, tokenizer, structure, op, dtype, n, k=1, config=config,

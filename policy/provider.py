@@ -188,12 +188,14 @@ class PolicyProvider:
             hints = nearest_hints(s.features, problem.op, dtype, n, default_entries(), 2 * k, problem=problem,
                                   space=space)
             cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
-            for i, h in enumerate(hints):
-                if len(out) >= k or (i >= k and time.perf_counter() - t0 > self.fill_budget_s):
-                    break
-                for r in hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, [h], config=cfg,
+            i = 0
+            while i < len(hints) and len(out) < k and (i < k or time.perf_counter() - t0 <= self.fill_budget_s):
+                # the first k hints in one batch with DecodeConfig.batch_drafts, the rest one at a time
+                group = hints[i:i + (k if cfg.batch_drafts and i == 0 else 1)]
+                for r in hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, group, config=cfg,
                                       references=refs):
                     self._accept(r, problem.op, dtype, out, seen)
+                i += len(group)
         else:
             if self.samples == "formats":
                 cfg = replace(self.decode, greedy=True)

@@ -278,6 +278,31 @@ def test_batched_speculative_greedy_of_the_shipped_policy_is_its_sequential_gree
     assert out[True][1] < out[False][1]
 
 
+def test_batched_hint_candidates_are_the_hints_kernels_one_at_a_time(tiny_model, tiny_tok):
+    """hint_diverse with batch_drafts: prompts of different lengths (one hint each) padded into
+    one batch write each hint's greedy kernel token for token, in fewer model calls; a wrong
+    count of hints is refused."""
+    from policy.decode import generate_speculative, hint_diverse
+
+    hints = ["csr_scalar[block=128]", "ell[block=256][tpr=2][rows_per_warp=4][vec=2]", "x"]
+    g = DecodeConfig(greedy=True, max_new_tokens=60, trace=False)
+    plain = [generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g, hint=h)[0] for h in hints]
+    refs = [plain[0].text, plain[2].text[:30]]
+    seq, bat = CountingPolicy(tiny_model), CountingPolicy(tiny_model)
+    one = hint_diverse(seq, tiny_tok, _s(), "spmv", "f32", 1, hints, config=g, references=refs)
+    together = hint_diverse(bat, tiny_tok, _s(), "spmv", "f32", 1, hints, references=refs,
+                            config=DecodeConfig(greedy=True, max_new_tokens=60, trace=False, batch_drafts=True))
+    assert len({len(r.prompt_ids) for r in together}) == 3  # three prompt lengths
+    for a, b, c, h in zip(together, one, plain, hints):
+        assert a.tokens == b.tokens == c.tokens and a.extra["hint"] == b.extra["hint"] == h
+        assert a.prompt_ids == b.prompt_ids == c.prompt_ids
+    assert bat.calls < seq.calls
+    with pytest.raises(ValueError, match="2 hints for k=3"):
+        generate_speculative(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, refs, k=3, hints=hints[:2])
+    with pytest.raises(ValueError, match="not both"):
+        generate_speculative(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, refs, k=3, hints=hints, hint="x")
+
+
 def test_batched_speculative_sampling_keeps_the_grammar_and_the_bookkeeping(tiny_model, tiny_tok):
     """Samples decoded speculatively in one batch, traced and untraced: every token is one the
     grammar allows; traced samples carry a mask and log-probability per token."""

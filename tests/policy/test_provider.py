@@ -132,3 +132,31 @@ def test_structure_and_formats_from_one_features_pass():
     assert np.allclose(s.features, alone.features) and np.array_equal(s.points, alone.points)
     s2, none = structure_and_formats(m.indptr, m.indices, m.shape, max_points=256, formats=False)
     assert none == () and np.allclose(s2.features, alone.features)
+
+
+def test_batched_hint_candidates_decode_the_first_k_hints_in_one_call(tiny_model, tiny_tok, kernel_source,
+                                                                      monkeypatch):
+    """DecodeConfig(batch_drafts=True): the first k hints go to hint_diverse together (one batch),
+    the fill-up hints one at a time as before; the candidates are the same."""
+    import copy
+
+    from policy import provider as prov_mod
+    from policy import retrieval
+    from policy.decode import Rollout
+
+    texts = {f"h{i}": kernel_source.rstrip() + f"\n// {'same' if i < 3 else i}" for i in range(10)}
+    groups = []
+
+    def one_per_hint(model, tok, s, op, dtype, n, hints, **kw):
+        groups.append(list(hints))
+        return [Rollout([], [1], texts[h], [0.0], True) for h in hints]
+
+    monkeypatch.setattr(prov_mod, "hint_diverse", one_per_hint)
+    monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: [f"h{i}" for i in range(a[5])])
+    model = copy.deepcopy(tiny_model)
+    model.config.retrieval, model.config.retrieval_hints = True, 8
+    prov = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False,
+                          decode=DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=True))
+    cands = prov.candidates(_Problem(banded(32, 1)), k=3)
+    assert groups == [["h0", "h1", "h2"], ["h3"], ["h4"]]
+    assert [c.source for c in cands] == [texts["h0"], texts["h3"], texts["h4"]]

@@ -1,0 +1,94 @@
+"""The policy provider's proposal, its candidates decoded one at a time or in one batch.
+
+``PolicyProvider.candidates(problem, k)`` is the part of a first call that the policy costs
+(encoding the structure, decoding k kernels; ``propose_s`` in ``benchmarks/cold_start.py``).
+For each of cold start's matrices (``cold_start.MATRICES``) and widths this times it (the median of ``--repeats``) and
+counts its model calls twice: as the provider decodes now, one candidate after another, and with
+``DecodeConfig(batch_drafts=True)``, the first k candidates speculatively in one batch. Greedy
+candidates are the same tokens either way; the fill-up hints that replace repeated kernels
+depend on the time budget (``fill_budget_s``), so the candidate lists are compared with the
+budget lifted (``same_candidates``).
+
+    python benchmarks/propose_speed.py [--checkpoint policy/checkpoints/retrieval] [--device cpu|cuda]
+                                       [--k 4] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import torch
+
+from policy.model import CountingPolicy
+from policy.provider import PolicyProvider
+from sparserl_compile import matrices
+from sparserl_compile.bench import sync
+
+from cold_start import MATRICES  # benchmarks/: cold start's structures
+
+def _problem(m, n: int):
+    """The fields of ``providers.Problem`` the policy provider reads."""
+    return SimpleNamespace(op="spmv" if n == 1 else "spmm", dtype="f32", n=n, n_rows=m.shape[0],
+                           n_cols=m.shape[1], nnz=m.nnz, indptr=m.indptr, indices=m.indices,
+                           fingerprint="propose_speed", arch="cpu")
+
+
+def run(checkpoint: str, device: str, k: int, repeats: int, widths=(1, 32)) -> list[dict]:
+    prov = PolicyProvider(checkpoint=checkpoint, device=device)
+    counted = CountingPolicy(prov.model)
+    prov.model = counted
+    base, budget = prov.decode, prov.fill_budget_s
+    prov.candidates(_problem(matrices.generate("banded", n=500, half_bandwidth=1, seed=1), 1), k=k)  # warm-up
+    rows = []
+    for label, gen, kw in MATRICES:
+        m = matrices.generate(gen, **kw)
+        for n in widths:
+            row = {"matrix": label, "n": n, "samples": prov.samples}
+            sources = {}
+            for mode, batch in (("one_at_a_time", False), ("one_batch", True)):
+                prov.decode = replace(base, batch_drafts=batch)
+                seconds, calls = [], []
+                for _ in range(repeats):
+                    counted.calls = 0
+                    sync(device)
+                    t0 = time.perf_counter()
+                    prov.candidates(_problem(m, n), k=k)
+                    sync(device)
+                    seconds.append(time.perf_counter() - t0)
+                    calls.append(counted.calls)
+                prov.fill_budget_s = float("inf")  # the candidates, whatever the timing
+                sources[mode] = [c.source for c in prov.candidates(_problem(m, n), k=k)]
+                prov.fill_budget_s = budget
+                row[mode] = {"median_s": sorted(seconds)[len(seconds) // 2], "seconds": seconds, "calls": calls}
+            row["same_candidates"] = sources["one_at_a_time"] == sources["one_batch"]
+            rows.append(row)
+            a, b = row["one_at_a_time"], row["one_batch"]
+            print(f"{label:16s} n={n:<3d} one at a time {a['median_s']:.3f}s ({a['calls'][0]} calls)  "
+                  f"one batch {b['median_s']:.3f}s ({b['calls'][0]} calls)  same candidates {row['same_candidates']}",
+                  flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default="policy/checkpoints/retrieval")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows = run(a.checkpoint, a.device, a.k, a.repeats)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(0),
+                       "torch": torch.__version__, "checkpoint": a.checkpoint, "k": a.k}, f, indent=1)
+    return 0 if all(r["same_candidates"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
