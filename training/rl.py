@@ -75,9 +75,10 @@ class RLConfig:
     sample_drafts: bool = opt(True, "raft: decode the temperature samples speculatively, one at a time against the "
                                     "drafts (off: all of a problem's samples in one batch without drafts; the "
                                     "greedy and format candidates keep their drafts)")
-    batch_drafts: bool = opt(False, "raft: decode a problem's drafted samples and drafted format candidates "
-                                    "speculatively in one batch (each its own drafts; DecodeConfig.batch_drafts) "
-                                    "instead of one at a time: the same distribution, fewer model calls")
+    batch_drafts: bool = opt(False, "raft: decode a problem's drafted samples, format candidates and hint "
+                                    "candidates speculatively in one batch (each its own drafts; "
+                                    "DecodeConfig.batch_drafts) instead of one at a time: the same distribution, "
+                                    "fewer model calls")
     time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
     raft_margin: float = opt(0.05, "raft: another hint's kernel replaces the first's as its prompt's target only "
                                    "when this much faster (a fraction; timing noise)")
@@ -424,10 +425,10 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     seconds = {} if seconds is None else seconds
 
     greedy = DecodeConfig(greedy=True, max_new_tokens=cfg.max_new_tokens, constrained=cfg.constrained, trace=False)
-    together = replace(greedy, batch_drafts=cfg.batch_drafts)  # several greedy kernels: the format candidates
+    together = replace(greedy, batch_drafts=cfg.batch_drafts)  # several greedy kernels: hint or format candidates
     if hints:
         with _timed(seconds, "hint"):
-            return _tagged(hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=greedy,
+            return _tagged(hint_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, hints, config=together,
                                         references=references), "hint")
     with _timed(seconds, "greedy"):
         rs = _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy,
