@@ -75,10 +75,10 @@ class RLConfig:
     sample_drafts: bool = opt(True, "raft: decode the temperature samples speculatively, one at a time against the "
                                     "drafts (off: all of a problem's samples in one batch without drafts; the "
                                     "greedy and format candidates keep their drafts)")
-    batch_drafts: bool = opt(False, "raft: decode a problem's drafted samples, format candidates and hint "
-                                    "candidates speculatively in one batch (each its own drafts; "
-                                    "DecodeConfig.batch_drafts) instead of one at a time: the same distribution, "
-                                    "fewer model calls")
+    batch_drafts: bool = opt(False, "decode a problem's drafted samples (ppo, grpo; raft: also its format and "
+                                    "hint candidates) speculatively in one batch (each its own drafts; "
+                                    "DecodeConfig.batch_drafts) instead of one at a time: the same distribution "
+                                    "(traced: the same masks and log-probabilities), fewer model calls")
     time_budget_s: float = opt(0.0, "stop (and checkpoint) after the update that passes this many seconds (0 = none)")
     raft_margin: float = opt(0.05, "raft: another hint's kernel replaces the first's as its prompt's target only "
                                    "when this much faster (a fraction; timing noise)")
@@ -341,7 +341,7 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
                                       seconds=parts, formats=formats.get(pi))
             else:
                 dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                  constrained=cfg.constrained, seed=sample_seed)
+                                  constrained=cfg.constrained, seed=sample_seed, batch_drafts=cfg.batch_drafts)
                 hint = hints[pi][0] if hints.get(pi) else None
                 with _timed(parts, "sample"):
                     rs = generate(model, tok, structs[pi], pb.op, pb.dtype, pb.n, k=cfg.k, config=dc, hint=hint,

@@ -86,11 +86,11 @@ class _PrefersDia:
         return [KernelOutcome(True, True, "format=dia " in s) for s in sources]
 
 
-def _rl_run(tmp_path, tiny_tok, n_features, algo):
+def _rl_run(tmp_path, tiny_tok, n_features, algo, batch_drafts=False):
     init = tmp_path / "init"
     save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1), tiny_tok, init)
     cfg = RLConfig(init=str(init), out_dir=str(tmp_path / algo), steps=10, problems_per_step=1, k=8,
-                   max_new_tokens=16, lr=3e-3, algo=algo, save_every=5, kl_coef=0.01)
+                   max_new_tokens=16, lr=3e-3, algo=algo, save_every=5, kl_coef=0.01, batch_drafts=batch_drafts)
     probs = [RLProblem(banded(48, 2), "spmv", "f32", 1)]
     return cfg, rl(cfg, problems=probs, evaluator=_PrefersDia(),
                    reward_fn=lambda o: 1.0 if o.correct else 0.0, log=QUIET), probs
@@ -165,8 +165,11 @@ def test_pretrain_refuses_to_resume_with_another_learning_rate(tmp_path):
         pretrain(dataclasses.replace(cfg, lr=cfg.lr * 2), texts=texts, log=QUIET)
 
 
-def test_ppo_raises_the_reward_and_starts_at_ratio_one(tmp_path, tiny_tok, n_features):
-    _, r, _ = _rl_run(tmp_path, tiny_tok, n_features, "ppo")
+@pytest.mark.parametrize("batch_drafts", [False, True])
+def test_ppo_raises_the_reward_and_starts_at_ratio_one(tmp_path, tiny_tok, n_features, batch_drafts):
+    """Also with the rollouts decoded speculatively in one batch (--batch-drafts): PPO scores the
+    samples again under the grammar masks the batch recorded for each of them."""
+    _, r, _ = _rl_run(tmp_path, tiny_tok, n_features, "ppo", batch_drafts=batch_drafts)
     assert r.stats[0]["kl"] == 0.0 or abs(r.stats[0]["kl"]) < 1e-4  # same model as the reference
     assert sum(r.mean_rewards[-3:]) / 3 > sum(r.mean_rewards[:3]) / 3 + 0.2
 
