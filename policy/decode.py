@@ -394,7 +394,7 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
     masks: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
     errors: list[str | None] = [None] * n_rows
     done = [False] * n_rows
-    live = list(range(n_rows))  # the unfinished samples, in the batch's row order
+    live = list(range(n_rows)) if config.max_new_tokens > 0 else []  # the unfinished samples, in row order
     step = 0
     while live:
         drafts, fed = {}, {}
