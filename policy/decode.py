@@ -259,7 +259,12 @@ def draft_tokens(generated: list[int], refs: list[list[int]], length: int, max_n
     for size in range(min(max_ngram, len(generated)), 0, -1):
         tail = generated[-size:]
         for ref in refs:
-            for i in range(len(ref) - size):
+            i, end = -1, len(ref) - size  # a match leaves at least one token to draft
+            while True:  # the first occurrence: list.index finds each candidate start at C speed
+                try:
+                    i = ref.index(tail[0], i + 1, end)
+                except ValueError:
+                    break
                 if ref[i:i + size] == tail:
                     return ref[i + size:i + size + length]
     return []

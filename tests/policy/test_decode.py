@@ -103,6 +103,35 @@ def test_draft_tokens_follow_the_longest_matching_suffix():
     assert draft_tokens([0, 9, 2, 3], refs, 2) == [7, 8]  # "9 2 3" only continues in the second
     assert draft_tokens([2, 3], refs, 2) == [4, 5]  # "2 3": the first reference that has it
     assert draft_tokens([42], refs, 4) == [] and draft_tokens([1], [], 4) == []
+    assert draft_tokens([5], refs, 3) == [6] and draft_tokens([6], refs, 3) == []  # a match leaves a token to draft
+
+
+def test_draft_tokens_is_the_first_occurrence_of_the_longest_suffix():
+    """Against the definition written out (every start in order, longest suffix first) on
+    random token lists with few symbols, where partial matches abound."""
+    import random
+
+    from policy.decode import draft_tokens
+
+    def naive(generated, refs, length, max_ngram=4):
+        if not refs or length < 1:
+            return []
+        if not generated:
+            return refs[0][:length]
+        for size in range(min(max_ngram, len(generated)), 0, -1):
+            for ref in refs:
+                for i in range(len(ref) - size):
+                    if ref[i:i + size] == generated[-size:]:
+                        return ref[i + size:i + size + length]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])
+        refs = [[rng.randrange(vocab) for _ in range(rng.randrange(40))] for _ in range(rng.randrange(4))]
+        generated = [rng.randrange(vocab) for _ in range(rng.randrange(10))]
+        length = rng.randrange(6)
+        assert draft_tokens(generated, refs, length) == naive(generated, refs, length)
 
 
 def test_speculative_decoding_writes_the_same_tokens_in_fewer_calls(tiny_model, tiny_tok):
