@@ -13,10 +13,8 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

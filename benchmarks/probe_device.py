@@ -93,7 +93,7 @@ try:
     out["launch_host_us"] = (t1 - t0) / 2000 * 1e6
     out["kernel_attrs"] = [a for a in dir(kern.attributes) if not a.startswith("_")][:40]
     out["launch_config_fields"] = [a for a in dir(cfg) if not a.startswith("_")]
-except Exception as e:  # noqa: BLE001
+except Exception:  # noqa: BLE001
     import traceback
     out["cuda_core_error"] = traceback.format_exc()[-1500:]
 
