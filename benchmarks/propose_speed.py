@@ -22,22 +22,16 @@ import json
 import sys
 import time
 from dataclasses import replace
-from types import SimpleNamespace
 
 import torch
 
 from policy.model import CountingPolicy
 from policy.provider import PolicyProvider
+from policy.retrieval import problem_for
 from sparserl_compile import matrices
 from sparserl_compile.bench import sync
 
 from cold_start import MATRICES  # benchmarks/: cold start's structures
-
-def _problem(m, n: int):
-    """The fields of ``providers.Problem`` the policy provider reads."""
-    return SimpleNamespace(op="spmv" if n == 1 else "spmm", dtype="f32", n=n, n_rows=m.shape[0],
-                           n_cols=m.shape[1], nnz=m.nnz, indptr=m.indptr, indices=m.indices,
-                           fingerprint="propose_speed", arch="cpu")
 
 
 def run(checkpoint: str, device: str, k: int, repeats: int, widths=(1, 32)) -> list[dict]:
@@ -45,11 +39,13 @@ def run(checkpoint: str, device: str, k: int, repeats: int, widths=(1, 32)) -> l
     counted = CountingPolicy(prov.model)
     prov.model = counted
     base, budget = prov.decode, prov.fill_budget_s
-    prov.candidates(_problem(matrices.generate("banded", n=500, half_bandwidth=1, seed=1), 1), k=k)  # warm-up
+    prov.candidates(problem_for("spmv", "f32", 1, matrices.generate("banded", n=500, half_bandwidth=1, seed=1)),
+                    k=k)  # warm-up
     rows = []
     for label, gen, kw in MATRICES:
         m = matrices.generate(gen, **kw)
         for n in widths:
+            problem = problem_for("spmv" if n == 1 else "spmm", "f32", n, m)
             row = {"matrix": label, "n": n, "samples": prov.samples}
             sources = {}
             for mode, batch in (("one_at_a_time", False), ("one_batch", True)):
@@ -64,14 +60,14 @@ def run(checkpoint: str, device: str, k: int, repeats: int, widths=(1, 32)) -> l
                         counted.calls = 0
                         sync(device)
                         t0 = time.perf_counter()
-                        prov.candidates(_problem(m, n), k=k)
+                        prov.candidates(problem, k=k)
                         sync(device)
                         seconds.append(time.perf_counter() - t0)
                         calls.append(counted.calls)
                     row[mode][key] = {"median_s": sorted(seconds)[len(seconds) // 2], "seconds": seconds,
                                       "calls": calls}
                 prov.fill_budget_s = float("inf")  # the candidates, whatever the timing
-                sources[mode] = [c.source for c in prov.candidates(_problem(m, n), k=k)]
+                sources[mode] = [c.source for c in prov.candidates(problem, k=k)]
                 prov.fill_budget_s = budget
             row["same_candidates"] = sources["one_at_a_time"] == sources["one_batch"]
             rows.append(row)

@@ -573,8 +573,8 @@ def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     ranked = rank_formats(model, tokenizer, structure, op, dtype, n, formats, hint)[:k]
     forced = [tokenizer.encode(header_prefix(op, f)) for f, _ in ranked]
     # speculative decoding pays only where a draft is of the forced format: it decodes its samples
-    # one by one, plain decoding as one batch. So the formats some reference has are drafted,
-    # the rest decoded together (the same tokens either way, greedy)
+    # one by one (unless config.batch_drafts), plain decoding as one batch. So the formats some
+    # reference has are drafted, the rest decoded together (the same tokens either way, greedy)
     drafted = {f for f in map(format_of, references or []) if f}
     rolls: list = [None] * len(ranked)
     for use_refs in (True, False):
