@@ -26,7 +26,8 @@ are what a serving process pays per new structure, the quantity of the policy is
 start" target.
 
     python benchmarks/cold_start.py [--providers nearest:4,policy:4,search:0] [--json out.json]
-    (policy+hints+batch@policy/checkpoints/retrieval:4: the hint candidates decoded in one batch)
+    (policy+hints+one@policy/checkpoints/retrieval:4: the hint candidates decoded one at a time,
+    not in one batch as the provider does by default)
 """
 
 from __future__ import annotations
@@ -55,20 +56,23 @@ MATRICES = (
 
 def _make_provider(spec: str):
     """``name``, ``policy@CHECKPOINT`` or ``policy+MODE@CHECKPOINT`` (MODE: the provider's
-    ``samples``, e.g. ``policy+hints@policy/checkpoints/retrieval``); ``+batch`` decodes the k
-    candidates speculatively in one batch (``DecodeConfig.batch_drafts``), e.g.
-    ``policy+hints+batch@policy/checkpoints/retrieval``."""
+    ``samples``, e.g. ``policy+hints@policy/checkpoints/retrieval``). The provider decodes its
+    first k candidates speculatively in one batch (``DecodeConfig.batch_drafts``, its default);
+    ``+one`` decodes them one at a time, ``+batch`` names the default, e.g.
+    ``policy+hints+one@policy/checkpoints/retrieval``."""
     name, _, arg = spec.partition("@")
     base, *mods = name.split("+")
-    batch = "batch" in mods
-    samples = next((m for m in mods if m != "batch"), "")
-    if base == "policy" and (arg or samples or batch):
+    order = {"batch": True, "one": False}
+    samples = next((m for m in mods if m not in order), "")
+    if base == "policy" and (arg or mods):
         from dataclasses import replace
 
         from policy.provider import PolicyProvider
 
         prov = PolicyProvider(checkpoint=arg or None, samples=samples or None)
-        prov.decode = replace(prov.decode, batch_drafts=batch)
+        for m in mods:
+            if m in order:
+                prov.decode = replace(prov.decode, batch_drafts=order[m])
         return prov
     return providers.resolve(name)
 
@@ -162,9 +166,9 @@ def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--providers", default="nearest:4,policy:4,search:0",
-                   help="comma list of NAME[+SAMPLES][+batch][@CHECKPOINT]:K (K=0: the provider's default; "
-                        "e.g. policy+hints@policy/checkpoints/retrieval:4; +batch: the k candidates decoded "
-                        "in one batch)")
+                   help="comma list of NAME[+SAMPLES][+one|+batch][@CHECKPOINT]:K (K=0: the provider's default; "
+                        "e.g. policy+hints@policy/checkpoints/retrieval:4; +one: the k candidates decoded "
+                        "one at a time, +batch: in one batch, the default)")
     p.add_argument("--widths", default="1,32", help="dense widths (1 = SpMV)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run of the script: CPU tensors take the reference)")

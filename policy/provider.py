@@ -104,7 +104,7 @@ class PolicyProvider:
     name = "policy"
 
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
-                 decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536),
+                 decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=True),
                  model=None, tokenizer=None, samples: str | None = None, speculative: bool = True,
                  fill_budget_s: float = FILL_BUDGET_S):
         checkpoint_path = None

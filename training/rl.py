@@ -75,7 +75,7 @@ class RLConfig:
     sample_drafts: bool = opt(True, "raft: decode the temperature samples speculatively, one at a time against the "
                                     "drafts (off: all of a problem's samples in one batch without drafts; the "
                                     "greedy and format candidates keep their drafts)")
-    batch_drafts: bool = opt(False, "decode a problem's drafted samples (ppo, grpo; raft: also its format and "
+    batch_drafts: bool = opt(True, "decode a problem's drafted samples (ppo, grpo; raft: also its format and "
                                     "hint candidates) speculatively in one batch (each its own drafts; "
                                     "DecodeConfig.batch_drafts) instead of one at a time: the same distribution "
                                     "(traced: the same masks and log-probabilities), fewer model calls")

@@ -136,8 +136,9 @@ def test_structure_and_formats_from_one_features_pass():
 
 def test_batched_hint_candidates_decode_the_first_k_hints_in_one_call(tiny_model, tiny_tok, kernel_source,
                                                                       monkeypatch):
-    """DecodeConfig(batch_drafts=True): the first k hints go to hint_diverse together (one batch),
-    the fill-up hints one at a time as before; the candidates are the same."""
+    """The provider's default decode (DecodeConfig(batch_drafts=True)): the first k hints go to
+    hint_diverse together (one batch), the fill-up hints one at a time; with batch_drafts off,
+    every hint alone. The candidates are the same."""
     import copy
 
     from policy import provider as prov_mod
@@ -155,8 +156,11 @@ def test_batched_hint_candidates_decode_the_first_k_hints_in_one_call(tiny_model
     monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: [f"h{i}" for i in range(a[5])])
     model = copy.deepcopy(tiny_model)
     model.config.retrieval, model.config.retrieval_hints = True, 8
-    prov = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False,
-                          decode=DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=True))
+    prov = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False)
     cands = prov.candidates(_Problem(banded(32, 1)), k=3)
     assert groups == [["h0", "h1", "h2"], ["h3"], ["h4"]]
     assert [c.source for c in cands] == [texts["h0"], texts["h3"], texts["h4"]]
+    groups.clear()
+    prov.decode = DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=False)
+    assert [c.source for c in prov.candidates(_Problem(banded(32, 1)), k=3)] == [c.source for c in cands]
+    assert groups == [["h0"], ["h1"], ["h2"], ["h3"], ["h4"]]

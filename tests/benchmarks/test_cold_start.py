@@ -1,0 +1,25 @@
+"""Cold start's provider specs (benchmarks/cold_start.py): the policy provider decodes its first k
+candidates in one batch by default; ``+one`` and ``+batch`` choose, and the sampling mode is kept."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+cold_start = pytest.importorskip("cold_start")
+
+RETRIEVAL = Path(__file__).resolve().parents[2] / "policy" / "checkpoints" / "retrieval"
+
+
+@pytest.mark.skipif(not (RETRIEVAL / "model.safetensors").is_file(), reason="no retrieval checkpoint in this checkout")
+@pytest.mark.parametrize("spec, batch", [("policy+hints", True), ("policy+hints+batch", True),
+                                         ("policy+hints+one", False)])
+def test_policy_specs_choose_how_the_candidates_are_decoded(spec, batch):
+    prov = cold_start._make_provider(f"{spec}@{RETRIEVAL}")
+    assert prov.samples == "hints" and prov.decode.batch_drafts is batch
+    assert prov.decode.temperature == 0.8  # the rest of the provider's decoding is its default
+
+
+def test_a_plain_name_is_the_registered_provider():
+    assert cold_start._make_provider("nearest").name == "nearest"
