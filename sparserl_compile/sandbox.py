@@ -342,17 +342,23 @@ class SandboxPool:
     def _new_worker(self) -> _Worker:
         return _Worker(self._ctx, self.start_timeout_s, self.device, self._warm)
 
-    def start(self, wait: bool = False) -> None:
-        """Start a worker in the background now (if none is idle or starting), so the first
-        job does not wait for it (``runtime.prewarm``); ``wait=True`` returns once it is up."""
+    def start(self, wait: bool = False, count: int = 1) -> None:
+        """Start workers in the background now, up to ``count`` idle or starting ones (e.g. the
+        pool's ``workers`` before a first ``map``), so the first jobs do not wait for them
+        (``runtime.prewarm``, RL's reward workers while the policy decodes); ``wait=True``
+        returns once ``count`` are up (or none is starting any more)."""
         with self._lock:
             if self._closed:
                 return
-            idle = bool(self._free or self._spawning)
-        if not idle:
+            missing = count - len(self._free) - self._spawning
+        for _ in range(max(0, missing)):
             self._replace()
         if wait:
-            self._give(self._take())
+            with self._lock:
+                while len(self._free) < count and self._spawning and not self._closed:
+                    self._lock.wait(self.start_timeout_s)
+            if count == 1:
+                self._give(self._take())  # none could be started in the background: start it here
 
     def _take(self) -> _Worker:
         with self._lock:

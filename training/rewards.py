@@ -144,7 +144,7 @@ class SandboxEvaluator:
     """Compile + verify (+ time on the GPU) in sandboxed worker processes."""
 
     def __init__(self, executor: str = "cpu", workers: int = 2, timeout_s: float = 60.0, cost_model=None,
-                 parallel_verify: bool = True):
+                 parallel_verify: bool = True, prestart: bool = True):
         from sparserl_compile.sandbox import SandboxPool
 
         self.executor, self.cost_model = executor, cost_model
@@ -152,6 +152,9 @@ class SandboxEvaluator:
         #: verified ones in turn (``select.evaluate(parallel_verify=True)``)
         self.parallel_verify = parallel_verify
         self.pool = SandboxPool(workers, timeout_s=timeout_s)
+        if prestart:  # the workers start (on the GPU: torch and a CUDA context each) while the
+            # caller loads and decodes, not during the first reward
+            self.pool.start(count=workers)
         self.last_seconds: dict[str, float] = {}  # the last call's seconds by part (``reward_seconds``)
 
     def close(self) -> None:

@@ -132,9 +132,12 @@ def problems_from_records(records, loaded: dict | None = None) -> list:
     return out
 
 
-def make_evaluator(name: str, workers: int = 2, records=None, parallel_verify: bool = True):
+def make_evaluator(name: str, workers: int = 2, records=None, parallel_verify: bool = True,
+                   prestart: bool = True):
     """``gpu``, ``cpu``, ``header``, or ``measured`` (replays the H200 outcomes of ``records``'
-    variants, the CPU evaluator for the rest). ``parallel_verify``: ``SandboxEvaluator``'s."""
+    variants, the CPU evaluator for the rest). ``parallel_verify`` and ``prestart`` (start the
+    workers now, in the background): ``SandboxEvaluator``'s; the measured evaluator's CPU
+    evaluator, rarely asked, starts its workers on first use."""
     from training import rewards
 
     if name == "header":
@@ -145,11 +148,12 @@ def make_evaluator(name: str, workers: int = 2, records=None, parallel_verify: b
             from training.cost_model import CostModel
 
             cm = CostModel.load_default()
-        return rewards.SandboxEvaluator(name, workers=workers, cost_model=cm, parallel_verify=parallel_verify)
+        return rewards.SandboxEvaluator(name, workers=workers, cost_model=cm, parallel_verify=parallel_verify,
+                                        prestart=prestart)
     if name == "measured":
         if records is None:
             raise ValueError("evaluator='measured' needs the supervision records it replays")
-        return rewards.MeasuredEvaluator(records, inner=make_evaluator("cpu", workers))
+        return rewards.MeasuredEvaluator(records, inner=make_evaluator("cpu", workers, prestart=False))
     raise ValueError(f"evaluator={name!r}: use 'gpu', 'cpu', 'measured' or 'header'")
 
 

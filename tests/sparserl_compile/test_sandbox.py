@@ -109,6 +109,21 @@ def test_start_readies_one_worker_and_close_stops_it():
     assert not w.alive()
 
 
+def test_start_readies_the_pools_workers_and_the_first_map_runs_on_them():
+    """start(count=n) before a first map: n workers start in the background, start(wait=True)
+    returns once they are up, and the map's jobs run on them, none started for it."""
+    with SandboxPool(2, timeout_s=60) as pool:
+        pool.start(count=2)
+        pool.start(count=2)  # two are already starting: no more
+        assert len(pool._free) + pool._spawning == 2
+        pool.start(wait=True, count=2)
+        assert len(pool._free) == 2 and pool._spawning == 0
+        started = {w.proc.pid for w in pool._free}
+        res = pool.map([_job(GOOD), _job(GOOD), _job(GOOD)], M)
+        assert all(r.ok for r in res) and {r.worker_pid for r in res} <= started
+        assert len(pool._free) == 2
+
+
 @needs_simt
 def test_a_worker_killed_mid_job_is_a_crash():
     with SandboxPool(1, timeout_s=60) as pool:

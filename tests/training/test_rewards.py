@@ -89,6 +89,30 @@ def test_cpu_evaluator_verifies_on_all_workers_at_once():
     assert ev.last_seconds["verify"] > 0 and ev.last_seconds["time"] == ev.last_seconds["reference"] == 0
 
 
+def test_sandbox_evaluator_starts_its_workers_before_the_first_reward():
+    """The workers start when the evaluator is made (in the background, while the policy loads
+    and decodes); the first reward runs on them. prestart=False leaves the start to the first use."""
+    from sparserl_compile.kernels import render
+    from sparserl_compile.matrices import banded
+    from training.rewards import RLProblem, SandboxEvaluator
+
+    m = banded(40, 2)
+    good = render("csr_scalar", "spmv", "f32", {"block": 64}, m)
+    good = good if isinstance(good, str) else good.source
+    ev = SandboxEvaluator("cpu", workers=2)
+    try:
+        assert len(ev.pool._free) + ev.pool._spawning == 2
+        ev.pool.start(wait=True, count=2)
+        started = {w.proc.pid for w in ev.pool._free}
+        out = ev(RLProblem(m, "spmv", "f32", 1, reference_us=20.0), [good])
+        assert out[0].correct and {w.proc.pid for w in ev.pool._free} == started
+    finally:
+        ev.close()
+    lazy = SandboxEvaluator("cpu", workers=2, prestart=False)
+    assert not lazy.pool._free and lazy.pool._spawning == 0
+    lazy.close()
+
+
 def test_measured_evaluator_replays_h200_outcomes_and_delegates_the_rest():
     """A sample that is a measured point gets the H200 outcome of that exact source (whitespace
     aside); a failed point counts as wrong; anything else goes to the inner evaluator."""
