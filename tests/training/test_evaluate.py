@@ -216,3 +216,26 @@ def test_a_correct_greedy_kernel_that_is_no_measured_point_is_counted_and_flagge
     assert summ["measured_space_fraction_greedy_fallback_n"] == 0  # correct: no fallback either
     (row,) = st.rows
     assert row["greedy_novel"] is True and row["greedy_novel_us"] == 50.0 and row["greedy_fraction"] is None
+
+
+@pytest.mark.parametrize("untraced", [False, True])
+def test_untraced_samples_decodes_the_temperature_samples_untraced_in_one_batch(tiny_model, tiny_tok, monkeypatch,
+                                                                               untraced):
+    """By default the k temperature samples are traced and one at a time (the earlier reports'
+    draws); untraced_samples decodes them untraced and speculatively in one batch (the same
+    distribution). The greedy kernel is untraced either way."""
+    from policy import decode
+
+    seen = []
+    real = decode.generate
+
+    def spy(*a, config=None, **kw):
+        seen.append((config.greedy, config.trace, config.batch_drafts, kw.get("k")))
+        return real(*a, config=config, **kw)
+
+    monkeypatch.setattr(decode, "generate", spy)
+    pb = RLProblem(banded(32, 1), "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
+                         max_new_tokens=12, constrained=True, untraced_samples=untraced)["banded"]
+    assert seen == [(True, False, False, 1), (False, not untraced, untraced, 3)]
+    assert st.summary()["samples"] == 4
