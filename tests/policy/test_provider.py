@@ -59,9 +59,9 @@ def test_a_kernel_written_twice_is_proposed_once(tiny_model, tiny_tok, kernel_so
     assert prov.stats.duplicates == 1 and prov.stats.returned == 2 and prov.stats.sampled == 3
 
 
-def test_hint_candidates_fill_the_places_of_repeated_kernels(tiny_model, tiny_tok, kernel_source, monkeypatch):
-    """samples="hints": when two hints give one kernel, the next hints are decoded until k
-    distinct kernels are kept (at most 2k hints), so the selection still compares k."""
+def _hint_provider(tiny_model, tiny_tok, kernel_source, monkeypatch):
+    """A hints-mode provider over ten hints h0-h9 whose kernels h0-h2 are one text; decoding is
+    stubbed and records the hints of each hint_diverse call. Returns (provider, texts, groups)."""
     import copy
 
     from policy import provider as prov_mod
@@ -69,23 +69,29 @@ def test_hint_candidates_fill_the_places_of_repeated_kernels(tiny_model, tiny_to
     from policy.decode import Rollout
 
     texts = {f"h{i}": kernel_source.rstrip() + f"\n// {'same' if i < 3 else i}" for i in range(10)}
-    asked = []
+    groups = []
 
     def one_per_hint(model, tok, s, op, dtype, n, hints, **kw):
-        asked.extend(hints)
+        groups.append(list(hints))
         return [Rollout([], [1], texts[h], [0.0], True) for h in hints]
 
     monkeypatch.setattr(prov_mod, "hint_diverse", one_per_hint)
     monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: [f"h{i}" for i in range(a[5])])
     model = copy.deepcopy(tiny_model)
     model.config.retrieval, model.config.retrieval_hints = True, 8
-    prov = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False)
+    return PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False), texts, groups
+
+
+def test_hint_candidates_fill_the_places_of_repeated_kernels(tiny_model, tiny_tok, kernel_source, monkeypatch):
+    """samples="hints": when two hints give one kernel, the next hints are decoded until k
+    distinct kernels are kept (at most 2k hints), so the selection still compares k."""
+    prov, texts, groups = _hint_provider(tiny_model, tiny_tok, kernel_source, monkeypatch)
     cands = prov.candidates(_Problem(banded(32, 1)), k=3)
-    assert asked == ["h0", "h1", "h2", "h3", "h4"]  # h0-h2 write one kernel: two more hints fill in
+    assert sum(groups, []) == ["h0", "h1", "h2", "h3", "h4"]  # h0-h2 write one kernel: two more hints fill in
     assert [c.source for c in cands] == [texts["h0"], texts["h3"], texts["h4"]]
     assert prov.stats.duplicates == 2 and prov.stats.sampled == 5 and prov.stats.returned == 3
-    asked.clear()
-    assert len(prov.candidates(_Problem(banded(32, 1)), k=1)) == 1 and asked == ["h0"]
+    groups.clear()
+    assert len(prov.candidates(_Problem(banded(32, 1)), k=1)) == 1 and sum(groups, []) == ["h0"]
 
 
 def test_hint_fill_up_stops_at_its_time_budget(tiny_model, tiny_tok, kernel_source, monkeypatch):
@@ -139,24 +145,7 @@ def test_batched_hint_candidates_decode_the_first_k_hints_in_one_call(tiny_model
     """The provider's default decode (DecodeConfig(batch_drafts=True)): the first k hints go to
     hint_diverse together (one batch), the fill-up hints one at a time; with batch_drafts off,
     every hint alone. The candidates are the same."""
-    import copy
-
-    from policy import provider as prov_mod
-    from policy import retrieval
-    from policy.decode import Rollout
-
-    texts = {f"h{i}": kernel_source.rstrip() + f"\n// {'same' if i < 3 else i}" for i in range(10)}
-    groups = []
-
-    def one_per_hint(model, tok, s, op, dtype, n, hints, **kw):
-        groups.append(list(hints))
-        return [Rollout([], [1], texts[h], [0.0], True) for h in hints]
-
-    monkeypatch.setattr(prov_mod, "hint_diverse", one_per_hint)
-    monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: [f"h{i}" for i in range(a[5])])
-    model = copy.deepcopy(tiny_model)
-    model.config.retrieval, model.config.retrieval_hints = True, 8
-    prov = PolicyProvider(model=model, tokenizer=tiny_tok, speculative=False)
+    prov, texts, groups = _hint_provider(tiny_model, tiny_tok, kernel_source, monkeypatch)
     cands = prov.candidates(_Problem(banded(32, 1)), k=3)
     assert groups == [["h0", "h1", "h2"], ["h3"], ["h4"]]
     assert [c.source for c in cands] == [texts["h0"], texts["h3"], texts["h4"]]
