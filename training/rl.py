@@ -159,6 +159,17 @@ def make_evaluator(name: str, workers: int = 2, records=None, parallel_verify: b
 
 def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
        validation_problems=None) -> RLResult:
+    """Run stage 3 (``_rl``); the evaluator, given or made, is closed when the run ends, and when
+    it raises (a sandbox evaluator's worker processes then stop with the run, not with Python)."""
+    closers: list = []
+    try:
+        return _rl(cfg, problems, evaluator, reward_fn, log, validation_problems, closers)
+    finally:
+        for close in closers:
+            close()
+
+
+def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems, closers: list) -> RLResult:
     """Run stage 3. ``problems``/``evaluator``/``reward_fn``/``validation_problems`` override
     the config (tests). With ``cfg.validate`` the policy is scored on validation problems
     (``training/validation.py``) and the best so far is kept in ``<out_dir>/best/``.
@@ -262,6 +273,8 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
         evaluator = make_evaluator(cfg.evaluator, cfg.workers,
                                    records=train_records() if cfg.evaluator == "measured" else None,
                                    parallel_verify=cfg.parallel_verify)
+    if hasattr(evaluator, "close"):
+        closers.append(evaluator.close)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     validator = None
     if cfg.validate:
@@ -406,8 +419,6 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
     res.step = state.step
     if validator is not None:
         res.validation = res_validation
-    if hasattr(evaluator, "close"):
-        evaluator.close()
     if ctx.distributed:
         tdist.barrier()  # rank 0's checkpoint is complete before any rank moves on
     return res

@@ -104,6 +104,33 @@ def test_grpo_raises_the_reward(tmp_path, tiny_tok, n_features):
     assert (r2.start_step, r2.step) == (10, 11)
 
 
+class _Closable(_PrefersDia):
+    closed = 0
+
+    def close(self):
+        self.closed += 1
+
+
+def test_rl_closes_its_evaluator_when_the_run_ends_and_when_it_raises(tmp_path, tiny_tok, n_features):
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=1), tiny_tok, init)
+    cfg = RLConfig(init=str(init), out_dir=str(tmp_path / "rl"), steps=1, problems_per_step=1, k=2,
+                   max_new_tokens=8, algo="grpo", save_every=1)
+    probs = [RLProblem(banded(48, 2), "spmv", "f32", 1)]
+    ev = _Closable()
+    rl(cfg, problems=probs, evaluator=ev, reward_fn=lambda o: float(o.correct), log=QUIET)
+    assert ev.closed == 1
+
+    def broken(outcome):
+        raise RuntimeError("reward failed")
+
+    ev = _Closable()
+    with pytest.raises(RuntimeError, match="reward failed"):
+        rl(dataclasses.replace(cfg, out_dir=str(tmp_path / "rl2")), problems=probs, evaluator=ev,
+           reward_fn=broken, log=QUIET)
+    assert ev.closed == 1  # the sandbox workers stop with the run that raised
+
+
 def test_rl_average_from_keeps_the_mean_of_the_updates_weights_across_a_resume(tmp_path, tiny_tok, n_features):
     """--average-from 2: after update 2 the average is update 2's weights; resumed to update 3,
     it is the mean of updates 2 and 3 (each read back from the run's own checkpoints)."""
