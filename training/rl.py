@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -161,15 +161,12 @@ def rl(cfg: RLConfig, problems=None, evaluator=None, reward_fn=None, log=print,
        validation_problems=None) -> RLResult:
     """Run stage 3 (``_rl``); the evaluator, given or made, is closed when the run ends, and when
     it raises (a sandbox evaluator's worker processes then stop with the run, not with Python)."""
-    closers: list = []
-    try:
-        return _rl(cfg, problems, evaluator, reward_fn, log, validation_problems, closers)
-    finally:
-        for close in closers:
-            close()
+    with ExitStack() as cleanup:
+        return _rl(cfg, problems, evaluator, reward_fn, log, validation_problems, cleanup)
 
 
-def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems, closers: list) -> RLResult:
+def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
+        cleanup: ExitStack) -> RLResult:
     """Run stage 3. ``problems``/``evaluator``/``reward_fn``/``validation_problems`` override
     the config (tests). With ``cfg.validate`` the policy is scored on validation problems
     (``training/validation.py``) and the best so far is kept in ``<out_dir>/best/``.
@@ -274,7 +271,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                                    records=train_records() if cfg.evaluator == "measured" else None,
                                    parallel_verify=cfg.parallel_verify)
     if hasattr(evaluator, "close"):
-        closers.append(evaluator.close)
+        cleanup.callback(evaluator.close)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     validator = None
     if cfg.validate:
