@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,11 @@ def resolve_device(name: str) -> str:
 def save_config(cfg, directory: str | Path, name: str) -> Path:
     p = Path(directory) / f"{name}_config.json"
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
+    # written beside and renamed: under torchrun the other ranks read it (check_resume) while
+    # rank 0 writes it, and must never see it half-written
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
+    os.replace(tmp, p)
     return p
 
 
