@@ -32,7 +32,7 @@ from pathlib import Path
 
 from training.data import SHARED_HELD_OUT
 
-#: the ``shared:KIND`` sources of RL's problem mixes (docs/training.md, the fourteenth session's command)
+#: the ``shared:KIND`` sources of RL's problem mixes (docs/training-history.md, the fourteenth session's command)
 SHARED_MIX_KINDS = ("social_powerlaw", "gnn_citation", "road_planar", "mesh", "circuit")
 CARRY_LIMIT = 64 * 2**20
 CHECKPOINT_FILES = ("README.md", "config.json", "model.safetensors", "tokenizer.json", "training_log.json")

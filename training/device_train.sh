@@ -94,7 +94,7 @@ elif [ -z "${RL_INIT:-}" ] && [ "$RL_S" != 0 ]; then
   echo "SFT_S=0 skips SFT: set RL_INIT to the checkpoint RL starts from"; exit 2
 fi
 if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
-  # one RL run per seed from the same start, then their weight average (docs/training.md, "Weight averaging")
+  # one RL run per seed from the same start, then their weight average (docs/training-history.md, "Weight averaging")
   NGPU="${NGPU:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")}"  # NGPU=2 on a CPU tests the parallel path
   i=0; MEMBERS=""; NEW=""
   for seed in $SEEDS; do

@@ -15,7 +15,7 @@ by more than ``margin`` (timing noise); otherwise that kernel is its own target,
 keeps the policy where it already chose well. Every update then takes a few causal-LM steps on
 batches drawn from all targets collected so far (a replay buffer), mixed with examples of the
 SFT stage (``--raft-anchor``: every hint of the SFT recipe, so prompts other than the first keep
-their meaning; without them a first run forgot how to read hints, docs/training.md). The
+their meaning; without them a first run forgot how to read hints, docs/training-history.md). The
 policy so distils its
 best of k into its first kernel, on structures the supervision never measured when the
 problems are unlabelled (``--unlabelled``), rewarded by real timings.
@@ -24,7 +24,7 @@ A policy trained without hints has no hints to explore across. Its candidates ar
 kernel and k - 1 temperature samples of the same prompt (``rl._raft_candidates``), and the
 same rule picks the target. On the structure-only default checkpoint this raised the held-out
 greedy kernel from 0.843 to 0.864 of the space best, all of it on one circuit matrix
-(docs/training.md, "The default checkpoint, version 2"), and with structures derived from the
+(docs/training-history.md, "The default checkpoint, version 2"), and with structures derived from the
 shared social and GNN matrices to 0.890 (version 3).
 
 This is reward-ranked fine-tuning (Dong et al. 2023, "RAFT"), a form of expert iteration

@@ -29,7 +29,7 @@ A held-out matrix is never a source. ``mix`` weights the sources (``parse_mix``:
 generator at the shapes ``uniform_random``'s sampler never draws and the supervision grids
 hold: tall (4-40 times more rows than columns), wide (4-20 times more columns), and 1 or
 64-256 nonzeros per row. RL's gains on the held-out uniform random records came on such
-shapes too (docs/training.md, sixteenth session). Its matrices are labelled, split and
+shapes too (docs/training-history.md, sixteenth session). Its matrices are labelled, split and
 skipped as ``uniform_random``'s.
 """
 

@@ -1,7 +1,7 @@
 """Checkpoint selection for stage 3 on a validation set apart from the held-out split
 (``sparserl train rl --validate N``).
 
-Why: RL's held-out figures move by whole points between updates (docs/training.md: version 3's
+Why: RL's held-out figures move by whole points between updates (docs/training-history.md: version 3's
 round 2 fell from 0.890 to 0.805), so which update to keep matters, and choosing it on the
 held-out records would make those records part of training. The validation problems are drawn
 as the unlabelled problems are (``training/unlabelled.py``), from the generators and from the
@@ -26,7 +26,7 @@ The stage validates before its first update (the starting checkpoint), every ``v
 updates and after the last one; a strictly better score saves the policy to ``<out>/best/``.
 The history is ``<out>/validation.json`` (read back when a run resumes).
 
-What it is worth (docs/training.md, "Checkpoint selection on a validation split"): in two H200
+What it is worth (docs/training-history.md, "Checkpoint selection on a validation split"): in two H200
 runs of 17 RAFT updates it picked the checkpoint after 12 updates, which was worse on the
 held-out records than the run's end (0.848 vs 0.912, 0.824 vs 0.877). With 24 problems, one
 format decision moves the score about as much as the checkpoints differ, so it guards against
