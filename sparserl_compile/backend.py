@@ -15,8 +15,8 @@ chained after any ``post_grad_custom_post_pass`` of the user's) swaps each spars
 graph twin ``sparserl::<op>_graph`` (``ops.py``): the same kernel and operand checks, without
 the ``torch.library.custom_op`` layers (a Python autograd kernel that redispatches, then output
 alias checks) that cost about 45 us of host time per product per call on a 2-core CPU. The
-pass's uuid hashes this file and ``ops.py``, so Inductor's and AOTAutograd's caches never hand
-back a graph compiled without it.
+pass's uuid hashes this file, ``ops.py`` and ``tensor.py``, so Inductor's and AOTAutograd's
+caches never hand back a graph compiled without it, or under another version of them.
 
 The structure fingerprint is flatten metadata of ``SparseRLTensor``, so Dynamo guards on it:
 a new structure recompiles; new values with the same structure do not. The runtime's plan
@@ -117,14 +117,19 @@ _hash: str | None = None
 
 
 def _source_hash() -> str:
-    """sha256 of this file and ``ops.py`` (where the twins are defined), computed once."""
+    """sha256 of this file, ``ops.py`` (where the twins are defined) and ``tensor.py``, computed
+    once. ``tensor.py`` is in it because a graph Dynamo records with a product's ``out=`` (and
+    possibly other calls) is lowered through ``SparseRLTensor.__torch_function__`` only when
+    AOTAutograd traces it, so a cached graph compiled under another version of that file has the
+    same Dynamo graph and would otherwise be handed back (an ``out=`` fix did not reach a
+    compiled call until the cache was cleared)."""
     global _hash
     if _hash is None:
         import hashlib
         from pathlib import Path
 
         h = hashlib.sha256()
-        for name in ("backend.py", "ops.py"):
+        for name in ("backend.py", "ops.py", "tensor.py"):
             h.update((Path(__file__).resolve().parent / name).read_bytes())
         _hash = "sparserl-graph-twins-" + h.hexdigest()
     return _hash

@@ -111,6 +111,10 @@ def _build(a: torch.Tensor, idx: tuple, nnz: int) -> _Native:
         ix = idx[1].cpu().numpy().astype(np.int64, copy=False)
     else:
         ind = idx[0].cpu().numpy()
+        if ind.shape[1] > 1 and bool((ind[0, 1:] < ind[0, :-1]).any()):
+            # flagged coalesced (torch.sparse_coo_tensor(..., is_coalesced=True)) but not row-sorted:
+            # counting rows would pair columns with the wrong rows; torch's own product is right
+            return _Native(idx, None, None, "")
         ip = np.zeros(n_rows + 1, dtype=np.int64)
         np.cumsum(np.bincount(ind[0], minlength=n_rows), out=ip[1:])
         ix = ind[1].astype(np.int64, copy=False)

@@ -124,7 +124,9 @@ class SparseRLTensor(torch.Tensor):
         kwargs = {} if kwargs is None else kwargs
         handler = _TORCH_FN_TABLE.get(func)
         if handler is not None:
-            return handler(func, types, args, kwargs)
+            out = kwargs.pop("out", None)
+            result = handler(func, types, args, kwargs)
+            return result if out is None else _into(func, out, result)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -330,10 +332,15 @@ def sparsify(a, *, device=None) -> SparseRLTensor:
                     f"{a.sparse_dim()}, dense_dim={a.dense_dim()}"
                 )
             a = a.detach().coalesce()
-            idx = a.indices().cpu().numpy()
+            idx, vals = a.indices().cpu().numpy(), a.values()
+            if idx.shape[1] > 1 and bool((idx[0, 1:] < idx[0, :-1]).any()):
+                # flagged coalesced but not row-sorted (is_coalesced=True on unsorted indices):
+                # coalesce() trusts the flag, so sort the rows here (columns are sorted below)
+                order = np.argsort(idx[0], kind="stable")
+                idx, vals = idx[:, order], vals[torch.from_numpy(order).to(vals.device)]
             crow = np.zeros(a.shape[0] + 1, dtype=np.int64)
             np.cumsum(np.bincount(idx[0], minlength=a.shape[0]), out=crow[1:])
-            return _from_csr(crow, idx[1], a.values(), a.shape, device=device)
+            return _from_csr(crow, idx[1], vals, a.shape, device=device)
         elif a.layout == torch.sparse_csc:
             a = a.detach().to_sparse_csr()
         if a.layout != torch.sparse_csr:
@@ -451,6 +458,23 @@ def _right(B: torch.Tensor, A: SparseRLTensor, transpose: bool = False) -> torch
     x = B.reshape(math.prod(B.shape[:-1]), B.shape[-1])
     y = _product(A, x.t(), not transpose)
     return y.t().reshape(*B.shape[:-1], y.shape[0])
+
+
+def _into(func, out, result: torch.Tensor) -> torch.Tensor:
+    """``out=`` of a product: ``result`` written into the caller's tensor, as torch does (an
+    empty ``out`` is resized to the result's shape; a non-empty one must have it already)."""
+    name = getattr(func, "__name__", func)
+    if not isinstance(out, torch.Tensor) or isinstance(out, SparseRLTensor) or out.layout != torch.strided:
+        raise TypeError(f"{name}: out= must be a dense tensor, got {type(out).__name__}")
+    if out.dtype != result.dtype or out.device != result.device:
+        raise TypeError(f"{name}: out= is {out.dtype} on {out.device}, the product is {result.dtype} on "
+                        f"{result.device}; pass an out tensor of the product's dtype and device")
+    if out.shape != result.shape:
+        if out.numel() != 0:
+            raise ValueError(f"{name}: out= has shape {tuple(out.shape)}, the product has shape "
+                             f"{tuple(result.shape)}; pass an out tensor of that shape (or an empty one)")
+        out.resize_(result.shape)
+    return out.copy_(result)
 
 
 def _two(args, kwargs, names):

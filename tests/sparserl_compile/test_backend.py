@@ -257,3 +257,27 @@ def test_compiled_forward_and_backward_call_the_graph_twins():
     model(x).sum().backward()
     for g, p in zip(grads, (model.lin.bias, model.head.weight)):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_out_argument_is_written():
+    """``out=`` inside a compiled function writes the caller's tensor, as eager does."""
+    A, X = S.sparsify(mat()), torch.randn(30, 4)
+    o = torch.zeros(40, 4)
+    f = torch.compile(lambda A, x, o: torch.mm(A, x, out=o), backend="sparserl")
+    got = f(A, X, o)
+    torch.testing.assert_close(o, A.to_dense() @ X, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, o)
+
+
+def test_the_cache_key_covers_the_file_that_lowers_products():
+    """``SparseRLTensor.__torch_function__`` (tensor.py) decides what a product becomes when
+    AOTAutograd traces a graph Dynamo recorded with ``out=``; a cached graph from another
+    version of it must not be handed back, so the twins' uuid hashes it."""
+    import hashlib
+    from pathlib import Path
+
+    here = Path(backend.__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in ("backend.py", "ops.py", "tensor.py"):
+        h.update((here / name).read_bytes())
+    assert backend.GraphTwinPass().uuid() == "sparserl-graph-twins-" + h.hexdigest()

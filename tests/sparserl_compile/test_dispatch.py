@@ -188,3 +188,17 @@ def test_routed_on_cuda():
         y = A @ X
     assert calls() == 1
     torch.testing.assert_close(y, A.to_dense() @ X, rtol=1e-4, atol=1e-4)
+
+
+def test_coo_flagged_coalesced_but_not_row_sorted_gives_torchs_result():
+    """``sparse_coo_tensor(..., is_coalesced=True)`` over indices that are not row-sorted breaks
+    torch's contract, but torch's own product is still right; sparserl must not pair the columns
+    with the wrong rows (it passes the product to torch), and ``sparsify`` sorts the rows."""
+    lying = torch.sparse_coo_tensor(torch.tensor([[1, 0, 1], [0, 1, 1]]), torch.tensor([1.0, 2.0, 3.0]), (2, 2),
+                                    is_coalesced=True)
+    want = torch.tensor([[0.0, 2.0], [1.0, 3.0]])
+    x = torch.tensor([[1.0], [10.0]])
+    with S.accelerate():
+        torch.testing.assert_close(lying @ x, want @ x)
+    torch.testing.assert_close(S.sparsify(lying).to_dense(), want)
+    torch.testing.assert_close(S.sparsify(lying) @ x, want @ x)

@@ -377,3 +377,27 @@ def test_matmul_operator_fast_path_keeps_torch_semantics():
     with Spy():
         torch.testing.assert_close(a @ x.detach(), y.detach())
     assert any("matmul" in name for name in seen)
+
+
+def test_out_argument_is_written_like_torch_writes_it():
+    """``torch.mm(A, x, out=o)`` and the other products fill ``o`` and return it (an earlier
+    version returned a fresh tensor and left ``o`` untouched: a silent wrong result)."""
+    m = rand_csr(6, 5, density=0.5, seed=3, dtype=np.float32)
+    A, D = S.sparsify(m), torch.from_numpy(m.toarray())
+    x, v, inp, y = torch.randn(5, 3), torch.randn(5), torch.randn(6, 3), torch.randn(4, 6)
+    cases = [
+        (lambda o: torch.mm(A, x, out=o), D @ x, (6, 3)),
+        (lambda o: torch.matmul(A, x, out=o), D @ x, (6, 3)),
+        (lambda o: torch.mv(A, v, out=o), D @ v, (6,)),
+        (lambda o: torch.addmm(inp, A, x, beta=2.0, alpha=0.5, out=o), 2 * inp + 0.5 * (D @ x), (6, 3)),
+        (lambda o: torch.matmul(y, A, out=o), y @ D, (4, 5)),
+    ]
+    for call, want, shape in cases:
+        for o in (torch.full(shape, 12345.0), torch.empty(0)):  # the right shape, or empty (resized)
+            got = call(o)
+            assert got is o
+            torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"out= has shape \(2, 2\), the product has shape \(6, 3\)"):
+        torch.mm(A, x, out=torch.empty(2, 2))
+    with pytest.raises(TypeError, match="out= is torch.float64 .* pass an out tensor of the product's dtype"):
+        torch.mm(A, x, out=torch.empty(6, 3, dtype=torch.float64))
