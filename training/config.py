@@ -22,7 +22,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        h = f.metadata.get("help", "")
+        h = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %: "10 %" is text
         if isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=h)
         else:
