@@ -22,9 +22,12 @@ so readers see the old entry or the new one and concurrent writers of one key ar
 last rename wins; both wrote valid entries). No pickle: JSON and base64 only.
 
 The folder is ``$SPARSERL_CACHE_DIR`` or ``~/.cache/sparserl``, created 0700. If it cannot be
-created or written, is not owned by this user, or group/others can write it, the cache warns
-once (``CacheWarning``) and runs memory-only: a kernel planted by another user must never
-be loaded, and an unusable cache must never stop a product from being computed.
+created, is owned by neither this user nor root, or group/others can write it (or the entry's
+subfolder), the cache warns once (``CacheWarning``) and runs memory-only: a kernel planted by
+another user must never be loaded, and an unusable cache must never stop a product from being
+computed. A folder this user may read but not write (a pre-generated cache deployed read-only:
+a baked image, a read-only mount, a root-owned 0755 folder) is read; new entries then stay in
+memory, with one warning.
 
 ``KernelCache`` puts an in-memory dict in front of the disk. ``sparserl cache ls | show |
 clear | verify`` inspects and repairs a cache folder; ``sparserl cache merge`` (``merge.py``)
@@ -182,6 +185,7 @@ class Listing:
 class VerifyReport:
     valid: int
     removed: tuple[str, ...]  # paths of corrupt entries and stale temp files removed
+    failed: tuple[str, ...] = ()  # "path: why" of corrupt entries that could not be removed
 
 
 def default_dir() -> Path:
@@ -190,35 +194,59 @@ def default_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sparserl"
 
 
-def check_dir(path: Path) -> str | None:
-    """Create ``path`` (0700) if needed; return why it may not be used, or None if it may."""
+def _unsafe(path: Path, st: os.stat_result) -> str | None:
+    """Why another user could have written into the folder ``path``, or None."""
+    if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
+        return f"{path} is owned by uid {st.st_uid}, neither this user (uid {os.getuid()}) nor root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"another user could plant kernels: run `chmod 700 {path}`")
+    return None
+
+
+def check_dir(path: Path, create: bool = True) -> str | None:
+    """Create ``path`` (0700) if needed (and ``create``); return why its entries may not be read,
+    or None if they may. Whether it may also be written is ``writable(path)``."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if create:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.stat(path)
+    except FileNotFoundError:
+        return f"{path} does not exist"
     except OSError as e:
         return f"cannot create {path}: {e.strerror or e}"
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a directory"
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-                f"another user could plant kernels: run `chmod 700 {path}`")
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"{path} is not writable by this user"
+    why = _unsafe(path, st)
+    if why:
+        return why
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{path} is not readable by this user"
     return None
+
+
+def writable(path: Path) -> bool:
+    """May this user add entries to the (usable) cache folder ``path``?"""
+    return os.access(path, os.W_OK | os.X_OK)
 
 
 class KernelCache:
     """In-memory dict in front of the on-disk entry files of one folder."""
 
-    def __init__(self, directory: str | os.PathLike | None = None):
+    def __init__(self, directory: str | os.PathLike | None = None, create: bool = True):
         self.directory = Path(directory) if directory is not None else default_dir()
         self._mem: dict[str, CacheEntry] = {}
-        self.disabled_reason = check_dir(self.directory)
+        self._safe_subdirs: dict[str, str | None] = {}
+        self.disabled_reason = check_dir(self.directory, create)
+        #: the folder is read but not written (``None`` when it is also written, or not used)
+        self.read_only_reason = None
         self._warned = False
         if self.disabled_reason:
             self._warn(self.disabled_reason)
+        elif not writable(self.directory):
+            self.read_only_reason = f"{self.directory} is not writable by this user"
+            self._warn(self.read_only_reason, "sparserl kernel cache is read-only (its entries are served; "
+                                              "new kernels stay in memory)")
 
     _defaults: dict[str, "KernelCache"] = {}
 
@@ -232,12 +260,18 @@ class KernelCache:
 
     @property
     def on_disk(self) -> bool:
+        """Entries are read from and written to the folder."""
+        return self.disabled_reason is None and self.read_only_reason is None
+
+    @property
+    def readable(self) -> bool:
+        """Entries are read from the folder (``on_disk``, or a read-only folder)."""
         return self.disabled_reason is None
 
-    def _warn(self, why: str) -> None:
+    def _warn(self, why: str, what: str = "sparserl kernel cache runs memory-only") -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"sparserl kernel cache runs memory-only: {why}", CacheWarning, stacklevel=3)
+            warnings.warn(f"{what}: {why}", CacheWarning, stacklevel=3)
 
     def path_of(self, digest: str) -> Path:
         return self.directory / digest[:2] / f"{digest}.json"
@@ -248,12 +282,28 @@ class KernelCache:
         """The entry for ``key``, or None (a miss, also for any unreadable or corrupt file)."""
         digest = key.digest()
         hit = self._mem.get(digest)
-        if hit is not None or not self.on_disk:
+        if hit is not None or not self.readable:
             return hit
-        entry = self._load(self.path_of(digest), expect=key)
+        path = self.path_of(digest)
+        if self.read_only_reason is not None and self._subdir_unsafe(path.parent):
+            return None
+        entry = self._load(path, expect=key)
         if entry is not None:
             self._mem[digest] = entry
         return entry
+
+    def _subdir_unsafe(self, d: Path) -> str | None:
+        """In a folder this process did not write: why the subfolder ``d`` may hold a planted
+        entry (its owner or mode), remembered per subfolder; None if it may be read."""
+        if d.name not in self._safe_subdirs:
+            try:
+                why = _unsafe(d, os.stat(d))
+            except OSError:
+                why = None  # absent: every entry in it is a miss anyway
+            if why:
+                log.warning("kernel cache: not reading %s: %s", d, why)
+            self._safe_subdirs[d.name] = why
+        return self._safe_subdirs[d.name]
 
     def _load(self, path: Path, expect: CacheKey | None = None) -> CacheEntry | None:
         try:
@@ -271,13 +321,16 @@ class KernelCache:
                 raise ValueError("the stored key differs from the requested one")
             if entry.key.digest() != path.stem:
                 raise ValueError("the file name does not match the stored key")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            self._discard(path, st, str(e))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+            self._discard(path, st, str(e) if not isinstance(e, RecursionError) else "JSON nested too deep")
             return None
         return entry
 
     def _discard(self, path: Path, st: os.stat_result, why: str) -> None:
         """Remove a corrupt entry unless a writer replaced it since we read it."""
+        if self.read_only_reason is not None:
+            log.warning("kernel cache: corrupt entry %s (%s): a miss; the folder is read-only, so it stays", path, why)
+            return
         log.warning("kernel cache: removing corrupt entry %s: %s", path, why)
         try:
             now = os.stat(path)
@@ -336,8 +389,9 @@ class KernelCache:
                 if entry.key.digest() != p.stem:
                     raise ValueError("the file name does not match the stored key")
                 out.append(Listing(p.stem, p, len(raw), entry))
-            except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-                out.append(Listing(p.stem, p, p.stat().st_size if p.exists() else 0, None, str(e)))
+            except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+                problem = "JSON nested too deep" if isinstance(e, RecursionError) else str(e)
+                out.append(Listing(p.stem, p, p.stat().st_size if p.exists() else 0, None, problem))
         return out
 
     def find(self, prefix: str) -> list[Listing]:
@@ -362,6 +416,8 @@ class KernelCache:
             return 0
         for p in self.directory.glob("??/*.json"):
             try:
+                if not p.is_file():
+                    continue
                 os.unlink(p)
                 n += 0 if p.name.startswith(".tmp-") else 1
             except OSError:
@@ -370,15 +426,15 @@ class KernelCache:
 
     def verify(self) -> VerifyReport:
         """Re-hash every entry; remove corrupt ones and temp files older than STALE_TEMP_S."""
-        removed, valid = [], 0
+        removed, failed, valid = [], [], 0
         for x in self.ls():
             if x.entry is None:
                 log.warning("kernel cache: removing corrupt entry %s: %s", x.path, x.problem)
                 try:
                     os.unlink(x.path)
                     removed.append(str(x.path))
-                except OSError:
-                    pass
+                except OSError as e:
+                    failed.append(f"{x.path}: corrupt ({x.problem}), and cannot be removed: {e.strerror or e}")
                 self._mem.pop(x.digest, None)
             else:
                 valid += 1
@@ -390,7 +446,7 @@ class KernelCache:
                     removed.append(str(p))
             except OSError:
                 pass
-        return VerifyReport(valid, tuple(removed))
+        return VerifyReport(valid, tuple(removed), tuple(failed))
 
 
 def _fsync_dir(d: Path) -> None:
@@ -422,12 +478,17 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _open(args) -> KernelCache | None:
+def _open(args, write: bool = False) -> KernelCache | None:
+    """The folder of ``--dir`` (never created: these commands inspect); ``write``: the command
+    removes files, so a read-only folder is an error."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheWarning)
-        c = KernelCache(args.dir)
-    if not c.on_disk:
+        c = KernelCache(args.dir, create=False)
+    if not c.readable:
         print(f"error: cannot use the cache folder: {c.disabled_reason}")
+        return None
+    if write and not c.on_disk:
+        print(f"error: cannot change the cache folder: {c.read_only_reason}")
         return None
     return c
 
@@ -483,10 +544,10 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_clear(args) -> int:
-    c = _open(args)
+    c = _open(args, write=True)
     if c is None:
         return 1
-    n = len(c._files())
+    n = sum(p.is_file() for p in c._files())
     if not args.yes:
         print(f"would remove {n} entries from {c.directory}; run again with --yes to remove them")
         return 1
@@ -495,14 +556,17 @@ def _cmd_clear(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    c = _open(args)
+    c = _open(args, write=True)
     if c is None:
         return 1
     r = c.verify()
     for p in r.removed:
         print(f"removed {p}")
-    print(f"{r.valid} valid entries, {len(r.removed)} removed in {c.directory}")
-    return 0
+    for p in r.failed:
+        print(f"error: {p}")
+    print(f"{r.valid} valid entries, {len(r.removed)} removed"
+          + (f", {len(r.failed)} corrupt and not removable" if r.failed else "") + f" in {c.directory}")
+    return 1 if r.failed else 0
 
 
 def add_cli(subparsers) -> None:

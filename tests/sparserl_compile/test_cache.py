@@ -273,3 +273,80 @@ def test_a_policy_runtime_finds_families_only_entries_but_not_the_reverse(tmp_pa
     assert runtime.lookup(store, _key(fp="cd" * 16)) is None  # a policy's entries need that policy
     assert runtime.lookup(store, _key(fp="cd" * 16, policy_hash="ab12")).key.policy_hash == "ab12"
     assert runtime.lookup(store, _key(fp="ef" * 16, policy_hash="ab12")) is None
+
+
+def _read_only(monkeypatch):
+    """This user may read the folders but not write them (tests run as root, which may always
+    write, so the permission check is what is replaced)."""
+    from sparserl_compile import cache
+
+    monkeypatch.setattr(cache, "writable", lambda path: False)
+
+
+def test_a_read_only_pregenerated_folder_is_served_and_never_changed(tmp_path, monkeypatch, capsys):
+    """A cache deployed read-only (an image, a read-only mount) serves its entries; new kernels
+    stay in memory, with one warning; corrupt entries are misses and stay; clear and verify refuse."""
+    built = KernelCache(tmp_path)
+    built.put(_entry(_key()))
+    bad = built.path_of(_key(op="spmm").digest())
+    bad.parent.mkdir(exist_ok=True)
+    bad.write_text("{not json")
+    _read_only(monkeypatch)
+    with pytest.warns(CacheWarning, match="read-only .* not writable by this user"):
+        c = KernelCache(tmp_path)
+    assert c.readable and not c.on_disk
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, at start
+        assert c.get(_key()).cubin == _entry(_key()).cubin  # served from the folder
+        assert c.get(_key(op="spmm")) is None and bad.exists()  # a miss; the folder is not touched
+        assert not c.put(_entry(_key(fp="cd" * 16)))
+        assert c.get(_key(fp="cd" * 16)) is not None  # kept in memory
+    assert not c.path_of(_key(fp="cd" * 16).digest()).exists()
+    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
+    assert "2 entries" in capsys.readouterr().out
+    for action in (["verify"], ["clear", "--yes"]):
+        assert cli.main(["cache", "--dir", str(tmp_path), *action]) == 1
+        assert "cannot change the cache folder" in capsys.readouterr().out
+    with pytest.warns(CacheWarning):
+        assert bad.exists() and len(KernelCache(tmp_path).ls()) == 2
+
+
+def test_a_read_only_folder_skips_a_subfolder_others_can_write(tmp_path, monkeypatch):
+    KernelCache(tmp_path).put(_entry(_key()))
+    sub = KernelCache(tmp_path).path_of(_key().digest()).parent
+    os.chmod(sub, 0o777)
+    _read_only(monkeypatch)
+    with pytest.warns(CacheWarning):
+        c = KernelCache(tmp_path)
+    assert c.get(_key()) is None  # a planted entry is never loaded
+
+
+def test_inspecting_a_missing_folder_does_not_create_it(tmp_path, capsys):
+    d = tmp_path / "nope"
+    assert cli.main(["cache", "--dir", str(d), "ls"]) == 1
+    assert "does not exist" in capsys.readouterr().out and not d.exists()
+
+
+def test_deeply_nested_json_is_a_corrupt_entry(tmp_path, capsys):
+    c = KernelCache(tmp_path)
+    path = c.path_of(_key().digest())
+    path.parent.mkdir()
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert KernelCache(tmp_path).get(_key()) is None and not path.exists()  # a miss, removed
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
+    assert "CORRUPT" in capsys.readouterr().out
+    assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 0
+    assert "0 valid entries, 1 removed" in capsys.readouterr().out and not path.exists()
+
+
+def test_verify_says_which_corrupt_entries_it_cannot_remove(tmp_path, capsys):
+    c = KernelCache(tmp_path)
+    c.put(_entry(_key()))
+    stuck = c.path_of(_key(op="spmm").digest())
+    stuck.mkdir(parents=True)  # a folder where an entry file should be
+    assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 1
+    out = capsys.readouterr().out
+    assert "cannot be removed" in out and "1 valid entries, 0 removed, 1 corrupt and not removable" in out
+    assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
+    assert "would remove 1 entries" in capsys.readouterr().out  # the folder is not counted
