@@ -54,21 +54,53 @@ def shared_manifest(directory: Path | None = None) -> list[MatrixInfo]:
 
 def load_npz(path: str | os.PathLike) -> sp.csr_matrix:
     """Load a CSR ``.npz`` (keys indptr, indices, data, shape) without pickle."""
+    from sparserl_compile.tensor import check_csr_arrays
+
     with np.load(path, allow_pickle=False) as z:
         keys = set(z.files)
         if {"indptr", "indices", "data", "shape"} <= keys:
-            m = sp.csr_matrix(
-                (z["data"], z["indices"].astype(np.int32), z["indptr"].astype(np.int32)),
-                shape=tuple(int(s) for s in z["shape"]),
-            )
+            data, indices, indptr = z["data"], z["indices"], z["indptr"]
+            shape = _shape(z["shape"], path)
+            _check_arrays(path, data, indices=indices, indptr=indptr)
+            try:  # before any cast: a cast would wrap an index of 2^32 + 2 to 2
+                check_csr_arrays(indptr.astype(np.int64).ravel(), indices.astype(np.int64).ravel(), data.size, shape)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+            m = sp.csr_matrix((data.ravel(), indices.ravel().astype(np.int32), indptr.ravel().astype(np.int32)),
+                              shape=shape)
         elif {"row", "col", "data", "shape"} <= keys:  # scipy.sparse.save_npz COO layout
-            m = sp.coo_matrix((z["data"], (z["row"], z["col"])), shape=tuple(z["shape"])).tocsr()
+            data, row, col = z["data"], z["row"], z["col"]
+            shape = _shape(z["shape"], path)
+            _check_arrays(path, data, row=row, col=col)
+            if not (row.size == col.size == data.size):
+                raise ValueError(f"{path}: {row.size} row indices, {col.size} column indices and {data.size} values")
+            for name, ix, n in (("row", row, shape[0]), ("column", col, shape[1])):
+                if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= n):
+                    raise ValueError(f"{path}: {name} indices span [{int(ix.min())}, {int(ix.max())}] but the "
+                                     f"shape {shape[0]}x{shape[1]} has {n}")
+            m = sp.coo_matrix((data.ravel(), (row.ravel(), col.ravel())), shape=shape).tocsr()
         else:
             raise ValueError(
                 f"{path}: not a sparse matrix .npz (expected keys indptr, indices, data, shape; "
                 f"found {sorted(keys)})"
             )
     return canonical(m)
+
+
+def _shape(a: np.ndarray, path) -> tuple[int, int]:
+    if a.shape != (2,) or not np.issubdtype(a.dtype, np.integer) or int(a.min()) < 0:
+        raise ValueError(f"{path}: shape must be two non-negative integers, got {a.tolist()!r}")
+    return int(a[0]), int(a[1])
+
+
+def _check_arrays(path, data: np.ndarray, **indices: np.ndarray) -> None:
+    """Index arrays of an integer type, values real numbers: what a cast would silently change."""
+    for name, ix in indices.items():
+        if not np.issubdtype(ix.dtype, np.integer):
+            raise ValueError(f"{path}: {name} are {ix.dtype}, not integers: the file is malformed")
+    if np.iscomplexobj(data) or not (np.issubdtype(data.dtype, np.number) or data.dtype == np.bool_):
+        raise ValueError(f"{path}: values are {data.dtype}; sparserl multiplies real matrices (float32): "
+                         "save the real part (or the magnitude) if that is what you mean")
 
 
 def load_matrix(path: str | os.PathLike) -> sp.csr_matrix:
@@ -79,7 +111,11 @@ def load_matrix(path: str | os.PathLike) -> sp.csr_matrix:
     if p.endswith((".mtx", ".mtx.gz", ".mm")):
         import scipy.io
 
-        return canonical(sp.csr_matrix(scipy.io.mmread(p)))
+        m = scipy.io.mmread(p)
+        if np.iscomplexobj(m.data if sp.issparse(m) else m):
+            raise ValueError(f"{p}: a complex matrix; sparserl multiplies real matrices (float32): "
+                             "convert the real part (or the magnitude) if that is what you mean")
+        return canonical(sp.csr_matrix(m))
     raise ValueError(f"{p}: unknown matrix file type (use .npz CSR or Matrix Market .mtx)")
 
 

@@ -133,13 +133,14 @@ def discover(paths: list[str], min_sparsity: float = 0.5) -> list[Item]:
             raise SystemExit(f"{p}: no such file or directory")
     items: list[Item] = []
     for f in files:
-        if f.suffix == ".onnx":
-            items.extend(onnx_matrices(f, min_sparsity))
-            continue
         try:
+            if f.suffix == ".onnx":
+                items.extend(onnx_matrices(f, min_sparsity))
+                continue
             m = matrices.load_matrix(f)
-        except ValueError as e:  # e.g. a feature .npy or an unrelated .npz: say so, keep going
-            print(f"skipping {f}: {e}", file=sys.stderr)
+        except Exception as e:  # a feature .npy, an unrelated .npz, a truncated or corrupt file: say so, keep going
+            why = str(e) if isinstance(e, ValueError) else f"cannot read it ({type(e).__name__}: {e})"
+            print(f"skipping {f}: {why}", file=sys.stderr)
             continue
         if m.nnz == 0 or min(m.shape) == 0:
             print(f"skipping {f}: empty matrix (the reference handles it; nothing to generate)", file=sys.stderr)
@@ -251,9 +252,36 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _widths(text: str) -> tuple[int, ...]:
+    """``--widths``: a comma list of SpMM dense widths, each >= 1 (argparse type)."""
+    try:
+        widths = tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of integers, e.g. 8,32,128") from None
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every width must be at least 1")
+    return widths
+
+
+def _ops(text: str) -> tuple[str, ...]:
+    """``--ops``: a comma list of spmv, spmm (argparse type)."""
+    ops = tuple(o.strip() for o in text.split(",") if o.strip())
+    bad = [o for o in ops if o not in ("spmv", "spmm")]
+    if not ops or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of spmv, spmm")
+    return ops
+
+
 def _cmd(args) -> int:
+    import torch
+
     from sparserl_compile import providers, runtime
 
+    if not args.target_gpu and not torch.cuda.is_available():
+        print("error: no CUDA device here: name the GPU the cache will serve, e.g. --target-gpu 'NVIDIA H200' "
+              "(with --target-arch, --target-driver and --target-nvrtc of that machine); the kernels are then "
+              "compiled for it and verified with the CPU executor, untimed", file=sys.stderr)
+        return 2
     if args.provider:
         providers.set_provider(args.provider)
     target = None
@@ -269,8 +297,7 @@ def _cmd(args) -> int:
     if args.world_size > 1:
         print(f"rank {args.rank}/{args.world_size}: {len(items)} of {total} matrices", file=sys.stderr)
     out = args.out.replace("{rank}", str(args.rank))
-    widths = tuple(int(w) for w in args.widths.split(",") if w)
-    rows = pregenerate(items, cache_dir=out, ops=tuple(args.ops.split(",")), widths=widths,
+    rows = pregenerate(items, cache_dir=out, ops=args.ops, widths=args.widths,
                        dtype=args.dtype, target=target, executor=args.executor, progress=not args.no_progress,
                        share=args.share)
     print(format_table(rows))
@@ -287,8 +314,8 @@ def add_cli(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help=".npz / .mtx files, directories of them, or .onnx models")
     p.add_argument("--out", required=True, help="cache directory to fill (created 0700)")
-    p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
-    p.add_argument("--widths", default="32", help="SpMM dense widths, comma list")
+    p.add_argument("--ops", default=_ops("spmv,spmm"), type=_ops, help="comma list of spmv, spmm")
+    p.add_argument("--widths", default=_widths("32"), type=_widths, help="SpMM dense widths, comma list")
     p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
     p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's)")
     p.add_argument("--executor", default=None, choices=["gpu", "cpu"], help="default: gpu if present")

@@ -99,8 +99,48 @@ def test_cli_without_gpu_or_target_explains(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     _save_npz(tmp_path / "s.npz", matrices.stencil2d(4))
-    with pytest.raises(RuntimeError, match="--target-gpu"):
-        main(["pregen", str(tmp_path / "s.npz"), "--out", str(tmp_path / "k"), "--no-progress"])
+    assert main(["pregen", str(tmp_path / "s.npz"), "--out", str(tmp_path / "k"), "--no-progress"]) == 2
+    assert "--target-gpu 'NVIDIA H200'" in capsys.readouterr().err
+    assert not (tmp_path / "k").exists()
+
+
+@pytest.mark.parametrize("flag, value, why", [
+    ("--widths", "a,b", "comma list of integers"), ("--widths", "32,-3", "at least 1"),
+    ("--widths", "0", "at least 1"), ("--ops", "spmx", "comma list of spmv, spmm"),
+])
+def test_cli_refuses_bad_widths_and_ops_before_any_work(tmp_path, capsys, flag, value, why):
+    _save_npz(tmp_path / "s.npz", matrices.stencil2d(4))
+    with pytest.raises(SystemExit) as done:
+        main(["pregen", str(tmp_path / "s.npz"), "--out", str(tmp_path / "k"), "--target-gpu", "NVIDIA H200",
+              flag, value])
+    assert done.value.code == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "k").exists()
+
+
+def test_discover_skips_corrupt_and_malformed_files_and_keeps_going(tmp_path, capsys):
+    """One unreadable file never stops a run, and a malformed one is never read as another
+    matrix (a cast would have wrapped an index of 2^32 + 2 to 2, or cut nonzeros silently)."""
+    good = matrices.stencil2d(4)
+    _save_npz(tmp_path / "good.npz", good)
+    _save_npz(tmp_path / "b_trunc.npz", good)
+    data = (tmp_path / "b_trunc.npz").read_bytes()
+    (tmp_path / "b_trunc.npz").write_bytes(data[: len(data) // 2])
+    (tmp_path / "c_notgz.mtx.gz").write_text("not gzip")
+    bad = {
+        "d_lastptr.npz": dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1, 1]), data=np.ones(3)),
+        "e_bigidx.npz": dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 2**32 + 1]), data=np.ones(2)),
+        "f_floatidx.npz": dict(indptr=np.array([0, 1, 2]), indices=np.array([0.0, 1.0]), data=np.ones(2)),
+        "g_complex.npz": dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), data=np.ones(2) * 1j),
+    }
+    for name, arrays in bad.items():
+        np.savez(tmp_path / name, shape=np.array([2, 2]), **arrays)
+    items = pregen.discover([str(tmp_path)])
+    assert [i.name for i in items] == ["good.npz"]
+    err = capsys.readouterr().err
+    for name, why in [("b_trunc.npz", "cannot read it"), ("c_notgz.mtx.gz", "cannot read it"),
+                      ("d_lastptr.npz", "!= nnz (3)"), ("e_bigidx.npz", "span [0, 4294967297]"),
+                      ("f_floatidx.npz", "not integers"), ("g_complex.npz", "real matrices")]:
+        assert f"skipping {tmp_path / name}: " in err and why in err, name
 
 
 def test_empty_matrices_are_skipped_with_a_reason(tmp_path, capsys):
