@@ -586,7 +586,12 @@ def prewarm(*, provider: bool = True) -> threading.Thread:
     and structure statistics here (numba, from its disk cache), and build the active provider
     (``provider=True``; for the policy that is loading the model). For serving processes:
     call it at start-up. Returns the thread (``join()`` it to wait); errors are left for the
-    first product to report."""
+    first product to report.
+
+    The sandbox workers are ``multiprocessing`` "spawn" processes, and spawn imports the main
+    script again in each worker: a script that runs its work at top level (no
+    ``if __name__ == "__main__":``) runs it once more per worker (loading a model twice), and
+    the worker starts only after that code ends. Put the script's work under the guard."""
 
     def go():
         try:

@@ -243,7 +243,10 @@ class _Worker:
         self.pattern_key: str | None = None
         if not self.parent.poll(start_timeout_s):
             self.kill()
-            raise RuntimeError(f"sandbox worker did not start within {start_timeout_s} s")
+            raise RuntimeError(
+                f"sandbox worker did not start within {start_timeout_s} s. Workers are multiprocessing "
+                "'spawn' processes, which import the main script again: if it does its work at top level, "
+                "put that under `if __name__ == \"__main__\":` (the worker waits for that code to end)")
         self.parent.recv()
 
     def alive(self) -> bool:
