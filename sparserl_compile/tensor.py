@@ -113,6 +113,13 @@ class SparseRLTensor(torch.Tensor):
                  self.val.dtype, self.crow.numel(), self.val.numel(), self.val.device.type, self.val.requires_grad)
         return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=16).hexdigest()
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save``) as its CSR arrays and rebuilt through ``from_csr``'s checks,
+        so a file can never hand a kernel out-of-range indices or a stale fingerprint; the
+        rebuild function is registered with ``torch.serialization.add_safe_globals``, so
+        ``torch.load`` (``weights_only=True``, its default) reads sparsified state dicts."""
+        return (_rebuild, (self.crow, self.col, self.val, self.n_rows, self.n_cols, self.transposed))
+
     def _with(self, **changes) -> "SparseRLTensor":
         """A tensor like this one with some inner tensors or attributes replaced."""
         kw = {n: getattr(self, n) for n in self.tensor_data_names + self.tensor_attribute_names}
@@ -204,6 +211,8 @@ def _host_i64(a) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype.kind not in "iu":
         raise TypeError(f"CSR index arrays must be integers, got {a.dtype}")
+    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"a CSR index is {int(a.max())}, beyond any matrix sparserl takes (int32 indices)")
     return a.astype(np.int64, copy=False).ravel()
 
 
@@ -291,8 +300,11 @@ def _from_csr(crow, col, values, shape, *, device=None) -> SparseRLTensor:
             f"values must be 1-D (one per nonzero), got shape {tuple(values.shape)}: batched or "
             "hybrid sparse tensors are not supported"
         )
-    if len(tuple(shape)) != 2:
-        raise ValueError(f"shape must be (n_rows, n_cols), got {tuple(shape)}")
+    if shape is None or isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 2:
+        raise ValueError(f"shape must be (n_rows, n_cols), got {shape!r}")
+    if not all(isinstance(s, (int, np.integer)) or (isinstance(s, torch.Tensor) and s.dim() == 0
+                                                     and not s.dtype.is_floating_point) for s in shape):
+        raise ValueError(f"shape must be two integers (n_rows, n_cols), got {tuple(shape)!r}")
     n_rows, n_cols = (int(s) for s in shape)
     if n_rows < 0 or n_cols < 0:
         raise ValueError(f"shape {tuple(shape)} has a negative dimension")
@@ -307,6 +319,15 @@ def _from_csr(crow, col, values, shape, *, device=None) -> SparseRLTensor:
         torch.from_numpy(ip32).to(dev), torch.from_numpy(ix32).to(dev),
         values.to(dev).contiguous(), n_rows, n_cols, fp,
     )
+
+
+def _rebuild(crow, col, val, n_rows: int, n_cols: int, transposed: bool) -> SparseRLTensor:
+    """Unpickling (``SparseRLTensor.__reduce_ex__``): validated like any user input."""
+    t = _from_csr(crow, col, val, (n_rows, n_cols), device=val.device)
+    return t._with(transposed=True) if transposed else t
+
+
+torch.serialization.add_safe_globals([_rebuild])
 
 
 def sparsify(a, *, device=None) -> SparseRLTensor:
@@ -617,7 +638,7 @@ def _transpose(func, types, args, kwargs):
     if {d0 % 2, d1 % 2} == {0, 1}:
         return a._with(transposed=not a.transposed)
     if d0 % 2 == d1 % 2:
-        return a
+        return a._with()  # a view op must return a new tensor, not its input
     raise NotImplementedError(f"transpose({d0}, {d1}) of a 2-D SparseRLTensor")
 
 
@@ -628,8 +649,41 @@ def _permute(func, types, args, kwargs):
     if dims == [1, 0]:
         return a._with(transposed=not a.transposed)
     if dims == [0, 1]:
-        return a
+        return a._with()
     raise NotImplementedError(f"permute({dims}) of a 2-D SparseRLTensor")
+
+
+@implements(aten.copy_.default)
+def _copy_(func, types, args, kwargs):
+    """``dst.copy_(src)``, what ``load_state_dict`` does: into a SparseRLTensor, the values of a
+    SparseRLTensor of the same structure, or of a dense matrix whose nonzeros all lie in the
+    pattern (a pruned model's dense checkpoint); into a dense tensor, the sparse matrix."""
+    dst, src = args[0], args[1]
+    if not isinstance(dst, SparseRLTensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return dst.copy_(_dense(src))
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_: a {tuple(src.shape)} matrix into a {tuple(dst.shape)} SparseRLTensor")
+    if isinstance(src, SparseRLTensor):
+        if (src.fingerprint, src.transposed) != (dst.fingerprint, dst.transposed):
+            raise ValueError("copy_: the source has another sparsity structure than this SparseRLTensor; "
+                             "a SparseRLTensor's structure is fixed: sparsify the source instead")
+        dst.val.copy_(src.val.to(dst.val.device))
+        return dst
+    dense = src.detach().to(device=dst.val.device)
+    if dst.transposed:
+        dense = dense.t()  # the stored (untransposed) matrix
+    rows = torch.repeat_interleave(torch.arange(dst.n_rows, device=dense.device),
+                                   (dst.crow[1:] - dst.crow[:-1]).long(), output_size=dst.nnz)
+    cols = dst.col.long()
+    kept = dense[rows, cols]
+    outside = int(torch.count_nonzero(dense)) - int(torch.count_nonzero(kept))
+    if outside:
+        raise ValueError(f"copy_: the dense source has {outside} nonzeros outside this SparseRLTensor's pattern "
+                         f"({dst.nnz} stored entries); load the weights before sparsify_ (or sparsify the "
+                         "loaded matrix) to change the pattern")
+    dst.val.copy_(kept)
+    return dst
 
 
 @implements(aten.mm.default)

@@ -401,3 +401,83 @@ def test_out_argument_is_written_like_torch_writes_it():
         torch.mm(A, x, out=torch.empty(2, 2))
     with pytest.raises(TypeError, match="out= is torch.float64 .* pass an out tensor of the product's dtype"):
         torch.mm(A, x, out=torch.empty(6, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(3.7, 3.2), None, (3,), "ab"])
+def test_a_shape_that_is_not_two_integers_is_refused(shape):
+    with pytest.raises(ValueError, match="shape must be"):
+        SparseRLTensor.from_csr(np.array([0, 1, 1, 2]), np.array([0, 2]), np.ones(2, np.float32), shape)
+
+
+def test_an_unsigned_index_beyond_int64_is_named():
+    with pytest.raises(ValueError, match="a CSR index is 9223372036854775813"):
+        SparseRLTensor.from_csr(np.array([0, 1, 1, 2], np.uint64), np.array([0, 2**63 + 5], np.uint64),
+                                np.ones(2, np.float32), (3, 3))
+
+
+def test_identity_transposes_return_a_new_tensor():
+    A = S.sparsify(torch.eye(3))
+    for B in (A.transpose(0, 0), A.permute(0, 1)):
+        assert B is not A and not B.transposed
+        torch.testing.assert_close(B.to_dense(), torch.eye(3))
+
+
+def _pruned_mlp(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    with torch.no_grad():
+        for lin in (m[0], m[2]):
+            lin.weight.mul_(torch.rand_like(lin.weight) < 0.3)
+    return m
+
+
+def test_state_dicts_load_between_dense_and_sparsified_models():
+    """load_state_dict copies (aten.copy_) into a sparsified model from its own kind of state
+    dict or from the dense model it was pruned from, and a dense model loads a sparsified one."""
+    import copy
+
+    ref = _pruned_mlp()
+    dense_sd = copy.deepcopy(ref.state_dict())
+    sparse = S.sparsify_(copy.deepcopy(ref), min_sparsity=0.5)
+    assert isinstance(sparse[0].weight, SparseRLTensor)
+    sparse_sd = sparse.state_dict()
+    x = torch.randn(5, 8)
+    want = ref(x)
+
+    other = copy.deepcopy(sparse)
+    with torch.no_grad():
+        other[0].weight.values().zero_()
+        other[2].weight.values().zero_()
+    other.load_state_dict(sparse_sd)
+    torch.testing.assert_close(other(x), want)
+    with torch.no_grad():
+        other[0].weight.values().zero_()
+    other.load_state_dict(dense_sd)  # the dense checkpoint of the same pruned model
+    torch.testing.assert_close(other(x), want)
+    dense = _pruned_mlp(seed=1)
+    dense.load_state_dict(sparse_sd)
+    torch.testing.assert_close(dense(x), want)
+
+    with pytest.raises(RuntimeError, match="nonzeros outside this SparseRLTensor's pattern"):
+        other.load_state_dict(_pruned_mlp(seed=2).state_dict())  # another pruning mask
+    with pytest.raises(RuntimeError, match="another sparsity structure"):
+        other.load_state_dict(S.sparsify_(_pruned_mlp(seed=2), min_sparsity=0.5).state_dict())
+
+
+def test_torch_save_and_weights_only_load_round_trip_and_validate(tmp_path):
+    """torch.load's default (weights_only=True) reads a sparsified state dict; a file whose
+    indices were tampered with is refused by from_csr's checks, never handed to a kernel."""
+    sparse = S.sparsify_(_pruned_mlp(), min_sparsity=0.5)
+    torch.save(sparse.state_dict(), tmp_path / "sd.pt")
+    sd = torch.load(tmp_path / "sd.pt")
+    w = sd["0.weight"]
+    assert isinstance(w, SparseRLTensor) and w.fingerprint == sparse[0].weight.fingerprint
+    torch.testing.assert_close(w.to_dense(), sparse[0].weight.to_dense())
+    T = S.sparsify(torch.eye(3)).t()
+    torch.save(T, tmp_path / "t.pt")
+    assert torch.load(tmp_path / "t.pt").transposed
+    bad = S.sparsify(torch.eye(2))
+    bad.col[1] = 7
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(Exception, match=r"column indices span \[0, 7\] but n_cols is 2"):
+        torch.load(tmp_path / "bad.pt")
