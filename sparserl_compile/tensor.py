@@ -131,7 +131,9 @@ class SparseRLTensor(torch.Tensor):
         kwargs = {} if kwargs is None else kwargs
         handler = _TORCH_FN_TABLE.get(func)
         if handler is not None:
-            out = kwargs.pop("out", None)
+            out = kwargs.get("out")
+            if out is not None:
+                kwargs = {k: v for k, v in kwargs.items() if k != "out"}
             result = handler(func, types, args, kwargs)
             return result if out is None else _into(func, out, result)
         with torch._C.DisableTorchFunctionSubclass():
