@@ -316,15 +316,10 @@ class KernelCache:
             log.warning("kernel cache: cannot read %s (%s): treated as a miss", path, e)
             return None
         try:
-            entry = CacheEntry.from_json_dict(json.loads(raw.decode("utf-8")))
-            if expect is not None and entry.key != expect:
-                raise ValueError("the stored key differs from the requested one")
-            if entry.key.digest() != path.stem:
-                raise ValueError("the file name does not match the stored key")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
-            self._discard(path, st, str(e) if not isinstance(e, RecursionError) else "JSON nested too deep")
+            return _parse(raw, path, expect)
+        except ValueError as e:
+            self._discard(path, st, str(e))
             return None
-        return entry
 
     def _discard(self, path: Path, st: os.stat_result, why: str) -> None:
         """Remove a corrupt entry unless a writer replaced it since we read it."""
@@ -385,13 +380,9 @@ class KernelCache:
         for p in self._files():
             try:
                 raw = p.read_bytes()
-                entry = CacheEntry.from_json_dict(json.loads(raw.decode("utf-8")))
-                if entry.key.digest() != p.stem:
-                    raise ValueError("the file name does not match the stored key")
-                out.append(Listing(p.stem, p, len(raw), entry))
-            except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
-                problem = "JSON nested too deep" if isinstance(e, RecursionError) else str(e)
-                out.append(Listing(p.stem, p, p.stat().st_size if p.exists() else 0, None, problem))
+                out.append(Listing(p.stem, p, len(raw), _parse(raw, p)))
+            except (OSError, ValueError) as e:
+                out.append(Listing(p.stem, p, p.stat().st_size if p.exists() else 0, None, str(e)))
         return out
 
     def find(self, prefix: str) -> list[Listing]:
@@ -447,6 +438,22 @@ class KernelCache:
             except OSError:
                 pass
         return VerifyReport(valid, tuple(removed), tuple(failed))
+
+
+def _parse(raw: bytes, path: Path, expect: CacheKey | None = None) -> CacheEntry:
+    """An entry file's bytes as its entry, checked against the requested key (if any) and the
+    file name; ``ValueError`` naming the problem for anything corrupt (``get`` and ``ls``)."""
+    try:
+        entry = CacheEntry.from_json_dict(json.loads(raw.decode("utf-8")))
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+    except (KeyError, TypeError) as e:
+        raise ValueError(str(e)) from None
+    if expect is not None and entry.key != expect:
+        raise ValueError("the stored key differs from the requested one")
+    if entry.key.digest() != path.stem:
+        raise ValueError("the file name does not match the stored key")
+    return entry
 
 
 def _fsync_dir(d: Path) -> None:

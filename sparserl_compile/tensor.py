@@ -589,11 +589,14 @@ def _linear(func, types, args, kwargs):
     return y if bias is None else y + bias
 
 
+def _row_ids(A: SparseRLTensor) -> torch.Tensor:
+    """The (stored, untransposed) row of every nonzero, on the matrix's device."""
+    return torch.repeat_interleave(torch.arange(A.n_rows, device=A.crow.device),
+                                   (A.crow[1:] - A.crow[:-1]).long(), output_size=A.nnz)
+
+
 def _dense(A: SparseRLTensor) -> torch.Tensor:
-    rows = torch.repeat_interleave(
-        torch.arange(A.n_rows, device=A.device), (A.crow[1:] - A.crow[:-1]).long(),
-        output_size=A.nnz,
-    )
+    rows = _row_ids(A)
     out = A.val.new_zeros((A.n_rows, A.n_cols))
     out = out.index_put((rows, A.col.long()), A.val)
     return out.t().contiguous() if A.transposed else out
@@ -675,10 +678,7 @@ def _copy_(func, types, args, kwargs):
     dense = src.detach().to(device=dst.val.device)
     if dst.transposed:
         dense = dense.t()  # the stored (untransposed) matrix
-    rows = torch.repeat_interleave(torch.arange(dst.n_rows, device=dense.device),
-                                   (dst.crow[1:] - dst.crow[:-1]).long(), output_size=dst.nnz)
-    cols = dst.col.long()
-    kept = dense[rows, cols]
+    kept = dense[_row_ids(dst), dst.col.long()]
     outside = int(torch.count_nonzero(dense)) - int(torch.count_nonzero(kept))
     if outside:
         raise ValueError(f"copy_: the dense source has {outside} nonzeros outside this SparseRLTensor's pattern "
