@@ -123,12 +123,23 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         initialized one over the four raw coordinates (``sinusoidal=False``); the rest of the
         encoder (feature projection, pooling) and the language model are kept. Fine-tune
         afterwards (``sparserl train sft --no-sinusoidal``)."""
-        self.config.sinusoidal = False
-        d = self.config.hidden_size
+        self.reset_point_mlp(sinusoidal=False)
+
+    def reset_point_mlp(self, sinusoidal: bool | None = None) -> None:
+        """Replace the structure encoder's point MLP by a freshly initialized one, over the
+        sinusoidal embedding (``sinusoidal=True``), the four raw coordinates (``False``) or
+        whichever the checkpoint has (``None``). With the embedding kept this is the control of
+        the no-sinusoidal ablation, which also starts that MLP afresh
+        (``sparserl train sft --reset-point-mlp``)."""
+        if sinusoidal is None:
+            sinusoidal = self.config.sinusoidal
+        self.config.sinusoidal = sinusoidal
+        enc, d = self.encoder, self.config.hidden_size
+        d_in = 3 * 2 * enc.n_freqs + 1 if sinusoidal else 4
         p = next(self.parameters())
-        mlp = nn.Sequential(nn.Linear(4, d), nn.GELU(), nn.Linear(d, d)).to(device=p.device, dtype=p.dtype)
+        mlp = nn.Sequential(nn.Linear(d_in, d), nn.GELU(), nn.Linear(d, d)).to(device=p.device, dtype=p.dtype)
         mlp.apply(self._init_weights)
-        self.encoder.point_mlp, self.encoder.use_sin = mlp, False
+        enc.point_mlp, enc.use_sin = mlp, sinusoidal
 
     @property
     def prefix_len(self) -> int:

@@ -38,6 +38,9 @@ class SFTConfig:
     time_budget_s: float = opt(0.0, "cap the steps so this run takes about this long (0 = no cap)")
     sinusoidal: bool = opt(True, "off (--no-sinusoidal): the ablation; the structure encoder of --init is "
                                  "replaced by a fresh one over raw coordinates before fine-tuning")
+    reset_point_mlp: bool = opt(False, "the no-sinusoidal ablation's control: the structure encoder's point MLP "
+                                       "of --init is replaced by a freshly initialized one before fine-tuning, "
+                                       "the sinusoidal embedding kept (--no-sinusoidal also starts that MLP afresh)")
     retrieval: bool = opt(False, "prompts carry a retrieval hint: the winner of the nearest other training "
                                  "matrix (policy/retrieval.py); the checkpoint is marked config.retrieval")
     hints: int = opt(1, "with --retrieval, N > 1: N examples per record, one per hint, the hints being the "
@@ -184,9 +187,14 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
         save_config(cfg, out, "sft")
     src = out if resume else Path(cfg.init)
     model, tok = load_policy(src)
+    torch.manual_seed(cfg.seed)  # a fresh point MLP below is drawn from the run's seed
     if not cfg.sinusoidal and model.config.sinusoidal:  # a resumed ablation run is already without
         model.drop_sinusoidal()
         log("[sft] ablation: structure encoder replaced by a fresh raw-coordinate one (no sinusoidal embedding)")
+    elif cfg.reset_point_mlp and not resume:  # a resumed run already has its own
+        model.reset_point_mlp()
+        log("[sft] control: the structure encoder's point MLP starts afresh "
+            f"({'sinusoidal embedding' if model.config.sinusoidal else 'raw coordinates'} kept)")
     parts = split(load_supervision(cfg.data))
     log(f"[sft] {cfg.data}: {parts.summary()}")
     entries, loaded = None, {}

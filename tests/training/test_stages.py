@@ -79,6 +79,29 @@ def test_sft_no_sinusoidal_ablation_replaces_the_encoder_and_trains(tmp_path, ti
     assert model.encoder.point_mlp[0].weight.shape[1] == 4  # the four raw coordinates in
 
 
+def test_sft_reset_point_mlp_control_keeps_the_embedding_and_is_seeded(tmp_path, tiny_tok, n_features):
+    # the no-sinusoidal ablation's control: the point MLP starts afresh, the sinusoidal input kept
+    init = tmp_path / "init"
+    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
+    start = load_policy(init)[0].encoder.point_mlp[0].weight.clone()
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    fresh = []
+    for name in ("a", "b"):
+        cfg = SFTConfig.tiny(str(init), str(data), str(tmp_path / name))
+        cfg.reset_point_mlp, cfg.steps = True, 1
+        logs = []
+        sft(cfg, render=_render, log=logs.append)
+        assert any("point MLP starts afresh (sinusoidal embedding kept)" in m for m in logs)
+        model = load_policy(tmp_path / name)[0]
+        assert model.config.sinusoidal is True and model.encoder.use_sin
+        w = model.encoder.point_mlp[0].weight
+        assert w.shape == start.shape  # still the sinusoidal banks in
+        fresh.append(w)
+    assert not torch.allclose(fresh[0], start, atol=1e-3)  # not the init's MLP, even after one step
+    assert torch.equal(fresh[0], fresh[1])  # the same seed draws the same fresh MLP
+
+
 class _PrefersDia:
     """A reward evaluator for the test: only samples choosing the DIA format are 'correct'."""
 
