@@ -44,11 +44,12 @@ import json
 import logging
 import os
 import stat
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sparserl_compile.fileio import write_atomic
 
 log = logging.getLogger("sparserl.cache")
 
@@ -345,27 +346,13 @@ class KernelCache:
         path = self.path_of(digest)
         data = json.dumps(entry.to_json_dict(), sort_keys=True, indent=1,
                           default=_json_default).encode("utf-8")
-        tmp = None
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            tmp = None
-            _fsync_dir(path.parent)
+            write_atomic(path, data, private=True, sync_dir=True)
             return True
         except OSError as e:
             self._warn(f"cannot write {path}: {e}")
             return False
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
 
     # ---------------------------------------------------------------- manage
 
@@ -454,19 +441,6 @@ def _parse(raw: bytes, path: Path, expect: CacheKey | None = None) -> CacheEntry
     if entry.key.digest() != path.stem:
         raise ValueError("the file name does not match the stored key")
     return entry
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 # -------------------------------------------------------------------- CLI

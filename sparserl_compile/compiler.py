@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+from sparserl_compile.fileio import write_atomic
 
 COMPILER_VERSION = "1"
 
@@ -192,23 +193,6 @@ def _disk_read(key: str) -> bytes | None:
     return cubin
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _dump(key: str, src: str, log: str, cubin: bytes | None) -> None:
     d = os.environ.get("SPARSERL_DUMP_DIR")
     if not d:
@@ -275,7 +259,9 @@ def compile_cubin(source: str, arch: str | None = None, options: tuple[str, ...]
                            log=log, source=src, options=opts, arch=arch)
     res = CompileResult(cubin, log, arch, opts, nvrtc_version(), seconds, key)
     try:
-        _atomic_write(cache_dir() / f"{key}.cubin", hashlib.sha256(cubin).digest() + cubin)
+        d = cache_dir()
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(d / f"{key}.cubin", hashlib.sha256(cubin).digest() + cubin, private=True)
     except OSError:  # a read-only cache is not an error: the memory cache still serves
         pass
     with _LOCK:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from sparserl_compile.fileio import write_atomic
 
 OPS_WIDTHS = {"spmv": (1,), "spmm": (8, 32, 128)}
 
@@ -443,9 +444,7 @@ def _json_default(o):
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=_json_default))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(doc, indent=1, default=_json_default))
 
 
 def _fmt(v, spec=".1f") -> str:

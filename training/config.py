@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from sparserl_compile.fileio import write_atomic
 
 
 def opt(default: Any, help: str):
@@ -48,9 +49,7 @@ def save_config(cfg, directory: str | Path, name: str) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     # written beside and renamed: under torchrun the other ranks read it (check_resume) while
     # rank 0 writes it, and must never see it half-written
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
-    os.replace(tmp, p)
+    write_atomic(p, json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
     return p
 
 
