@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from sparserl_compile.fileio import write_atomic
 
 OPS_WIDTHS = {"spmv": (1,), "spmm": (8, 32, 128)}
