@@ -182,6 +182,13 @@ def sinusoidal(x: torch.Tensor, n_freqs: int) -> torch.Tensor:
     return torch.cat([ang.sin(), ang.cos()], dim=-1)
 
 
+def point_mlp(d_model: int, n_freqs: int, sinusoidal: bool) -> nn.Sequential:
+    """The per-point MLP of ``StructureEncoder``: the sinusoidal banks of row, column and diagonal
+    offset plus the row length (``sinusoidal``), or the four raw coordinates, to ``d_model``."""
+    d_in = 3 * 2 * n_freqs + 1 if sinusoidal else 4
+    return nn.Sequential(nn.Linear(d_in, d_model), nn.GELU(), nn.Linear(d_model, d_model))
+
+
 class StructureEncoder(nn.Module):
     """Points + features -> ``n_slots + 1`` prefix vectors of width ``d_model``."""
 
@@ -189,8 +196,7 @@ class StructureEncoder(nn.Module):
                  n_heads: int = 4, sinusoidal: bool = True):
         super().__init__()
         self.n_freqs, self.use_sin, self.n_features = n_freqs, sinusoidal, n_features
-        d_in = 3 * 2 * n_freqs + 1 if sinusoidal else 4
-        self.point_mlp = nn.Sequential(nn.Linear(d_in, d_model), nn.GELU(), nn.Linear(d_model, d_model))
+        self.point_mlp = point_mlp(d_model, n_freqs, sinusoidal)
         self.queries = nn.Parameter(torch.randn(n_slots, d_model) * 0.02)
         self.pool = nn.MultiheadAttention(d_model, n_heads, batch_first=True)
         self.empty = nn.Parameter(torch.zeros(1, 1, d_model))  # the "no nonzeros" point

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
-from policy.encoder import StructureBatch, StructureEncoder
+from policy.encoder import StructureBatch, StructureEncoder, point_mlp
 
 #: the name ``LlamaModel.forward`` takes the KV cache under, and its output returns it under:
 #: ``cache`` from transformers 5.2x on (``past_key_values`` then warns that it is deprecated),
@@ -134,10 +134,9 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         if sinusoidal is None:
             sinusoidal = self.config.sinusoidal
         self.config.sinusoidal = sinusoidal
-        enc, d = self.encoder, self.config.hidden_size
-        d_in = 3 * 2 * enc.n_freqs + 1 if sinusoidal else 4
+        enc = self.encoder
         p = next(self.parameters())
-        mlp = nn.Sequential(nn.Linear(d_in, d), nn.GELU(), nn.Linear(d, d)).to(device=p.device, dtype=p.dtype)
+        mlp = point_mlp(self.config.hidden_size, enc.n_freqs, sinusoidal).to(device=p.device, dtype=p.dtype)
         mlp.apply(self._init_weights)
         enc.point_mlp, enc.use_sin = mlp, sinusoidal
 
