@@ -21,8 +21,8 @@
 # default checkpoint, as v3), in the same call: $OUT/fresh.json, paired later with training.compare.
 # SEEDS="1 2 3" trains one RL run per seed instead of one (rl_s<seed>, each RL_S; one per GPU at once
 # where several are visible, else in turn) and their weight average rl_soup (sparserl train soup),
-# which FRESH and EVAL score beside the runs; ckpt_rl_soup.tgz comes back, then the runs' (at most KEEP_MEMBERS,
-# default 4) while the call's 8 files allow.
+# which FRESH and EVAL score beside the runs; ckpt_rl_soup.tgz comes back, and the runs' (at most KEEP_MEMBERS,
+# default 4) while the call's 8 files allow, each as its run ends on one GPU (a call cut later keeps them).
 # A run that finished in an earlier call on the same warm machine (same RUNS) is kept, not run again:
 # SEEDS="1" in one call, then SEEDS="1 2" in the next, trains seed 2 and averages the two.
 # RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
@@ -96,6 +96,20 @@ fi
 if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
   # one RL run per seed from the same start, then their weight average (docs/training-history.md, "Weight averaging")
   NGPU="${NGPU:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")}"  # NGPU=2 on a CPU tests the parallel path
+  # at most 8 files come back from a call: the soup, logs.tgz, fresh.json and eval.json are
+  # reserved; the first KEEP_MEMBERS new runs' checkpoints (and their --average-from averages)
+  # take what is left, each as soon as its run ends, so a call cut by its limit keeps them
+  budget=8; KEPT=""
+  [ "$(echo $SEEDS | wc -w)" -gt 1 ] && budget=$((budget - 1))
+  [ -n "${FRESH:-}" ] && budget=$((budget - 1)); [ -n "${EVAL:-}" ] && budget=$((budget - 1))
+  keep_member() {  # seed
+    local need=$((1 + $([ -d "$RUNS/rl_s$1/average" ] && echo 1 || echo 0) + $([ -f "$OUT/logs.tgz" ] && echo 0 || echo 1)))
+    if [ "$(echo $KEPT | wc -w)" -lt "${KEEP_MEMBERS:-4}" ] && [ $(( $(ls "$OUT" | wc -l) + need )) -le "$budget" ]; then
+      keep "rl_s$1"; KEPT="$KEPT $1"
+    else
+      tar -czf "$OUT/logs.tgz" -C "$LOGS_ROOT" logs
+    fi
+  }
   i=0; MEMBERS=""; NEW=""
   for seed in $SEEDS; do
     MEMBERS="${MEMBERS:+$MEMBERS,}$RUNS/rl_s$seed"
@@ -108,25 +122,19 @@ if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
       i=$((i + 1)); [ $((i % NGPU)) = 0 ] && wait
     else
       KEEP_EACH=0 rl_stage "rl_s$seed" --seed "$seed"
+      keep_member "$seed"
     fi
   done
   wait
+  for seed in $NEW; do  # runs made at once on several GPUs are kept once all of them end
+    case " $KEPT " in *" $seed "*) ;; *) keep_member "$seed";; esac
+  done
   if [ "$(echo $SEEDS | wc -w)" -gt 1 ]; then
     echo "== soup of $MEMBERS"
     $SR train soup --checkpoints "$MEMBERS" --out "$RUNS/rl_soup" >"$LOGS/soup.log" 2>&1; echo "rc=$?"; tail -1 "$LOGS/soup.log"
     keep rl_soup
     TRAINED="${TRAINED:+$TRAINED,}rl_soup=$RUNS/rl_soup"
   fi
-  # at most 8 files come back from a call: after the soup, the first KEEP_MEMBERS new runs'
-  # checkpoints (and their --average-from averages) while room is left for fresh.json and eval.json
-  budget=8; n=0
-  [ -n "${FRESH:-}" ] && budget=$((budget - 1)); [ -n "${EVAL:-}" ] && budget=$((budget - 1))
-  for seed in $NEW; do
-    need=$((1 + $([ -d "$RUNS/rl_s$seed/average" ] && echo 1 || echo 0) + $([ -f "$OUT/logs.tgz" ] && echo 0 || echo 1)))
-    if [ "$n" -lt "${KEEP_MEMBERS:-4}" ] && [ $(( $(ls "$OUT" | wc -l) + need )) -le "$budget" ]; then
-      keep "rl_s$seed"; n=$((n + 1))
-    fi
-  done
   for seed in $SEEDS; do TRAINED="${TRAINED:+$TRAINED,}rl_s$seed=$RUNS/rl_s$seed"; done
 elif [ "$RL_S" != 0 ]; then
   rl_stage rl
