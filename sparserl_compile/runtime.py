@@ -588,10 +588,8 @@ def prewarm(*, provider: bool = True) -> threading.Thread:
     call it at start-up. Returns the thread (``join()`` it to wait); errors are left for the
     first product to report.
 
-    The sandbox workers are ``multiprocessing`` "spawn" processes, and spawn imports the main
-    script again in each worker: a script that runs its work at top level (no
-    ``if __name__ == "__main__":``) runs it once more per worker (loading a model twice), and
-    the worker starts only after that code ends. Put the script's work under the guard."""
+    The sandbox workers are fresh interpreters that import only ``sparserl_compile``, never the
+    main script, so a script needs no ``if __name__ == "__main__":`` guard for them."""
 
     def go():
         try:

@@ -1,7 +1,11 @@
 """Run untrusted kernels in killable worker processes: hangs, crashes and CUDA errors stay there.
 
-A ``SandboxPool`` keeps a few persistent workers (``multiprocessing`` "spawn": each a fresh
-interpreter with its own CUDA context, nothing inherited from the parent). A ``SandboxJob``
+A ``SandboxPool`` keeps a few persistent workers, each a fresh interpreter with its own CUDA
+context, nothing inherited from the parent: ``python -c`` on ``_child_main`` with the parent's
+``sys.path``, talking over a ``multiprocessing`` pipe. Not ``multiprocessing``'s "spawn", which
+imports the parent's main script again in every worker: a user's script that does its work at
+top level would run once more per worker (and fail there, since it would start workers itself
+while the worker is still starting). A ``SandboxJob``
 names a candidate kernel, the op/dtype/width, value-set seeds, the executor and whether to
 time it; the matrix pattern travels once per worker and is reused by the following jobs on
 the same pattern (a search sends ~100 candidates for one matrix). The worker compiles,
@@ -23,11 +27,16 @@ so its own context and process stay healthy whatever the kernel does.
 
 from __future__ import annotations
 
+import atexit
+import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -233,35 +242,78 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
 
 # ------------------------------------------------------------------ parent side
 
+def _child_main(argv: list[str]) -> None:
+    """A worker process's entry (``_Worker`` starts ``python -c`` on it): the pipe's descriptor,
+    the CUDA device or "-", the warm-up ("gpu", "cpu" or "-")."""
+    from multiprocessing.connection import Connection
+
+    fd, device, warm = argv
+    _worker_main(Connection(int(fd)), None if device == "-" else int(device), None if warm == "-" else warm)
+
+
+#: the live workers, killed at interpreter exit (a worker left behind mid-job could run on)
+_LIVE: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_live_workers() -> None:
+    for w in list(_LIVE):
+        w.kill()
+
+
 class _Worker:
-    def __init__(self, ctx, start_timeout_s: float, device: int | None = None, warm: str | None = None):
-        self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, device, warm), daemon=True,
-                                name="sparserl-sandbox")
-        self.proc.start()
-        child.close()
+    def __init__(self, start_timeout_s: float, device: int | None = None, warm: str | None = None):
+        self.parent, child = mp.Pipe()
+        # the parent's sys.path first, as multiprocessing's spawn does, so the worker imports this
+        # sparserl_compile; no main script is imported (see the module docstring)
+        code = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+                "from sparserl_compile.sandbox import _child_main; _child_main(sys.argv[2:])")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code, json.dumps(sys.path),
+                 str(child.fileno()), "-" if device is None else str(device), warm or "-"],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        _LIVE.add(self)
         self.pattern_key: str | None = None
         if not self.parent.poll(start_timeout_s):
             self.kill()
             raise RuntimeError(
-                f"sandbox worker did not start within {start_timeout_s} s. Workers are multiprocessing "
-                "'spawn' processes, which import the main script again: if it does its work at top level, "
-                "put that under `if __name__ == \"__main__\":` (the worker waits for that code to end)")
-        self.parent.recv()
+                f"sandbox worker did not start within {start_timeout_s} s ({sys.executable} -c ... "
+                "sparserl_compile.sandbox._child_main); its error, if it printed one, is on this process's stderr")
+        try:
+            self.parent.recv()
+        except (EOFError, OSError) as e:
+            self.kill()
+            raise RuntimeError(f"sandbox worker exited while starting (exit code {self.exitcode}); its error "
+                               "is on this process's stderr") from e
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; negative: the signal that ended it."""
+        return self.proc.poll()
 
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        return self.proc.poll() is None
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.alive():
             self.proc.kill()
-        self.proc.join(5)
+        self.join(5)
         self.parent.close()
+        _LIVE.discard(self)
 
     def stop(self) -> None:
         try:
             self.parent.send(("stop",))
-            self.proc.join(5)
+            self.join(5)
         except (BrokenPipeError, OSError):
             pass
         self.kill()
@@ -315,7 +367,6 @@ class SandboxPool:
                  device: int | None = None, warm: bool | None = None):
         if workers < 1:
             raise ValueError(f"workers={workers}: need at least one")
-        self._ctx = mp.get_context("spawn")
         #: CUDA device index the workers run on: ``device``, else the parent's (``parent_device``)
         self.device = device if device is not None else parent_device()
         self.timeout_s = timeout_s
@@ -343,7 +394,7 @@ class SandboxPool:
             w.stop()
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.start_timeout_s, self.device, self._warm)
+        return _Worker(self.start_timeout_s, self.device, self._warm)
 
     def start(self, wait: bool = False, count: int = 1) -> None:
         """Start workers in the background now, up to ``count`` idle or starting ones (e.g. the
@@ -426,8 +477,8 @@ class SandboxPool:
                                      worker_pid=w.proc.pid)
             _, res = w.parent.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
-            w.proc.join(5)
-            code = w.proc.exitcode
+            w.join(5)
+            code = w.exitcode
             w.kill()
             self.restarts += 1
             self._replace()

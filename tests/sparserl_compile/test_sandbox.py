@@ -147,3 +147,39 @@ def test_illegal_address_in_the_worker_does_not_poison_the_parent():
     assert r.kind in ("cuda_error", "wrong"), r.error
     assert good.ok and good.kernel_us and good.kernel_us > 0
     assert float((a * 2).sum()) == 2000.0  # the parent's context is healthy
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    """Workers do not import the parent's main script again (multiprocessing's "spawn" would:
+    a script that works at top level would run once more in each worker, which there would try
+    to start workers of its own while it is still starting)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "print('top level ran', flush=True)\n"
+        "from faults import FAULTS, GOOD, candidate\n"
+        "from sparserl_compile import matrices\n"
+        "from sparserl_compile.sandbox import SandboxJob, SandboxPool\n"
+        "with SandboxPool(2, start_timeout_s=60) as pool:\n"
+        "    jobs = [SandboxJob(candidate(s), 'spmv') for s in (GOOD, FAULTS['wrong_answer'].source)]\n"
+        "    print('kinds', *[r.kind for r in pool.map(jobs, matrices.stencil2d(10))], flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("top level ran") == 1
+    assert "kinds ok wrong" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_worker_that_cannot_start_is_reported(monkeypatch):
+    """A worker whose interpreter dies at start gives an error that says so, at once."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", [])  # the worker cannot import sparserl_compile
+    with SandboxPool(1, start_timeout_s=60) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="exited while starting"):
+            pool.run(_job(GOOD), M)
+    assert time.monotonic() - t0 < 30
