@@ -251,6 +251,14 @@ def _child_main(argv: list[str]) -> None:
     _worker_main(Connection(int(fd)), None if device == "-" else int(device), None if warm == "-" else warm)
 
 
+def _python() -> str:
+    """The interpreter workers run on: ``multiprocessing.set_executable``'s where a host that
+    embeds Python set it (``sys.executable`` is then not a Python), else ``sys.executable``."""
+    import multiprocessing.spawn
+
+    return os.fsdecode(multiprocessing.spawn.get_executable() or sys.executable)  # bytes on POSIX
+
+
 #: the live workers, killed at interpreter exit (a worker left behind mid-job could run on)
 _LIVE: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
 
@@ -270,7 +278,7 @@ class _Worker:
                 "from sparserl_compile.sandbox import _child_main; _child_main(sys.argv[2:])")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code, json.dumps(sys.path),
+                [_python(), *subprocess._args_from_interpreter_flags(), "-c", code, json.dumps(sys.path),
                  str(child.fileno()), "-" if device is None else str(device), warm or "-"],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
@@ -280,7 +288,7 @@ class _Worker:
         if not self.parent.poll(start_timeout_s):
             self.kill()
             raise RuntimeError(
-                f"sandbox worker did not start within {start_timeout_s} s ({sys.executable} -c ... "
+                f"sandbox worker did not start within {start_timeout_s} s ({_python()} -c ... "
                 "sparserl_compile.sandbox._child_main); its error, if it printed one, is on this process's stderr")
         try:
             self.parent.recv()
