@@ -1,0 +1,81 @@
+"""training/device_train.sh with SEEDS: which checkpoints come back under $OUT, and when.
+
+The training commands are replaced by a stand-in ``python3`` on PATH that makes each stage's
+folder at once (or hangs for one seed, as a run cut by the device call's limit), so these tests
+check the script's bookkeeping, not training."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STUB = """#!/usr/bin/env bash
+# stands in for python3: `-m sparserl_compile.cli train STAGE ... --out-dir D|--out D --seed S`
+# makes D at once (hangs where S is $HANG_SEED); `-m pip` does nothing; the rest is Python
+if [ "$1 $2 $3" = "-m sparserl_compile.cli train" ]; then
+  stage=$4; shift 4; out=""; seed=""
+  while [ $# -gt 0 ]; do case "$1" in --out-dir|--out) out="$2"; shift;; --seed) seed="$2"; shift;; esac; shift; done
+  [ "$stage" = rl ] && [ -n "$seed" ] && [ "$seed" = "${HANG_SEED:-}" ] && exec sleep 600
+  mkdir -p "$out"; echo "$stage $seed" > "$out/model.safetensors"; exit 0
+fi
+[ "$1 $2" = "-m pip" ] && exit 0
+exec "%s" "$@"
+"""
+
+
+def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=None):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "python3"
+    stub.write_text(STUB % sys.executable)
+    stub.chmod(0o755)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(out), "RUNS": str(runs),
+           "PT_S": "0", "SFT_S": "0", "RL_INIT": str(tmp_path / "sft"), "RL_S": "1", "SEEDS": seeds,
+           "NGPU": str(ngpu), "HANG_SEED": hang or "", "DATA": "unused.jsonl"}
+    if keep is not None:
+        env["KEEP_MEMBERS"] = str(keep)
+    proc = subprocess.Popen(["bash", "training/device_train.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=cut_after_s or 120)
+    except subprocess.TimeoutExpired:  # the device call's limit: the whole call is killed
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+    return sorted(p.name for p in out.iterdir()), log
+
+
+def _seed_of(tgz: Path) -> str:
+    with tarfile.open(tgz) as t:
+        return t.extractfile("./model.safetensors").read().decode().split()[1]
+
+
+def test_a_call_cut_during_the_last_seed_keeps_the_seeds_that_finished(tmp_path):
+    t0 = time.monotonic()
+    names, log = _run(tmp_path, hang="3", cut_after_s=20)
+    assert time.monotonic() - t0 < 60
+    assert names == ["ckpt_rl_s1.tgz", "ckpt_rl_s2.tgz", "logs.tgz"], log
+    assert _seed_of(tmp_path / "out" / "ckpt_rl_s2.tgz") == "2"
+
+
+def test_finished_seeds_return_the_soup_and_at_most_keep_members_runs(tmp_path):
+    names, log = _run(tmp_path, keep=2)
+    assert names == ["ckpt_rl_s1.tgz", "ckpt_rl_s2.tgz", "ckpt_rl_soup.tgz", "logs.tgz"], log
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_the_runs_never_crowd_out_the_soup(tmp_path, ngpu):
+    """At most 8 files come back: seven seeds leave room for the soup and the logs, not for
+    every run (one at a time on one GPU, or at once on two)."""
+    names, log = _run(tmp_path, seeds="1 2 3 4 5 6 7", keep=7, ngpu=ngpu)
+    assert len(names) == 8 and "ckpt_rl_soup.tgz" in names and "logs.tgz" in names, log
+    assert names[:6] == [f"ckpt_rl_s{s}.tgz" for s in range(1, 7)]
