@@ -177,6 +177,14 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     ``ppo_update`` combines the ranks (global advantage moments and masked means, summed
     gradients). Rank 0 logs and writes checkpoints; the time-budget stop is rank 0's decision.
     """
+    t_begin = time.perf_counter()  # the set-up's parts are logged before the first update
+    setup: dict[str, float] = {}
+
+    def took(part: str, since: float) -> float:
+        now = time.perf_counter()
+        setup[part] = setup.get(part, 0.0) + now - since
+        return now
+
     from policy.decode import DecodeConfig, generate
     from policy.model import load_policy
     from policy.provider import structure_and_formats
@@ -186,6 +194,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     from training import dist as tdist
     from training.rewards import REWARDS
 
+    t = took("imports", t_begin)
     ctx = tdist.setup(resolve_device(cfg.device))
     log = tdist.quiet_unless_main(log, ctx)
     out = Path(cfg.out_dir)
@@ -205,6 +214,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     ref_model.to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     state = load_state(out, optim) if resume else TrainerState("rl")
+    t = took("models", t)
     average = None  # --average-from: the weights averaged along the run, checked before any data is read
     if cfg.average_from:
         from training.soup import RunningAverage
@@ -251,6 +261,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
             _records.append(split(load_supervision(cfg.data)).train)
         return _records[0]
 
+    t = time.perf_counter()
     if problems is None:  # every training record gives hints (below); --max-nnz only picks problems
         picked = [r for r in train_records() if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records()
         problems = problems_from_records(picked, loaded) if cfg.labelled else []
@@ -263,6 +274,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     if not problems:
         raise ValueError("RL needs at least one training problem" + (f" (--max-nnz {cfg.max_nnz} left none)"
                                                                       if cfg.max_nnz else ""))
+    t = took("problems", t)
     n_pick = min(cfg.problems_per_step, len(problems))
     lo, hi = tdist.shard_bounds(n_pick, ctx, f"problems per step (--problems-per-step {cfg.problems_per_step}, "
                                              f"{len(problems)} problems)")
@@ -272,6 +284,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                                    parallel_verify=cfg.parallel_verify)
     if hasattr(evaluator, "close"):
         cleanup.callback(evaluator.close)
+    t = took("evaluator", t)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     validator = None
     if cfg.validate:
@@ -296,6 +309,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
             log(f"[rl] validation after {at} updates: score {entry['score']:.4f} (x cuSPARSE, geomean), correct "
                 f"{entry['correct_rate']:.3f}, timed {entry['timed']}/{entry['problems']}"
                 + (" - new best, saved to best/" if new_best else f"; best {was['score']:.4f} after {was['step']}"))
+    t = took("validation problems", t) if validator is not None else t
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
     structs, hints, refs, formats, hint_entries = {}, {}, {}, {}, None
     if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
@@ -312,6 +326,9 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                                     hint_tolerance=cfg.raft_anchor_tolerance)
         log(f"[rl] raft: {len(anchors)} SFT examples replayed, {cfg.raft_anchor} per gradient step")
     loaded.clear()  # the problems keep their own references
+    took("SFT replay" if anchors else "hints", t)
+    log(f"[rl] ready after {time.perf_counter() - t_begin:.1f} s: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in setup.items()) + f" ({len(problems)} problems)")
     res = RLResult(str(out), state.step, state.step)
     t0 = time.perf_counter()
     if validator is not None and not any(h["step"] == state.step for h in res_validation):
