@@ -187,15 +187,13 @@ def block_diagonal(n_blocks: int, block: int, density: float = 1.0, seed: int = 
 def block_random(n_brows: int, n_bcols: int, R: int, C: int, blocks_per_row: int, seed: int = 0) -> sp.csr_matrix:
     """Random block-sparse matrix of dense R x C blocks (``blocks_per_row`` per block row)."""
     rng = np.random.default_rng(seed)
-    rows, cols = [], []
-    for b in range(n_brows):
-        bc = rng.choice(n_bcols, size=min(blocks_per_row, n_bcols), replace=False)
-        for c in bc:
-            rr, cc = np.meshgrid(np.arange(R) + b * R, np.arange(C) + c * C, indexing="ij")
-            rows.append(rr.ravel())
-            cols.append(cc.ravel())
-    r = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    c = np.concatenate(cols) if cols else np.zeros(0, np.int64)
+    k = min(blocks_per_row, n_bcols)
+    # the block columns drawn row by row (the random stream the records were measured with), then
+    # every block's R x C entries at once (a meshgrid per block took seconds at 10^4 block rows)
+    bc = np.array([rng.choice(n_bcols, size=k, replace=False) for _ in range(n_brows)], np.int64).reshape(-1)
+    br = np.repeat(np.arange(n_brows, dtype=np.int64), k)
+    r = ((br * R)[:, None, None] + np.arange(R)[None, :, None] + np.zeros((1, 1, C), np.int64)).ravel()
+    c = ((bc * C)[:, None, None] + np.zeros((1, R, 1), np.int64) + np.arange(C)[None, None, :]).ravel()
     m = sp.csr_matrix((np.ones(len(r), np.float32), (r, c)), shape=(n_brows * R, n_bcols * C))
     m = canonical(m)
     m.data = _values(m.nnz, rng)

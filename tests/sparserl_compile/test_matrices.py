@@ -124,3 +124,28 @@ def test_dense_block_diagonal_is_the_block_diag_of_dense_blocks(n_blocks, block,
     for a in ("indptr", "indices", "data"):
         assert getattr(m, a).dtype == getattr(ref, a).dtype
         np.testing.assert_array_equal(getattr(m, a), getattr(ref, a))
+
+
+def _block_random_by_blocks(n_brows, n_bcols, R, C, blocks_per_row, seed):
+    """block_random as first written, one meshgrid per block: the matrices the records measured."""
+    rng = np.random.default_rng(seed)
+    rows, cols = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for b in range(n_brows):
+        for c in rng.choice(n_bcols, size=min(blocks_per_row, n_bcols), replace=False):
+            rr, cc = np.meshgrid(np.arange(R) + b * R, np.arange(C) + c * C, indexing="ij")
+            rows.append(rr.ravel())
+            cols.append(cc.ravel())
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    m = matrices.canonical(sp.csr_matrix((np.ones(len(r), np.float32), (r, c)), shape=(n_brows * R, n_bcols * C)))
+    m.data = rng.standard_normal(m.nnz).astype(np.float32)
+    return m
+
+
+@pytest.mark.parametrize("args", [(0, 4, 2, 2, 2, 0), (1, 1, 1, 1, 1, 0), (3, 2, 2, 2, 5, 1), (6, 5, 2, 3, 2, 0),
+                                  (500, 2000, 4, 4, 5, 1), (300, 300, 8, 2, 3, 2)])
+def test_block_random_is_the_matrix_built_block_by_block(args):
+    ref, m = _block_random_by_blocks(*args), matrices.block_random(*args)
+    assert m.shape == ref.shape
+    for a in ("indptr", "indices", "data"):
+        assert getattr(m, a).dtype == getattr(ref, a).dtype
+        np.testing.assert_array_equal(getattr(m, a), getattr(ref, a))
