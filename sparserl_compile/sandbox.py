@@ -244,11 +244,34 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
 
 def _child_main(argv: list[str]) -> None:
     """A worker process's entry (``_Worker`` starts ``python -c`` on it): the pipe's descriptor,
-    the CUDA device or "-", the warm-up ("gpu", "cpu" or "-")."""
+    the CUDA device or "-", the warm-up ("gpu", "cpu" or "-"), the parent's pid."""
     from multiprocessing.connection import Connection
 
-    fd, device, warm = argv
+    fd, device, warm, parent = argv
+    _watch_parent(int(parent))
     _worker_main(Connection(int(fd)), None if device == "-" else int(device), None if warm == "-" else warm)
+
+
+#: how often a worker checks that its parent is alive (s)
+PARENT_POLL_S = 0.5
+
+
+def _watch_parent(parent: int) -> None:
+    """End this worker when its parent is gone, also in the middle of a job: a parent killed
+    outright (SIGKILL, the OOM killer) runs no exit handler, and a worker stuck in a hung kernel
+    never reads the closed pipe, so it would hold its GPU context on. A thread polls the parent
+    pid (the kernel's PR_SET_PDEATHSIG fires when the parent's *thread* ends, and workers are
+    started from short-lived threads). It runs while the worker waits in a call that releases
+    the GIL: the CPU executor's launch (ctypes; tested), and on the GPU the bindings' stream
+    and device synchronisation (not yet checked on the device)."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(3)
+
+    if os.getppid() != parent:
+        os._exit(3)
+    threading.Thread(target=watch, daemon=True, name="sparserl-parent-watch").start()
 
 
 def _python() -> str:
@@ -279,7 +302,7 @@ class _Worker:
         try:
             self.proc = subprocess.Popen(
                 [_python(), *subprocess._args_from_interpreter_flags(), "-c", code, json.dumps(sys.path),
-                 str(child.fileno()), "-" if device is None else str(device), warm or "-"],
+                 str(child.fileno()), "-" if device is None else str(device), warm or "-", str(os.getpid())],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()

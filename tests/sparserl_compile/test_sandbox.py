@@ -183,3 +183,50 @@ def test_a_worker_that_cannot_start_is_reported(monkeypatch):
         with pytest.raises(RuntimeError, match="exited while starting"):
             pool.run(_job(GOOD), M)
     assert time.monotonic() - t0 < 30
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (its parent died; whoever adopted it may not reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@needs_simt
+def test_a_worker_in_a_hung_kernel_ends_when_its_parent_is_killed(tmp_path):
+    """A parent killed outright runs no exit handler, and a worker in a hung kernel never reads
+    its closed pipe: the worker watches its parent and ends anyway, instead of running on."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import threading, time\n"
+        "from faults import FAULTS, candidate\n"
+        "from sparserl_compile import matrices\n"
+        "from sparserl_compile.sandbox import SandboxJob, SandboxPool\n"
+        "M = matrices.stencil2d(10)\n"
+        "pool = SandboxPool(1, timeout_s=600)\n"
+        "r = pool.run(SandboxJob(candidate(FAULTS['compile_error'].source), 'spmv'), M)\n"
+        "print(r.worker_pid, flush=True)\n"
+        "job = SandboxJob(candidate(FAULTS['infinite_loop'].source), 'spmv')\n"
+        "threading.Thread(target=pool.run, args=(job, M)).start()\n"
+        "time.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    try:
+        worker = int(parent.stdout.readline())
+        time.sleep(3)  # the hung kernel is running
+        assert not _gone(worker)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5  # the CPU executor's step limit ends the loop later
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker), "the worker outlived its killed parent"
+    finally:
+        parent.kill()
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
