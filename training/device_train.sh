@@ -22,7 +22,8 @@
 # SEEDS="1 2 3" trains one RL run per seed instead of one (rl_s<seed>, each RL_S; one per GPU at once
 # where several are visible, else in turn) and their weight average rl_soup (sparserl train soup),
 # which FRESH and EVAL score beside the runs; ckpt_rl_soup.tgz comes back, and the runs' (at most KEEP_MEMBERS,
-# default 4) while the call's 8 files allow, each as its run ends on one GPU (a call cut later keeps them).
+# default 3: a checkpoint is about 14.5 MB packed, and a call returns 64 MiB in all) while the call's 8 files
+# allow, each as its run ends on one GPU (a call cut later keeps them).
 # A run that finished in an earlier call on the same warm machine (same RUNS) is kept, not run again:
 # SEEDS="1" in one call, then SEEDS="1 2" in the next, trains seed 2 and averages the two.
 # RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
@@ -96,15 +97,21 @@ fi
 if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
   # one RL run per seed from the same start, then their weight average (docs/training-history.md, "Weight averaging")
   NGPU="${NGPU:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")}"  # NGPU=2 on a CPU tests the parallel path
-  # at most 8 files come back from a call: the soup, logs.tgz, fresh.json and eval.json are
-  # reserved; the first KEEP_MEMBERS new runs' checkpoints (and their --average-from averages)
-  # take what is left, each as soon as its run ends, so a call cut by its limit keeps them
-  budget=8; KEPT=""
-  [ "$(echo $SEEDS | wc -w)" -gt 1 ] && budget=$((budget - 1))
+  # at most 8 files, 64 MiB in all, come back from a call: the soup, logs.tgz, fresh.json and
+  # eval.json are reserved; the first KEEP_MEMBERS new runs' checkpoints (and their
+  # --average-from averages) take what is left, each as soon as its run ends, so a call cut by
+  # its limit keeps them
+  budget=8; KEPT=""; SOUP=0
+  [ "$(echo $SEEDS | wc -w)" -gt 1 ] && SOUP=1 && budget=$((budget - 1))
   [ -n "${FRESH:-}" ] && budget=$((budget - 1)); [ -n "${EVAL:-}" ] && budget=$((budget - 1))
   keep_member() {  # seed
-    local need=$((1 + $([ -d "$RUNS/rl_s$1/average" ] && echo 1 || echo 0) + $([ -f "$OUT/logs.tgz" ] && echo 0 || echo 1)))
-    if [ "$(echo $KEPT | wc -w)" -lt "${KEEP_MEMBERS:-4}" ] && [ $(( $(ls "$OUT" | wc -l) + need )) -le "$budget" ]; then
+    local ckpts=$((1 + $([ -d "$RUNS/rl_s$1/average" ] && echo 1 || echo 0)))
+    local need=$((ckpts + $([ -f "$OUT/logs.tgz" ] && echo 0 || echo 1)))
+    # and 64 MiB in all: what is there, these checkpoints and the soup's, each about its weights' size
+    local weights=$(stat -c %s "$RUNS/rl_s$1/model.safetensors" 2>/dev/null || echo 0)  # not the optimizer, left out
+    local bytes=$(( $(du -cb "$OUT" | tail -1 | cut -f1) + (ckpts + SOUP) * weights ))
+    if [ "$(echo $KEPT | wc -w)" -lt "${KEEP_MEMBERS:-3}" ] && [ $(( $(ls "$OUT" | wc -l) + need )) -le "$budget" ] \
+        && [ "$bytes" -le $((64 * 1024 * 1024)) ]; then
       keep "rl_s$1"; KEPT="$KEPT $1"
     else
       tar -czf "$OUT/logs.tgz" -C "$LOGS_ROOT" logs

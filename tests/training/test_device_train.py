@@ -25,14 +25,17 @@ if [ "$1 $2 $3" = "-m sparserl_compile.cli train" ]; then
   stage=$4; shift 4; out=""; seed=""
   while [ $# -gt 0 ]; do case "$1" in --out-dir|--out) out="$2"; shift;; --seed) seed="$2"; shift;; esac; shift; done
   [ "$stage" = rl ] && [ -n "$seed" ] && [ "$seed" = "${HANG_SEED:-}" ] && exec sleep 600
-  mkdir -p "$out"; echo "$stage $seed" > "$out/model.safetensors"; exit 0
+  mkdir -p "$out"; echo "$stage $seed" > "$out/model.safetensors"
+  # weights of STUB_MB MiB that do not compress, as real ones nearly do not, and AdamW's state
+  [ -n "${STUB_MB:-}" ] && head -c $((STUB_MB * 1048576)) /dev/urandom > "$out/model.safetensors"
+  [ -n "${STUB_MB:-}" ] && head -c $((2 * STUB_MB * 1048576)) /dev/zero > "$out/optimizer.safetensors"; exit 0
 fi
 [ "$1 $2" = "-m pip" ] && exit 0
 exec "%s" "$@"
 """
 
 
-def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=None):
+def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=None, stub_mb=None):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "python3"
@@ -41,7 +44,7 @@ def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=N
     out, runs = tmp_path / "out", tmp_path / "runs"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(out), "RUNS": str(runs),
            "PT_S": "0", "SFT_S": "0", "RL_INIT": str(tmp_path / "sft"), "RL_S": "1", "SEEDS": seeds,
-           "NGPU": str(ngpu), "HANG_SEED": hang or "", "DATA": "unused.jsonl"}
+           "NGPU": str(ngpu), "HANG_SEED": hang or "", "DATA": "unused.jsonl", "STUB_MB": str(stub_mb or "")}
     if keep is not None:
         env["KEEP_MEMBERS"] = str(keep)
     proc = subprocess.Popen(["bash", "training/device_train.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -79,3 +82,10 @@ def test_the_runs_never_crowd_out_the_soup(tmp_path, ngpu):
     names, log = _run(tmp_path, seeds="1 2 3 4 5 6 7", keep=7, ngpu=ngpu)
     assert len(names) == 8 and "ckpt_rl_soup.tgz" in names and "logs.tgz" in names, log
     assert names[:6] == [f"ckpt_rl_s{s}.tgz" for s in range(1, 7)]
+
+
+def test_the_runs_never_take_the_64_mib_a_call_returns(tmp_path):
+    """Checkpoints of ~15 MiB: the soup and three runs fit in 64 MiB, a fourth run would not."""
+    names, log = _run(tmp_path, seeds="1 2 3 4 5", keep=7, stub_mb=15)
+    assert names == ["ckpt_rl_s1.tgz", "ckpt_rl_s2.tgz", "ckpt_rl_s3.tgz", "ckpt_rl_soup.tgz", "logs.tgz"], log
+    assert sum(p.stat().st_size for p in (tmp_path / "out").iterdir()) <= 64 * 2**20
