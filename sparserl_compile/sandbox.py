@@ -240,8 +240,6 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
         conn.send(("result", res))
 
 
-# ------------------------------------------------------------------ parent side
-
 def _child_main(argv: list[str]) -> None:
     """A worker process's entry (``_Worker`` starts ``python -c`` on it): the pipe's descriptor,
     the CUDA device or "-", the warm-up ("gpu", "cpu" or "-"), the parent's pid."""
@@ -273,6 +271,8 @@ def _watch_parent(parent: int) -> None:
         os._exit(3)
     threading.Thread(target=watch, daemon=True, name="sparserl-parent-watch").start()
 
+
+# ------------------------------------------------------------------ parent side
 
 def _python() -> str:
     """The interpreter workers run on: ``multiprocessing.set_executable``'s where a host that
