@@ -14,6 +14,7 @@
 # runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 # SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
+# SFT_INIT and RL_INIT may name a checkpoint packed as .tgz (python -m training.device_carry --pack; 1.1 MB less to carry).
 # RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz;
 # RL_ARGS="--average-from N ..." the run's weights averaged from update N on: ckpt_rl_average.tgz.
 # FRESH="--count 48 --seed 7 --max-nnz 1000000 --mix ..." then scores what was trained on fresh validation
@@ -64,7 +65,16 @@ timeout $((PT_S + 120)) $SR train pretrain --out-dir "$RUNS/pretrain" --size "$S
   --time-budget-s "$PT_S" >"$LOGS/pretrain.log" 2>&1
 echo "rc=$?"; grep -E "parameters|budget|step .*loss" "$LOGS/pretrain.log" | tail -4; keep pretrain
 fi
-SFT_INIT="${SFT_INIT:-$RUNS/pretrain}"
+unpacked() {  # a checkpoint folder as is; a .tgz of one (python -m training.device_carry --pack), unpacked once into $RUNS
+  case "$1" in
+    *.tgz) local d="$RUNS/init_$(basename "$1" .tgz)"
+           [ -f "$d/model.safetensors" ] || { mkdir -p "$d" && tar -xzf "$1" -C "$d"; } || { echo "cannot unpack $1" >&2; exit 2; }
+           echo "$d";;
+    *) echo "$1";;
+  esac
+}
+SFT_INIT="$(unpacked "${SFT_INIT:-$RUNS/pretrain}")" || exit 2
+[ -n "${RL_INIT:-}" ] && { RL_INIT="$(unpacked "$RL_INIT")" || exit 2; }
 
 sft_stage() {  # name, extra args
   local name="$1"; shift

@@ -86,3 +86,27 @@ def test_version_1_is_written_from_git(tmp_path):
     out = device_carry.write_checkpoint("v1", "b78a58b", tmp_path)
     cfg = json.loads((out / "config.json").read_text())
     assert (out / "model.safetensors").stat().st_size > 10_000_000 and cfg.get("model_type")
+
+
+def test_a_packed_checkpoint_is_one_tgz_of_the_committed_files(tmp_path):
+    """--pack writes NAME.tgz (what device_train.sh unpacks) holding the checkpoint's files at its
+    top level, byte for byte as committed, and leaves no folder beside it."""
+    import subprocess
+    import tarfile
+
+    tgz = device_carry.write_checkpoint("v3", "HEAD", tmp_path, pack=True)
+    assert tgz == tmp_path / "v3.tgz" and sorted(p.name for p in tmp_path.iterdir()) == ["v3.tgz"]
+    with tarfile.open(tgz) as t:
+        assert sorted(t.getnames()) == sorted(device_carry.CHECKPOINT_FILES)
+        packed = t.extractfile("config.json").read()
+    committed = subprocess.run(["git", "show", "HEAD:policy/checkpoints/default/config.json"], cwd=device_carry.REPO,
+                               capture_output=True, check=True).stdout
+    assert packed == committed
+
+
+def test_the_carry_is_counted_as_the_device_counts_it_on_disk(tmp_path):
+    """A small file takes a whole block on disk; the device's limit counts blocks (du)."""
+    (tmp_path / "a").write_bytes(b"x")
+    assert device_carry.folder_bytes(tmp_path) >= 1
+    assert device_carry.folder_bytes(tmp_path) == device_carry.disk_bytes(tmp_path / "a")
+    assert device_carry.disk_bytes(tmp_path / "a") == max(1, (tmp_path / "a").stat().st_blocks * 512)

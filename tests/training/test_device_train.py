@@ -19,13 +19,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 STUB = """#!/usr/bin/env bash
-# stands in for python3: `-m sparserl_compile.cli train STAGE ... --out-dir D|--out D --seed S`
-# makes D at once (hangs where S is $HANG_SEED); `-m pip` does nothing; the rest is Python
+# stands in for python3: `-m sparserl_compile.cli train STAGE ... --out-dir D|--out D --seed S --init I`
+# makes D at once (hangs where S is $HANG_SEED), with I's weights, where there, copied to D/init_weights;
+# `-m pip` does nothing; the rest is Python
 if [ "$1 $2 $3" = "-m sparserl_compile.cli train" ]; then
-  stage=$4; shift 4; out=""; seed=""
-  while [ $# -gt 0 ]; do case "$1" in --out-dir|--out) out="$2"; shift;; --seed) seed="$2"; shift;; esac; shift; done
+  stage=$4; shift 4; out=""; seed=""; init=""
+  while [ $# -gt 0 ]; do case "$1" in --out-dir|--out) out="$2"; shift;; --seed) seed="$2"; shift;;
+    --init) init="$2"; shift;; esac; shift; done
   [ "$stage" = rl ] && [ -n "$seed" ] && [ "$seed" = "${HANG_SEED:-}" ] && exec sleep 600
   mkdir -p "$out"; echo "$stage $seed" > "$out/model.safetensors"
+  [ -f "$init/model.safetensors" ] && cat "$init/model.safetensors" > "$out/init_weights"
   # weights of STUB_MB MiB that do not compress, as real ones nearly do not, and AdamW's state
   [ -n "${STUB_MB:-}" ] && head -c $((STUB_MB * 1048576)) /dev/urandom > "$out/model.safetensors"
   [ -n "${STUB_MB:-}" ] && head -c $((2 * STUB_MB * 1048576)) /dev/zero > "$out/optimizer.safetensors"; exit 0
@@ -35,7 +38,7 @@ exec "%s" "$@"
 """
 
 
-def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=None, stub_mb=None):
+def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=None, stub_mb=None, rl_init=None):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "python3"
@@ -43,7 +46,7 @@ def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=N
     stub.chmod(0o755)
     out, runs = tmp_path / "out", tmp_path / "runs"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(out), "RUNS": str(runs),
-           "PT_S": "0", "SFT_S": "0", "RL_INIT": str(tmp_path / "sft"), "RL_S": "1", "SEEDS": seeds,
+           "PT_S": "0", "SFT_S": "0", "RL_INIT": str(rl_init or tmp_path / "sft"), "RL_S": "1", "SEEDS": seeds,
            "NGPU": str(ngpu), "HANG_SEED": hang or "", "DATA": "unused.jsonl", "STUB_MB": str(stub_mb or "")}
     if keep is not None:
         env["KEEP_MEMBERS"] = str(keep)
@@ -89,3 +92,24 @@ def test_the_runs_never_take_the_64_mib_a_call_returns(tmp_path):
     names, log = _run(tmp_path, seeds="1 2 3 4 5", keep=7, stub_mb=15)
     assert names == ["ckpt_rl_s1.tgz", "ckpt_rl_s2.tgz", "ckpt_rl_s3.tgz", "ckpt_rl_soup.tgz", "logs.tgz"], log
     assert sum(p.stat().st_size for p in (tmp_path / "out").iterdir()) <= 64 * 2**20
+
+
+def test_a_packed_start_checkpoint_is_unpacked_once_and_trained_from(tmp_path):
+    """RL_INIT may name a .tgz (python -m training.device_carry --pack): every seed starts from
+    its weights, unpacked into RUNS."""
+    src = tmp_path / "v1"
+    src.mkdir()
+    (src / "model.safetensors").write_text("version 1 weights")
+    tgz = tmp_path / "v1.tgz"
+    with tarfile.open(tgz, "w:gz") as t:
+        t.add(src / "model.safetensors", arcname="model.safetensors")
+    names, log = _run(tmp_path, seeds="1 2", rl_init=tgz)
+    assert names == ["ckpt_rl_s1.tgz", "ckpt_rl_s2.tgz", "ckpt_rl_soup.tgz", "logs.tgz"], log
+    for seed in "12":
+        assert (tmp_path / "runs" / f"rl_s{seed}" / "init_weights").read_text() == "version 1 weights"
+    assert (tmp_path / "runs" / "init_v1" / "model.safetensors").is_file()
+
+
+def test_a_packed_start_that_is_not_there_stops_the_call(tmp_path):
+    names, log = _run(tmp_path, seeds="1", rl_init=tmp_path / "absent.tgz")
+    assert "cannot unpack" in log and "ckpt_rl_s1.tgz" not in names, log
