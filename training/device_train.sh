@@ -26,7 +26,8 @@
 # default 3: a checkpoint is about 14.5 MB packed, and a call returns 64 MiB in all) while the call's 8 files
 # allow, each as its run ends on one GPU (a call cut later keeps them).
 # A run that finished in an earlier call on the same warm machine (same RUNS) is kept, not run again:
-# SEEDS="1" in one call, then SEEDS="1 2" in the next, trains seed 2 and averages the two.
+# SEEDS="1" in one call, then SEEDS="1 2" in the next, trains seed 2 and averages the two. Its
+# checkpoint, if that call could not return it (8 files, 64 MiB), comes back first in the next.
 # RUNS (default /tmp/sr_runs) outlives the call on a machine that stays warm: the next call resumes
 # the stages found there. Give an independent run its own RUNS; a stage resumed under other settings
 # (another --seed, --reward, ...) stops with an error instead of continuing the first run.
@@ -86,6 +87,7 @@ sft_stage() {  # name, extra args
 }
 
 DONE=.sr_finished  # in a run folder: the stage ended by itself (budget or steps), not by timeout
+RETURNED=.sr_returned  # in a SEEDS run folder: its checkpoint came back from a call (under $OUT)
 rl_stage() {  # name, extra args
   local name="$1"; shift
   echo "== $name ($RL_S s, ${RL_EVALUATOR:-gpu} rewards) ${RL_ARGS:-} $*"
@@ -122,12 +124,15 @@ if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
     local bytes=$(( $(du -cb "$OUT" | tail -1 | cut -f1) + (ckpts + SOUP) * weights ))
     if [ "$(echo $KEPT | wc -w)" -lt "${KEEP_MEMBERS:-3}" ] && [ $(( $(ls "$OUT" | wc -l) + need )) -le "$budget" ] \
         && [ "$bytes" -le $((64 * 1024 * 1024)) ]; then
-      keep "rl_s$1"; KEPT="$KEPT $1"
+      keep "rl_s$1"; KEPT="$KEPT $1"; touch "$RUNS/rl_s$1/$RETURNED"
     else
       tar -czf "$OUT/logs.tgz" -C "$LOGS_ROOT" logs
     fi
   }
   i=0; MEMBERS=""; NEW=""
+  for seed in $SEEDS; do  # finished in an earlier call whose limits left its checkpoint behind: returned first
+    [ -f "$RUNS/rl_s$seed/$DONE" ] && [ ! -f "$RUNS/rl_s$seed/$RETURNED" ] && keep_member "$seed"
+  done
   for seed in $SEEDS; do
     MEMBERS="${MEMBERS:+$MEMBERS,}$RUNS/rl_s$seed"
     if [ -f "$RUNS/rl_s$seed/$DONE" ]; then  # finished in an earlier call on this warm machine: not run again

@@ -38,13 +38,14 @@ exec "%s" "$@"
 """
 
 
-def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=None, stub_mb=None, rl_init=None):
+def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=None, stub_mb=None, rl_init=None,
+         out_name="out"):
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     stub = bin_dir / "python3"
     stub.write_text(STUB % sys.executable)
     stub.chmod(0o755)
-    out, runs = tmp_path / "out", tmp_path / "runs"
+    out, runs = tmp_path / out_name, tmp_path / "runs"  # a later call on the same machine: same RUNS, an empty OUT
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(out), "RUNS": str(runs),
            "PT_S": "0", "SFT_S": "0", "RL_INIT": str(rl_init or tmp_path / "sft"), "RL_S": "1", "SEEDS": seeds,
            "NGPU": str(ngpu), "HANG_SEED": hang or "", "DATA": "unused.jsonl", "STUB_MB": str(stub_mb or "")}
@@ -113,3 +114,15 @@ def test_a_packed_start_checkpoint_is_unpacked_once_and_trained_from(tmp_path):
 def test_a_packed_start_that_is_not_there_stops_the_call(tmp_path):
     names, log = _run(tmp_path, seeds="1", rl_init=tmp_path / "absent.tgz")
     assert "cannot unpack" in log and "ckpt_rl_s1.tgz" not in names, log
+
+
+def test_a_finished_run_left_behind_comes_back_in_the_next_call(tmp_path):
+    """The first call finishes four runs but the 64 MiB return only fits three and the soup; the
+    next call on the same machine (same RUNS) trains nothing again and returns the fourth."""
+    names, log = _run(tmp_path, seeds="1 2 3 4", keep=7, stub_mb=15)
+    assert names == ["ckpt_rl_s1.tgz", "ckpt_rl_s2.tgz", "ckpt_rl_s3.tgz", "ckpt_rl_soup.tgz", "logs.tgz"], log
+    names, log = _run(tmp_path, seeds="1 2 3 4", keep=7, stub_mb=15, out_name="out2")
+    assert names == ["ckpt_rl_s4.tgz", "ckpt_rl_soup.tgz", "logs.tgz"], log
+    assert log.count("finished in an earlier call") == 4
+    names, log = _run(tmp_path, seeds="1 2 3 4", keep=7, stub_mb=15, out_name="out3")
+    assert names == ["ckpt_rl_soup.tgz", "logs.tgz"], log
