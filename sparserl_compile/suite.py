@@ -445,7 +445,8 @@ def _json_default(o):
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    write_atomic(path, json.dumps(doc, indent=1, default=_json_default))
+    # compact: the results are committed, and every device call carries the tree (64 MiB)
+    write_atomic(path, json.dumps(doc, separators=(",", ":"), default=_json_default) + "\n")
 
 
 def _fmt(v, spec=".1f") -> str:

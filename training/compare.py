@@ -202,7 +202,8 @@ def main(argv=None) -> int:
         for c in r["changes"][:6]:
             print(f"      {c['label']} {c['op']} n={c['n']}: {c['base']:.3f} -> {c['other']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"base": args.base or "each pair's own", "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"base": args.base or "each pair's own", "results": results},
+                                              separators=(",", ":")) + "\n")  # compact: results travel to the device
     return 0
 
 

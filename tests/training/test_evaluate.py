@@ -189,6 +189,9 @@ def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features
                               max_new_tokens=24, ablate_unconstrained=False, out=str(out), device="cpu",
                               baselines="nearest"), log=lambda *a: None)
     assert json.loads(out.read_text()) == rep and rep["in_progress"] is None
+    # which machine measured it and when, written compactly (results travel to the device)
+    assert rep["machine"]["host"] and rep["started"].endswith("Z")
+    assert "\n " not in out.read_text()
     assert set(rep["variants"]) == {"tiny", "baseline/nearest"}
     for v in rep["variants"].values():
         assert v["all"]["records"] == len(held) == sum(s["records"] for kind, s in v.items() if kind != "all")

@@ -137,6 +137,7 @@ def test_compare_validates_several_checkpoints_on_the_same_problems(tmp_path, ti
                             "--max-nnz", "200000", "--mix", "banded=1", "--evaluator", "header",
                             "--max-new-tokens", "16", "--device", "cpu", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
+    assert res["machine"]["host"] and res["started"].endswith("Z")  # which machine scored them, and when
     want = validation.validation_problems(2, 4, 200_000, mix={"banded": 1.0})
     assert res["problems"] == [f"{p.label} {p.op}" for p in want]
     assert set(res["checkpoints"]) == {"a", "b"}
