@@ -1,6 +1,6 @@
 """Writing a file whole or not at all.
 
-The kernel cache, NVRTC's cubin cache, ``sparserl bench`` results and the training stages'
+The kernel cache, NVRTC's cubin cache, result files (``write_json``) and the training stages'
 config files are read by other processes while they are written (a second Python process, the
 other ranks under torchrun, a crash halfway). ``write_atomic`` writes to a temporary file in the
 same folder, flushes it to disk and renames it over the target, so a reader sees the old file or
@@ -10,6 +10,7 @@ has no such call and the packages that do (``atomicwrites``) are unmaintained, s
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -42,6 +43,13 @@ def write_atomic(path: str | Path, data: bytes | str, *, private: bool = False, 
         raise
     if sync_dir:
         fsync_dir(path.parent)
+
+
+def write_json(path: str | Path, doc, default=None) -> None:
+    """``doc`` as compact JSON (``default`` as ``json.dumps``'s), atomically. The result files
+    (``sparserl bench``, ``sparserl eval``, ``training.validation``, ``training.compare``) are
+    committed and every device call carries the tree, 64 MiB at most, so they carry no indentation."""
+    write_atomic(path, json.dumps(doc, separators=(",", ":"), default=default) + "\n")
 
 
 def fsync_dir(d: str | Path) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparserl_compile.fileio import write_atomic
+from sparserl_compile.fileio import write_json
 
 OPS_WIDTHS = {"spmv": (1,), "spmm": (8, 32, 128)}
 
@@ -256,6 +256,11 @@ def machine_info() -> dict:
     return info
 
 
+def run_stamp() -> dict:
+    """Where and when a measurement ran, for a result file: ``machine_info()`` and the UTC start."""
+    return {"machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -426,11 +431,11 @@ def run(args: argparse.Namespace) -> dict:
                 for r in rows:
                     print("  " + _summary_line(r), flush=True)
                 doc["wall_s"] = round(time.perf_counter() - t_start, 2)
-                _write_json(results_path, doc)
+                write_json(results_path, doc, default=_json_default)
         finally:
             sup_f.close()
     doc["wall_s"] = round(time.perf_counter() - t_start, 2)
-    _write_json(results_path, doc)
+    write_json(results_path, doc, default=_json_default)
     print(f"[bench] wrote {results_path} and {sup_path}")
     doc["_paths"] = {"results": str(results_path), "supervision": str(sup_path)}
     return doc
@@ -442,11 +447,6 @@ def _json_default(o):
     if isinstance(o, (np.floating,)):
         return float(o)
     return str(o)
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    # compact: the results are committed, and every device call carries the tree (64 MiB)
-    write_atomic(path, json.dumps(doc, separators=(",", ":"), default=_json_default) + "\n")
 
 
 def _fmt(v, spec=".1f") -> str:

@@ -202,8 +202,9 @@ def main(argv=None) -> int:
         for c in r["changes"][:6]:
             print(f"      {c['label']} {c['op']} n={c['n']}: {c['base']:.3f} -> {c['other']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"base": args.base or "each pair's own", "results": results},
-                                              separators=(",", ":")) + "\n")  # compact: results travel to the device
+        from sparserl_compile.fileio import write_json
+
+        write_json(args.json, {"base": args.base or "each pair's own", "results": results})
     return 0
 
 

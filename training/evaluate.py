@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 from training.config import opt, resolve_device
@@ -309,17 +308,16 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
             tables.append(entries_from_records(both.train))
         return tables[0]
 
-    from sparserl_compile.suite import machine_info
+    from sparserl_compile.fileio import write_json
+    from sparserl_compile.suite import run_stamp
 
-    report = {"machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
+    report = {**run_stamp(), "held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
               "samples": cfg.samples + (" untraced" if cfg.untraced_samples and cfg.samples == "temperature" else ""),
               "in_progress": None, "checkpoints": {}, "variants": {}, "per_record": {}}
 
     def save():  # after every record: a run cut short keeps what it measured
         if cfg.out:
-            with open(cfg.out, "w") as f:
-                json.dump(report, f, separators=(",", ":"))  # compact: results travel to the device (64 MiB)
+            write_json(cfg.out, report)
 
     def partial(label, stats):  # a variant's figures so far; "in_progress" names it until it ends
         report["variants"][label] = _summaries(stats)

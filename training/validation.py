@@ -49,7 +49,6 @@ Several checkpoints on the same problems, in one process (so identical kernels s
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 #: the first seed of the validation problems' generators and derived structures
@@ -179,10 +178,9 @@ def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: 
     probs = validation_problems(count, seed, max_nnz, mix=parse_mix(mix) if mix else None, spmm_widths=spmm_widths)
     ev = make_evaluator(evaluator, workers)
     v = Validator(probs, ev, max_new_tokens=max_new_tokens)
-    from sparserl_compile.suite import machine_info
+    from sparserl_compile.suite import run_stamp
 
-    out = {"machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "problems": [f"{p.label} {p.op}" for p in probs], "evaluator": evaluator, "checkpoints": {}}
+    out = {**run_stamp(), "problems": [f"{p.label} {p.op}" for p in probs], "evaluator": evaluator, "checkpoints": {}}
     try:
         for name, _, path in pairs:
             model, tok = load_policy(path, resolve_device(device))
@@ -226,7 +224,9 @@ def main(argv=None) -> int:
     res = compare(a.checkpoints, a.count, a.seed, a.max_nnz, a.mix, a.evaluator, a.workers, a.max_new_tokens, a.device,
                   spmm_widths=widths)
     if a.out:
-        Path(a.out).write_text(json.dumps(res, separators=(",", ":")) + "\n")  # compact: results travel to the device
+        from sparserl_compile.fileio import write_json
+
+        write_json(a.out, res)
     return 0
 
 

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from sparserl_compile.fileio import write_atomic
+from sparserl_compile.fileio import write_atomic, write_json
 
 
 def test_replaces_whole_and_leaves_no_temp_file(tmp_path):
@@ -42,3 +42,12 @@ def test_a_failed_write_keeps_the_old_file_and_removes_the_temp_file(tmp_path, m
 def test_a_missing_folder_is_an_error_not_a_silent_mkdir(tmp_path):
     with pytest.raises(FileNotFoundError):
         write_atomic(tmp_path / "nope" / "a.json", "x")
+
+
+def test_a_result_file_is_compact_json_with_the_same_values(tmp_path):
+    import json
+
+    p = tmp_path / "r.json"
+    write_json(p, {"a": [1, 2.5], "b": {"c": "d"}, "e": {1}}, default=sorted)
+    assert p.read_text() == '{"a":[1,2.5],"b":{"c":"d"},"e":[1]}\n'
+    assert json.loads(p.read_text()) == {"a": [1, 2.5], "b": {"c": "d"}, "e": [1]}
