@@ -14,6 +14,12 @@ greedy kernel counted as the cuSPARSE fallback, the default), ``greedy_fraction`
 A ``python -m training.validation`` result pairs the same way, problem by problem, with
 ``--metric value`` (the greedy kernel's speedup over cuSPARSE, a wrong one counted as 1.0).
 
+``--metric compile_rate`` or ``correct_rate`` compares rates instead: each record's share of
+samples that compiled (were correct), ``compiled / samples`` (a validation row's one greedy
+kernel: 1 or 0). A rate can be 0, so these are paired **differences** in percentage points
+(other - base, averaged over the records and bootstrapped the same way), not ratios; ``--tie``
+is then in rate units (0.02 = 2 points), and one sample of 9 moves a record by 11 points.
+
 ``--exclude TEXT`` (repeatable) leaves out the records whose label contains TEXT (e.g. one
 matrix that carries a gain). ``--pool`` adds one comparison of all the others together, for
 replicated runs: each record's log-ratio is averaged over the others (on the records they all
@@ -40,7 +46,9 @@ from pathlib import Path
 
 import numpy as np
 
-METRICS = ("greedy_fallback_fraction", "greedy_fraction", "best_of_k_fraction", "value")
+RATIO_METRICS = ("greedy_fallback_fraction", "greedy_fraction", "best_of_k_fraction", "value")
+RATE_METRICS = ("compile_rate", "correct_rate")  # compared as differences (module doc)
+METRICS = RATIO_METRICS + RATE_METRICS
 
 
 def load_rows(spec: str) -> list[dict]:
@@ -82,9 +90,46 @@ def pooled(base: list[dict], others: list[list[dict]], metric: str = METRICS[0],
     return pooled_pairs([(base, other) for other in others], metric, n_boot, seed, tie, exclude)
 
 
+def _figure(row: dict, metric: str):
+    """A row's figure: the metric itself, or for a rate its count over the row's samples."""
+    if metric not in RATE_METRICS:
+        return row.get(metric)
+    count = row.get("compiled" if metric == "compile_rate" else "correct")
+    samples = row.get("samples", 1)  # a validation row: its greedy kernel, True or False
+    return None if count is None or not samples else float(count) / samples
+
+
 def _figures(rows: list[dict], metric: str, exclude=()) -> dict:
     """Record -> its figure, the records whose label contains an ``exclude`` text left out."""
-    return {_key(r): r.get(metric) for r in rows if not any(e in r["label"] for e in exclude)}
+    return {_key(r): _figure(r, metric) for r in rows if not any(e in r["label"] for e in exclude)}
+
+
+def _usable(value, metric: str) -> bool:
+    """A figure that compares: a rate that exists (0 included), a ratio's positive figure."""
+    return value is not None and (metric in RATE_METRICS or value > 0)
+
+
+def _change(metric: str, base: float, other: float) -> float:
+    """One record's change: its log-ratio, or for a rate its difference."""
+    return other - base if metric in RATE_METRICS else math.log(other / base)
+
+
+def _summary(metric: str, changes: np.ndarray, n_boot: int, seed: int, tie: float) -> dict:
+    """The mean change over records with its 95 % bootstrap interval, as a geometric-mean ratio
+    (``ratio_geomean``) or, for a rate, a mean difference (``difference_mean``), and how many
+    records moved by more than the tie."""
+    boots = changes[np.random.default_rng(seed).integers(0, len(changes), size=(n_boot, len(changes)))].mean(axis=1)
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    rate = metric in RATE_METRICS
+    step = tie if rate else math.log1p(tie)
+    out = ({"difference_mean": float(changes.mean()), "ci95": [float(lo), float(hi)]} if rate else
+           {"ratio_geomean": math.exp(changes.mean()), "ci95": [math.exp(lo), math.exp(hi)]})
+    return {**out, "better": int((changes > step).sum()), "worse": int((changes < -step).sum())}
+
+
+def _empty(metric: str) -> dict:
+    return {"difference_mean" if metric in RATE_METRICS else "ratio_geomean": None, "ci95": None,
+            "better": 0, "worse": 0, "changes": []}
 
 
 def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRICS[0], n_boot: int = 10_000,
@@ -96,25 +141,26 @@ def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRI
         raise ValueError(f"metric {metric!r}: choose from {METRICS}")
     bs = [_figures(base, metric, exclude) for base, _ in pairs]
     os_ = [_figures(other, metric, exclude) for _, other in pairs]
-    both = [k for k in bs[0] if all(x.get(k) for x in bs + os_)]
-    logs = np.array([np.mean([math.log(o[k] / b[k]) for b, o in zip(bs, os_)]) for k in both])
-    def geomean(figs):  # one variant: its own figures, as they are; else their geometric mean
-        return {k: figs[0][k] if len(figs) == 1 else math.exp(np.mean([math.log(x[k]) for x in figs]))
-                for k in both}
-    b, o = geomean(bs), geomean(os_)
+    both = [k for k in bs[0] if all(_usable(x.get(k), metric) for x in bs + os_)]
+    logs = np.array([np.mean([_change(metric, b[k], o[k]) for b, o in zip(bs, os_)]) for k in both])
+    def centre(figs):  # one variant: its own figures, as they are; else their geometric mean (a rate's mean)
+        if len(figs) == 1:
+            return {k: figs[0][k] for k in both}
+        if metric in RATE_METRICS:
+            return {k: float(np.mean([x[k] for x in figs])) for k in both}
+        return {k: math.exp(np.mean([math.log(x[k]) for x in figs])) for k in both}
+    b, o = centre(bs), centre(os_)
     keys = set().union(*bs, *os_)
     out = {"metric": metric, "records": len(both), "left_out": len(keys) - len(both),
            "excluded": sorted(exclude)}
     if not both:
-        return {**out, "ratio_geomean": None, "ci95": None, "better": 0, "worse": 0, "changes": []}
-    rng = np.random.default_rng(seed)
-    boots = logs[rng.integers(0, len(logs), size=(n_boot, len(logs)))].mean(axis=1)
-    lo, hi = np.percentile(boots, [2.5, 97.5])
+        return {**out, **_empty(metric)}
+    summary = _summary(metric, logs, n_boot, seed, tie)
+    step = tie if metric in RATE_METRICS else math.log1p(tie)
     order = np.argsort(-np.abs(logs))
-    return {**out, "ratio_geomean": math.exp(logs.mean()), "ci95": [math.exp(lo), math.exp(hi)],
-            "better": int((logs > math.log1p(tie)).sum()), "worse": int((logs < -math.log1p(tie)).sum()),
+    return {**out, **summary,
             "changes": [{"label": both[i][0], "op": both[i][1], "n": both[i][2], "base": b[both[i]],
-                         "other": o[both[i]]} for i in order if abs(logs[i]) > math.log1p(tie)]}
+                         "other": o[both[i]]} for i in order if abs(logs[i]) > step]}
 
 
 def stacked_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRICS[0], n_boot: int = 10_000,
@@ -127,19 +173,14 @@ def stacked_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METR
     logs, changes = [], []
     for (base, other), r in zip(pairs, out):
         b, o = _figures(base, metric, exclude), _figures(other, metric, exclude)
-        logs += [math.log(o[k] / b[k]) for k in b if b[k] and o.get(k)]
+        logs += [_change(metric, b[k], o[k]) for k in b if _usable(b[k], metric) and _usable(o.get(k), metric)]
         changes += r["changes"]
     res = {"metric": metric, "records": len(logs), "left_out": sum(r["left_out"] for r in out),
            "excluded": sorted(exclude), "stacked": len(pairs)}
     if not logs:
-        return {**res, "ratio_geomean": None, "ci95": None, "better": 0, "worse": 0, "changes": []}
-    a = np.array(logs)
-    boots = a[np.random.default_rng(seed).integers(0, len(a), size=(n_boot, len(a)))].mean(axis=1)
-    lo, hi = np.percentile(boots, [2.5, 97.5])
-    changes.sort(key=lambda c: -abs(math.log(c["other"] / c["base"])))
-    return {**res, "ratio_geomean": math.exp(a.mean()), "ci95": [math.exp(lo), math.exp(hi)],
-            "better": int((a > math.log1p(tie)).sum()), "worse": int((a < -math.log1p(tie)).sum()),
-            "changes": changes}
+        return {**res, **_empty(metric)}
+    changes.sort(key=lambda c: -abs(_change(metric, c["base"], c["other"])))
+    return {**res, **_summary(metric, np.array(logs), n_boot, seed, tie), "changes": changes}
 
 
 def main(argv=None) -> int:
@@ -185,19 +226,23 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     against = "its own base" if args.pair else args.base
-    print(f"{args.metric}, each against {against} (geometric mean of per-record ratios, 95 % bootstrap interval)"
+    rate = args.metric in RATE_METRICS
+    what = "mean of per-record differences, percentage points" if rate else "geometric mean of per-record ratios"
+    print(f"{args.metric}, each against {against} ({what}, 95 % bootstrap interval)"
           + (f"; records whose label contains {' or '.join(map(repr, args.exclude))} left out" if args.exclude else ""))
     for spec, r in results.items():
-        if r["ratio_geomean"] is None:
+        if r["ci95"] is None:
             hint = ""
-            if spec.startswith("pooled pairs") and all(x["ratio_geomean"] is not None for x in results.values()
+            if spec.startswith("pooled pairs") and all(x["ci95"] is not None for x in results.values()
                                                        if x is not r):
                 hint = ("; the pairs share no record (different problems?): --stack pools such pairs, "
                         "averaging needs replicated runs on the same records")
             print(f"  {spec}: no record with a figure on both sides{hint}")
             continue
         lo, hi = r["ci95"]
-        print(f"  {spec}: x{r['ratio_geomean']:.3f} [{lo:.3f}, {hi:.3f}] over {r['records']} records "
+        estimate = (f"{100 * r['difference_mean']:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}]" if rate else
+                    f"x{r['ratio_geomean']:.3f} [{lo:.3f}, {hi:.3f}]")
+        print(f"  {spec}: {estimate} over {r['records']} records "
               f"({r['better']} better, {r['worse']} worse; {r['left_out']} left out)")
         for c in r["changes"][:6]:
             print(f"      {c['label']} {c['op']} n={c['n']}: {c['base']:.3f} -> {c['other']:.3f}")

@@ -147,3 +147,38 @@ def test_pairs_on_different_problems_are_stacked_not_averaged(tmp_path, capsys):
     assert f"stacked pairs: {f}:o1 vs {f}:b1 + {f}:o2 vs {f}:b2: x1.000" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--stack", "--pair", f"{f}:b1", f"{f}:o1"])
+
+
+def _rate_rows(compiled, samples=9):
+    return [{"label": f"m{i}", "op": "spmv", "n": 1, "compiled": c, "correct": max(c - 1, 0), "samples": samples}
+            for i, c in enumerate(compiled)]
+
+
+def test_compile_and_correct_rates_are_paired_differences_and_zero_counts():
+    base, other = _rate_rows([9, 0, 9, 8]), _rate_rows([9, 9, 9, 9])
+    r = paired(base, other, metric="compile_rate", n_boot=500)
+    assert r["records"] == 4 and "ratio_geomean" not in r  # a record at 0 compiled is a figure, not a gap
+    assert r["difference_mean"] == pytest.approx((9 / 9 + 1 / 9) / 4)
+    lo, hi = r["ci95"]
+    assert 0 <= lo <= r["difference_mean"] <= hi <= 1
+    assert (r["better"], r["worse"]) == (2, 0)
+    assert r["changes"][0] == {"label": "m1", "op": "spmv", "n": 1, "base": 0.0, "other": 1.0}
+    c = paired(base, other, metric="correct_rate", n_boot=100)
+    assert c["difference_mean"] == pytest.approx((8 / 9 + 1 / 9) / 4)  # correct: 8, 0, 8, 7 -> 8 each
+    same = paired(base, base, metric="compile_rate", n_boot=100)
+    assert same["difference_mean"] == 0 and same["ci95"] == [0, 0] and same["changes"] == []
+    assert pooled_pairs([(base, other), (other, base)], metric="compile_rate", n_boot=100)["difference_mean"] == 0
+
+
+def test_rates_of_validation_rows_count_the_greedy_kernel(tmp_path, capsys):
+    rows = lambda ok: [{"label": f"p{i}", "op": "spmv", "n": 1, "compiled": True, "correct": c, "value": 1.0}
+                       for i, c in enumerate(ok)]
+    f = tmp_path / "val.json"
+    f.write_text(json.dumps({"checkpoints": {"a": {"rows": rows([True, False, True, True])},
+                                             "b": {"rows": rows([True, True, True, True])}}}))
+    assert main([f"{f}:a", f"{f}:b", "--metric", "correct_rate", "--bootstrap", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "percentage points" in out and f"{f}:b: +25.0 points" in out and "p1 spmv n=1: 0.000 -> 1.000" in out
+    assert main(["--stack", "--pair", f"{f}:a", f"{f}:b", "--pair", f"{f}:b", f"{f}:a",
+                 "--metric", "compile_rate", "--bootstrap", "100"]) == 0
+    assert "stacked pairs" in capsys.readouterr().out
