@@ -33,7 +33,6 @@ start" target.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -43,6 +42,7 @@ import torch
 import sparserl_compile as sr
 from sparserl_compile import matrices, providers, runtime
 from sparserl_compile.bench import stream_us, sync, wall_median_us
+from sparserl_compile.fileio import write_json
 
 #: (label, generator, kwargs): structures none of the supervision files holds (other seeds/sizes)
 MATRICES = (
@@ -179,8 +179,7 @@ def main(argv=None) -> int:
 
     def save(rows):  # after every row: a run cut short keeps what it measured
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"rows": rows, "device": device_name, "torch": torch.__version__}, f, indent=1)
+            write_json(a.json, {"rows": rows, "device": device_name, "torch": torch.__version__})
 
     rows = run([s for s in a.providers.split(",") if s], [int(w) for w in a.widths.split(",")], a.device,
                on_row=save)

@@ -16,7 +16,6 @@ speculatively in one batch (``DecodeConfig(batch_drafts=True)``, ``speculative_b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -29,6 +28,7 @@ from policy.model import CountingPolicy, load_policy
 from policy.retrieval import default_entries, nearest_hint, problem_for, reference_sources
 from sparserl_compile import matrices
 from sparserl_compile.bench import sync
+from sparserl_compile.fileio import write_json
 
 #: (label, generator, kwargs, op, n)
 CASES = (
@@ -112,9 +112,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     rows = run(a.checkpoint, a.device, a.k, tuple(int(v) for v in a.draft_lens.split(",") if v))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(0),
-                       "torch": torch.__version__, "checkpoint": a.checkpoint}, f, indent=1)
+        write_json(a.json, {"rows": rows, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(0),
+                            "torch": torch.__version__, "checkpoint": a.checkpoint})
     return 0
 
 

@@ -18,7 +18,6 @@ fill-up hints depend on the timing, so the candidate lists are compared with the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ from policy.provider import PolicyProvider
 from policy.retrieval import problem_for
 from sparserl_compile import matrices
 from sparserl_compile.bench import sync
+from sparserl_compile.fileio import write_json
 
 from cold_start import MATRICES  # benchmarks/: cold start's structures
 
@@ -88,9 +88,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     rows = run(a.checkpoint, a.device, a.k, a.repeats)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(0),
-                       "torch": torch.__version__, "checkpoint": a.checkpoint, "k": a.k}, f, indent=1)
+        write_json(a.json, {"rows": rows, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(0),
+                            "torch": torch.__version__, "checkpoint": a.checkpoint, "k": a.k})
     return 0 if all(r["same_candidates"] for r in rows) else 1
 
 

@@ -41,7 +41,6 @@ whose matrix is not there are skipped and counted.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -49,6 +48,7 @@ import torch
 import sparserl_compile as sr
 from cold_start import _make_provider, first_product, native_csr
 from sparserl_compile import bench, matrices, runtime
+from sparserl_compile.fileio import write_json
 from training.evaluate import geomean
 
 
@@ -181,10 +181,9 @@ def main(argv=None) -> int:
 
     def dump(rows, summary=None):
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                           "torch": torch.__version__, "skipped_records": missing, "summary": summary,
-                           "rows": rows}, f, indent=1)
+            write_json(args.json, {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                                   "torch": torch.__version__, "skipped_records": missing, "summary": summary,
+                                   "rows": rows})
 
     rows, summary = run(args.providers.split(","), have, args.device, args.wrong_tol, on_row=dump, loaded=loaded)
     dump(rows, summary)

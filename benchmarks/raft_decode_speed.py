@@ -40,6 +40,7 @@ from policy.model import CountingPolicy, load_policy
 from policy.provider import structure_and_formats
 from policy.retrieval import default_entries, reference_sources
 from training.rl import RLConfig, _raft_candidates
+from sparserl_compile.fileio import write_json
 from training.unlabelled import parse_mix, unlabelled_problems
 
 MIX = ("shared:social_powerlaw=2,shared:gnn_citation=1,shared:road_planar=1,shared:mesh=1,banded=1,"
@@ -119,8 +120,7 @@ def main(argv=None) -> int:
            "same_candidates": same_all, "rows": rows}
     print(json.dumps(out["totals_s"]), "same candidates:", same_all)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+        write_json(args.json, out)
     return 0 if same_all else 1
 
 

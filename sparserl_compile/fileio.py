@@ -47,7 +47,8 @@ def write_atomic(path: str | Path, data: bytes | str, *, private: bool = False, 
 
 def write_json(path: str | Path, doc, default=None) -> None:
     """``doc`` as compact JSON (``default`` as ``json.dumps``'s), atomically. The result files
-    (``sparserl bench``, ``sparserl eval``, ``training.validation``, ``training.compare``) are
+    (``sparserl bench``, ``sparserl eval``, ``training.validation``, ``training.compare``, the
+    scripts under ``benchmarks/``, ``training.neighbours``) are
     committed and every device call carries the tree, 64 MiB at most, so they carry no indentation."""
     write_atomic(path, json.dumps(doc, separators=(",", ":"), default=default) + "\n")
 

@@ -21,6 +21,7 @@ import json
 import sys
 from collections import defaultdict
 
+from sparserl_compile.fileio import write_json
 from training import data
 from training.evaluate import geomean
 
@@ -130,8 +131,7 @@ def main(argv=None) -> int:
         rep = offline_eval(s.train, held_out)
         print(json.dumps(rep, indent=1))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rep, f, indent=1)
+            write_json(args.json, rep)
     return 0
 
 
