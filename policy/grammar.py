@@ -21,12 +21,17 @@ def _rx(text: str) -> str:
     return "".join("\\" + ch if ch in "\\.+*?()|[]{}^$/-\"#&~" else ch for ch in text)
 
 
-def header_rules(op: str | None = None, dtype: str | None = None) -> str:
+def header_rules(op: str | None = None, dtype: str | None = None, exclude=()) -> str:
     """One alternative per (format, op, dtype): a terminal holding both header lines (so no
     stray whitespace can enter them), the format's helpers, and a terminal holding the fixed
     kernel signature (``contract.signature_c``). ``op``/``dtype`` pin the header to the
-    prompt's operation and value type."""
+    prompt's operation and value type; the formats in ``exclude`` get no alternative (the
+    matrix does not convert to them: ``sparserl_compile.formats.unfit_formats``)."""
     from sparserl_compile.contract import DTYPES, FORMATS, OPS, signature_c
+
+    unknown = set(exclude) - set(FORMATS)
+    if unknown or not set(FORMATS) - set(exclude):
+        raise ValueError(f"exclude={sorted(exclude)}: name formats of {tuple(FORMATS)}, and leave at least one")
 
     ops = [op] if op else list(OPS)
     dts = [dtype] if dtype else list(DTYPES)
@@ -35,6 +40,8 @@ def header_rules(op: str | None = None, dtype: str | None = None) -> str:
     pos = "[1-9][0-9]{0,6}"
     smem = "(0|[1-9][0-9]{0,4}|1[0-9]{5}|2[0-2][0-9]{4})"  # < 230000 bytes: under the 227 KiB limit
     for fmt, f in FORMATS.items():
+        if fmt in exclude:
+            continue
         keys = "".join(f" {k}={pos}" for k in f.params)
         work = "(" + "|".join(f.work) + ")"
         for o in ops:
@@ -90,14 +97,18 @@ def _rename_start(lark: str, new: str) -> str:
     return re.sub(r"(?m)^(\s*\??)start(\s*:)", rf"\g<1>{new}\2", lark)
 
 
-def kernel_grammar(op: str | None = None, dtype: str | None = None, use_fallback: bool = False) -> str:
+def kernel_grammar(op: str | None = None, dtype: str | None = None, use_fallback: bool = False,
+                   exclude=()) -> str:
     """The full output grammar as Lark text for llguidance: for one of the formats, its header
     line 1, header line 2, optional helpers, the format's fixed signature, the kernel body.
-    ``op``/``dtype`` (the prompt's) pin the header; None allows any."""
+    ``op``/``dtype`` (the prompt's) pin the header; None allows any. ``exclude``: formats left
+    out (``header_rules``)."""
     p = None if use_fallback else runtime_grammar_path()
+    exclude = tuple(sorted(exclude))
     if p is None:
-        return "start: kernel_file\n" + header_rules(op, dtype) + FALLBACK_KERNEL
+        return "start: kernel_file\n" + header_rules(op, dtype, exclude) + FALLBACK_KERNEL
     # The runtime grammar is expected to define `helper` (a __device__ function) and `block`
     # (a braced body); its own start rule is renamed away. TODO(lead): confirm these names
     # once sparserl_compile/grammar/kernel.lark lands.
-    return "start: kernel_file\n" + header_rules(op, dtype) + "helpers: helper*\n" + _rename_start(p.read_text(), "kernel_unit")
+    return ("start: kernel_file\n" + header_rules(op, dtype, exclude) + "helpers: helper*\n"
+            + _rename_start(p.read_text(), "kernel_unit"))

@@ -98,6 +98,20 @@ def structure_and_formats(indptr, indices, shape, max_points: int, formats: bool
     return s, plausible_formats(indptr, indices, shape, features=feats)
 
 
+def grammar_for(op: str, dtype: str, indptr, indices, shape) -> str | None:
+    """The output grammar for one matrix: ``policy.grammar.kernel_grammar`` less the
+    parameter-free padded formats the pattern does not convert to
+    (``sparserl_compile.formats.unfit_formats``: DIA on a road network, ELL on a power-law
+    graph), whose kernels could only fail; None when the pattern fits them all (the decoder's
+    default grammar). Formats with parameters (SELL, BSR) stay: whether they fit depends on
+    the parameters the kernel writes."""
+    from policy.grammar import kernel_grammar
+    from sparserl_compile.formats import unfit_formats
+
+    unfit = unfit_formats(_host(indptr), _host(indices), (int(shape[0]), int(shape[1])))
+    return kernel_grammar(op, dtype, exclude=sorted(unfit)) if unfit else None
+
+
 class PolicyProvider:
     """Kernel candidates sampled from a policy checkpoint."""
 
@@ -106,7 +120,7 @@ class PolicyProvider:
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=True),
                  model=None, tokenizer=None, samples: str | None = None, speculative: bool = True,
-                 fill_budget_s: float = FILL_BUDGET_S):
+                 fill_budget_s: float = FILL_BUDGET_S, fit_formats: bool = True):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -136,6 +150,9 @@ class PolicyProvider:
         #: decode speculatively against the nearest measured winners (``decode.generate_speculative``:
         #: the same samples' distribution, a fraction of the model calls when the policy writes them)
         self.speculative = speculative
+        #: leave out of the grammar the parameter-free padded formats (ELL, DIA) the matrix does
+        #: not convert to (``grammar_for``): a kernel in them could never run on it
+        self.fit_formats = fit_formats
         #: hints mode: seconds of proposal after which no hint past the k-th is decoded
         self.fill_budget_s = fill_budget_s
         self.stats = ProviderStats()
@@ -178,6 +195,7 @@ class PolicyProvider:
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
                                  count=max(4, 2 * k) if self.samples == "hints" else 4,
                                  formats=formats) if self.speculative else None
+        grammar = grammar_for(problem.op, dtype, indptr, indices, shape) if self.fit_formats else None
         out, seen = [], set()
         if self.samples == "hints":
             from policy.retrieval import nearest_hints
@@ -193,17 +211,17 @@ class PolicyProvider:
                 # the first k hints in one batch with DecodeConfig.batch_drafts, the rest one at a time
                 group = hints[i:i + (k if cfg.batch_drafts and i == 0 else 1)]
                 for r in hint_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, group, config=cfg,
-                                      references=refs):
+                                      references=refs, grammar_text=grammar):
                     self._accept(r, problem.op, dtype, out, seen)
                 i += len(group)
         else:
             if self.samples == "formats":
                 cfg = replace(self.decode, greedy=True)
                 rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, formats, config=cfg,
-                                       hint=hint, references=refs)
+                                       hint=hint, references=refs, grammar_text=grammar)
             else:
                 rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
-                                 hint=hint, references=refs)
+                                 hint=hint, references=refs, grammar_text=grammar)
             for r in rolls:
                 self._accept(r, problem.op, dtype, out, seen)
         self.stats.returned += len(out)

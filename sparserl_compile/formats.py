@@ -355,6 +355,42 @@ def _check_budget(fmt: str, slots: int, nnz: int, max_fill: float, what: str) ->
         )
 
 
+def _ell_fits(lengths, n_rows: int, nnz: int, max_fill: float) -> int:
+    """ELL's width (the longest row), or ``FormatNotSuitable`` past the fill budget."""
+    width = int(lengths.max()) if n_rows else 0
+    _check_budget("ell", n_rows * width, nnz, max_fill, f"{n_rows} rows x width {width}")
+    return width
+
+
+def _dia_fits(ip, ix, n_rows: int, n_cols: int, nnz: int, max_fill: float) -> np.ndarray:
+    """DIA's diagonal offsets, or ``FormatNotSuitable`` past the fill budget."""
+    offsets = _dia_offsets(ip, ix, n_rows, n_cols).astype(np.int32)
+    _check_budget("dia", offsets.size * n_rows, nnz, max_fill, f"{offsets.size} diagonals x {n_rows} rows")
+    return offsets
+
+
+#: the padded formats with no header parameters: a pattern fits them or not, whatever the kernel
+PARAMETER_FREE_PADDED = ("ell", "dia")
+
+
+def unfit_formats(indptr, indices, shape, *, max_fill: float = DEFAULT_MAX_FILL) -> dict[str, str]:
+    """The parameter-free padded formats (ELL, DIA) this pattern does not convert to, each
+    with ``convert``'s reason: the same budget checks, without filling any array. The policy's
+    grammar leaves these formats out for the matrix (``policy.grammar.kernel_grammar(exclude=)``),
+    since a kernel in them could never run on it. O(nnz); DIA's offsets are what ``convert``
+    computes first."""
+    ip, ix, n_rows, n_cols = check_csr(indptr, indices, shape)
+    nnz = int(ix.size)
+    out = {}
+    for fmt, fits in (("ell", lambda: _ell_fits(np.diff(ip), n_rows, nnz, max_fill)),
+                      ("dia", lambda: _dia_fits(ip, ix, n_rows, n_cols, nnz, max_fill))):
+        try:
+            fits()
+        except FormatNotSuitable as e:
+            out[fmt] = str(e)
+    return out
+
+
 def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = None, *,
             max_fill: float = DEFAULT_MAX_FILL) -> FormatData:
     """Convert a CSR pattern (numpy or torch, any device) to ``fmt``.
@@ -392,8 +428,7 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
             scalars["n_parts"] = n_parts
             scalars["items_per_part"] = items
     elif fmt == "ell":
-        width = int(lengths.max()) if n_rows else 0
-        _check_budget(fmt, n_rows * width, nnz, max_fill, f"{n_rows} rows x width {width}")
+        width = _ell_fits(lengths, n_rows, nnz, max_fill)
         arrays["ell_col"], vmap = _ell(ip, ix, n_rows, width)
         scalars["width"] = width
     elif fmt == "sell":
@@ -405,8 +440,7 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
         arrays["sell_col"], vmap = _sell_fill(ip, ix, perm, slice_ptr, C, n_slices)
         scalars["n_slices"] = n_slices
     elif fmt == "dia":
-        offsets = _dia_offsets(ip, ix, n_rows, n_cols).astype(np.int32)
-        _check_budget(fmt, offsets.size * n_rows, nnz, max_fill, f"{offsets.size} diagonals x {n_rows} rows")
+        offsets = _dia_fits(ip, ix, n_rows, n_cols, nnz, max_fill)
         vmap = _dia_fill(ip, ix, n_rows, n_cols, offsets)
         arrays["offsets"] = offsets
         scalars["n_diags"] = int(offsets.size)

@@ -29,6 +29,23 @@ def test_grammar_accepts_a_contract_kernel_and_rejects_others(tiny_tok, kernel_s
     assert not grammar_accepts(tiny_tok, V, kernel_source, kernel_grammar("spmm", "f32"))
 
 
+def test_grammar_without_a_format_rejects_its_kernels_only(tiny_tok, kernel_source):
+    """``exclude=`` (the formats a matrix does not convert to) drops those formats' kernels from
+    the language and keeps the rest."""
+    from sparserl_compile import kernels
+
+    V = len(tiny_tok)
+    dia = kernels.render("dia", "spmv", "f32", {"block": 128}).source
+    assert grammar_accepts(tiny_tok, V, dia, kernel_grammar("spmv", "f32"))
+    no_dia = kernel_grammar("spmv", "f32", exclude=("dia",))
+    assert not grammar_accepts(tiny_tok, V, dia, no_dia)
+    assert grammar_accepts(tiny_tok, V, kernel_source, no_dia)  # the CSR kernel still is
+    with pytest.raises(ValueError, match="name formats"):
+        kernel_grammar("spmv", "f32", exclude=("diag",))
+    with pytest.raises(ValueError, match="leave at least one"):
+        kernel_grammar("spmv", "f32", exclude=tuple(contract.FORMATS))
+
+
 def test_unpack_masks_matches_bits():
     packed = torch.tensor([[0b1011, 0], [0, 1 << 3]], dtype=torch.int32)
     m = unpack_masks(packed, 40)

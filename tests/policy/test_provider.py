@@ -25,6 +25,34 @@ def test_candidates_have_parsed_headers_and_drops_are_counted(tiny_model, tiny_t
         assert isinstance(c, contract.Candidate) and c.family is None
 
 
+def test_the_grammar_leaves_out_the_formats_the_matrix_does_not_fit(tiny_model, tiny_tok, monkeypatch):
+    """A matrix that does not convert to DIA (scattered columns) is decoded under a grammar
+    without DIA; one that fits every format under the default grammar (None); fit_formats=False
+    keeps the default grammar everywhere."""
+    from policy import provider as prov_mod
+    from policy.grammar import kernel_grammar
+    from sparserl_compile.matrices import uniform_random
+
+    scattered = uniform_random(20000, 20000, 4)
+    assert prov_mod.grammar_for("spmv", "f32", banded(64, 2).indptr, banded(64, 2).indices, (64, 64)) is None
+    g = prov_mod.grammar_for("spmv", "f32", scattered.indptr, scattered.indices, scattered.shape)
+    # thousands of diagonals, and rows up to ~4x the mean length: neither DIA nor ELL fits
+    assert g == kernel_grammar("spmv", "f32", exclude=("dia", "ell"))
+    assert "format=dia" not in g and "format=ell" not in g and "format=csr" in g
+    seen = []
+
+    def fake_generate(*args, grammar_text=None, **kw):
+        seen.append(grammar_text)
+        return []
+
+    monkeypatch.setattr(prov_mod, "generate", fake_generate)
+    PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False).candidates(_Problem(scattered), k=2)
+    PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False).candidates(_Problem(banded(32, 1)), k=2)
+    PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False,
+                   fit_formats=False).candidates(_Problem(scattered), k=2)
+    assert seen == [g, None, None]
+
+
 def test_missing_checkpoint_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="sparserl train"):
         PolicyProvider(checkpoint=tmp_path)

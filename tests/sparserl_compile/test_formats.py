@@ -19,6 +19,7 @@ from sparserl_compile.formats import (
     convert,
     floor_bytes,
     to_device,
+    unfit_formats,
 )
 
 # ------------------------------------------------------------ literal reference kernels
@@ -355,3 +356,41 @@ def test_floor_bytes_matches_anchor_formula():
     assert floor_bytes("spmv", n_rows, n_cols, nnz, value_bytes=2) == nnz * 6 + 4 * (n_rows + 1) + 2 * (n_cols + n_rows)
     with pytest.raises(ValueError):
         floor_bytes("sddmm", 1, 1, 1)
+
+
+@pytest.mark.parametrize("make", [lambda: matrices.banded(2000, 3), lambda: matrices.uniform_random(20000, 20000, 8),
+                                  lambda: matrices.rmat(12, 8), lambda: matrices.stencil2d(60)])
+def test_unfit_formats_says_what_convert_refuses(make):
+    """ELL and DIA are left out of the policy's grammar for a matrix exactly when ``convert``
+    refuses them, with convert's reason; CSR-based and parameterised formats are never named."""
+    A = make()
+    unfit = unfit_formats(A.indptr, A.indices, A.shape)
+    assert set(unfit) <= {"ell", "dia"}
+    for fmt in ("ell", "dia"):
+        if fmt in unfit:
+            with pytest.raises(FormatNotSuitable) as e:
+                convert(A.indptr, A.indices, A.shape, fmt)
+            assert str(e.value) == unfit[fmt]
+        else:
+            convert(A.indptr, A.indices, A.shape, fmt)
+
+
+def test_unfit_formats_on_the_matrices_that_need_it():
+    road_like = matrices.uniform_random(20000, 20000, 4)  # scattered columns: thousands of diagonals
+    assert "dia" in unfit_formats(road_like.indptr, road_like.indices, road_like.shape)
+    assert unfit_formats(*_banded_csr()) == {}
+    n = 10000  # one row of 5000 and a diagonal: ELL pads every row to 5000 (50 M slots for 15 k nonzeros),
+    # and the long row alone touches 5000 diagonals
+    lengths = np.ones(n, np.int64)
+    lengths[0] = 5000
+    ip = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ix = np.concatenate([np.arange(5000), np.arange(1, n)]).astype(np.int32)
+    unfit = unfit_formats(ip, ix, (n, n))
+    assert set(unfit) == {"ell", "dia"} and "width 5000" in unfit["ell"] and "5000 diagonals" in unfit["dia"]
+    with pytest.raises(ValueError):
+        unfit_formats(np.array([0, 2], np.int32), np.array([0], np.int32), (1, 1))  # indptr ends past indices
+
+
+def _banded_csr():
+    A = matrices.banded(500, 2)
+    return A.indptr, A.indices, A.shape
