@@ -19,8 +19,11 @@ reports per matrix kind:
   ``greedy_novel_us``: live on the GPU evaluator, so not comparable with the measured times).
 
 The report also holds every record's row under ``per_record`` (the greedy, greedy-with-fallback
-and best-of-k fractions, compile and correct counts), for paired comparisons of two variants
-record by record (``python -m training.compare``).
+and best-of-k fractions, compile and correct counts, and under ``failures`` each failed sample's
+stage, parse, compile or verify, with the evaluator's first error, cut to 200 characters, and
+the sample's first header line), for
+paired comparisons of two variants record by record (``python -m training.compare``) and for
+reading why samples fail.
 
 ``--baselines nearest`` scores the ``"nearest"`` provider (winners of the most alike training
 records) through the same evaluator, as the row a learned policy has to beat.
@@ -67,6 +70,9 @@ class EvalConfig:
                                         "are scored here) and speculatively in one batch: the same distribution, "
                                         "other draws for a seed than the traced default's; faster where a model "
                                         "call is dear (the H200), about 10 % slower in all on the 2-core CPU")
+    fit_formats: bool = opt(True, "leave out of the grammar the parameter-free padded formats (ELL, DIA) the "
+                                  "matrix does not convert to, as the policy provider does "
+                                  "(policy.provider.grammar_for); --no-fit-formats: the plain grammar")
 
 
 def geomean(xs) -> float | None:
@@ -136,15 +142,17 @@ def _rows(stats: dict[str, KindStats]) -> list[dict]:
 
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
                     constrained: bool, space_sources=None, log=None, samples: str = "temperature",
-                    hint_entries=None, progress=None, untraced_samples: bool = False) -> dict[str, KindStats]:
+                    hint_entries=None, progress=None, untraced_samples: bool = False,
+                    fit_formats: bool = False) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
     the variant failed), or None. ``samples``: how the k candidates after the greedy one are
     drawn (``EvalConfig.samples``). ``hint_entries``: a ``nearest`` table for a policy trained
     with retrieval hints (``model.config.retrieval``). ``progress(stats)`` is called after
-    every record. ``untraced_samples``: ``EvalConfig.untraced_samples``."""
+    every record. ``untraced_samples``: ``EvalConfig.untraced_samples``. ``fit_formats``: decode
+    under ``policy.provider.grammar_for``'s grammar for each matrix (``EvalConfig.fit_formats``)."""
     from policy.decode import DecodeConfig, check_samples, generate
-    from policy.provider import structure_and_formats
+    from policy.provider import grammar_for, structure_and_formats
     from training.sft import default_render
 
     check_samples(samples, model)
@@ -174,14 +182,16 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                                  count=max(4, k) if samples == "hints" else 4, formats=formats)
         # untraced: no logprobs or masks are scored here, so greedy skips the masks it can (same tokens)
         greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained, trace=False)
-        greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg)
+        grammar = grammar_for(pb.op, pb.dtype, m.indptr, m.indices, m.shape) if fit_formats and constrained else None
+        greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg,
+                          grammar_text=grammar)
         if samples == "hints":
             from policy.decode import hint_diverse
 
             # the first hint is the greedy sample's own: its sample is that one, not decoded twice
             sampled = greedy + (hint_diverse(model, tok, s, pb.op, pb.dtype, pb.n,
                                              [hint_name(*p) for p in points[1:]], config=greedy_cfg,
-                                             references=refs) if len(points) > 1 else [])
+                                             references=refs, grammar_text=grammar) if len(points) > 1 else [])
             for r, (family, params) in zip(sampled, points):
                 try:
                     src = normalized(default_render(family, pb.op, pb.dtype, dict(params), m))
@@ -193,10 +203,10 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             from policy.decode import format_diverse
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, formats, hint=hint,
-                                     config=greedy_cfg, references=refs)
+                                     config=greedy_cfg, references=refs, grammar_text=grammar)
         else:
             sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint, references=refs,
-                               config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
+                               grammar_text=grammar, config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                                                    constrained=constrained, seed=i, trace=not untraced_samples,
                                                    batch_drafts=untraced_samples))
         texts = [r.text for r in greedy + sampled]
@@ -233,6 +243,11 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
            "greedy_fraction": None, "greedy_fallback_fraction": None, "best_of_k_fraction": None,
            "compiled": sum(bool(o.compiled) for o in outs), "correct": sum(bool(o.correct) for o in outs),
            "samples": len(outs)}
+    failures = [{"sample": j, "stage": "parse" if not o.parsed else "compile" if not o.compiled else "verify",
+                 "detail": " ".join(str(o.detail).split())[:200], "header": (t or "").split("\n", 1)[0][:160]}
+                for j, (o, t) in enumerate(zip(outs, texts)) if not o.correct]
+    if failures:  # why each failed sample failed (sample 0: the greedy kernel, for the policy)
+        row["failures"] = failures
     if outs[0].correct and space is not None and measured[0] is None:  # a correct kernel of its own
         st.greedy_novel += 1
         row["greedy_novel"], row["greedy_novel_us"] = True, outs[0].us
@@ -337,7 +352,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
                                      space_sources=space, log=log, samples=cfg.samples,
                                      hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None,
                                      progress=lambda st_, label=label: partial(label, st_),
-                                     untraced_samples=cfg.untraced_samples)
+                                     untraced_samples=cfg.untraced_samples, fit_formats=cfg.fit_formats)
                 report["variants"][label] = _summaries(st)
                 report["per_record"][label] = _rows(st)
                 report["in_progress"] = None

@@ -62,6 +62,28 @@ def test_a_wrong_greedy_kernel_counts_as_the_cusparse_fallback_in_the_fallback_f
     assert row["greedy_fallback_fraction"] == pytest.approx(10.0 / 40.0)
 
 
+def test_each_failed_sample_says_where_and_why_it_failed(tiny_model, tiny_tok):
+    """A record's row lists its failed samples: the stage (parse, compile, verify) and the
+    evaluator's first error on one line, cut to 200 characters; correct samples are not listed."""
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    outcomes = [KernelOutcome(True, False, False, detail="error: identifier \"w2\" is undefined\n  a2 = w2;"),
+                KernelOutcome(False, False, False, detail="no format header " + "x" * 300),
+                KernelOutcome(True, True, False, detail="mismatch at row 3"),
+                KernelOutcome(True, True, True, 50.0, 40.0, 10.0)]
+
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], lambda pb, sources: outcomes[:len(sources)], k=3,
+                         temperature=1.0, max_new_tokens=12, constrained=False, space_sources=[{}])["banded"]
+    (row,) = st.rows
+    assert [(f["sample"], f["stage"]) for f in row["failures"]] == [(0, "compile"), (1, "parse"), (2, "verify")]
+    assert row["failures"][0]["detail"] == 'error: identifier "w2" is undefined a2 = w2;'
+    assert len(row["failures"][1]["detail"]) == 200
+    assert all("\n" not in f["header"] and len(f["header"]) <= 160 for f in row["failures"])
+    ok = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], _all_correct, k=1, temperature=1.0,
+                         max_new_tokens=12, constrained=False)["banded"]
+    assert "failures" not in ok.rows[0]
+
+
 def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
     m = banded(32, 1)
     pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
