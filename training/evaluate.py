@@ -21,7 +21,7 @@ reports per matrix kind:
 The report also holds every record's row under ``per_record`` (the greedy, greedy-with-fallback
 and best-of-k fractions, compile and correct counts, and under ``failures`` each failed sample's
 stage, parse, compile or verify, with the evaluator's first error, cut to 200 characters, and
-the sample's first header line), for
+the sample's first header line; each variant's summary counts them under ``failure_causes``), for
 paired comparisons of two variants record by record (``python -m training.compare``) and for
 reading why samples fail.
 
@@ -119,7 +119,16 @@ class KindStats:
                 "measured_space_fraction_greedy_fallback_n": len(self.measured_frac_greedy_fallback),
                 "measured_space_fraction_best_of_k_geomean": geomean(self.measured_frac_best_of_k),
                 "measured_space_fraction_best_of_k_n": len(self.measured_frac_best_of_k),
-                "hint_follow_rate": self.hint_followed / self.hint_samples if self.hint_samples else None}
+                "hint_follow_rate": self.hint_followed / self.hint_samples if self.hint_samples else None,
+                "failure_causes": self.failure_causes()}
+
+    def failure_causes(self, top: int = 10) -> dict[str, int]:
+        """The failed samples counted by stage and the start of their error (``failures`` of
+        the rows), most frequent first: where the compile and correct rates go."""
+        from collections import Counter
+
+        causes = Counter(f"{f['stage']}: {f['detail'][:40]}" for row in self.rows for f in row.get("failures", ()))
+        return dict(causes.most_common(top))
 
 
 def overall(stats: dict[str, KindStats]) -> KindStats:

@@ -79,6 +79,9 @@ def test_each_failed_sample_says_where_and_why_it_failed(tiny_model, tiny_tok):
     assert row["failures"][0]["detail"] == 'error: identifier "w2" is undefined a2 = w2;'
     assert len(row["failures"][1]["detail"]) == 200
     assert all("\n" not in f["header"] and len(f["header"]) <= 160 for f in row["failures"])
+    causes = st.summary()["failure_causes"]
+    assert causes == {'compile: error: identifier "w2" is undefined a2 =': 1,
+                      "parse: no format header " + "x" * 23: 1, "verify: mismatch at row 3": 1}
     ok = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], _all_correct, k=1, temperature=1.0,
                          max_new_tokens=12, constrained=False)["banded"]
     assert "failures" not in ok.rows[0]
