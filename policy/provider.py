@@ -195,7 +195,8 @@ class PolicyProvider:
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
                                  count=max(4, 2 * k) if self.samples == "hints" else 4,
                                  formats=formats) if self.speculative else None
-        grammar = grammar_for(problem.op, dtype, indptr, indices, shape) if self.fit_formats else None
+        grammar = (grammar_for(problem.op, dtype, indptr, indices, shape)
+                   if self.fit_formats and self.decode.constrained else None)
         out, seen = [], set()
         if self.samples == "hints":
             from policy.retrieval import nearest_hints

@@ -369,10 +369,6 @@ def _dia_fits(ip, ix, n_rows: int, n_cols: int, nnz: int, max_fill: float) -> np
     return offsets
 
 
-#: the padded formats with no header parameters: a pattern fits them or not, whatever the kernel
-PARAMETER_FREE_PADDED = ("ell", "dia")
-
-
 def unfit_formats(indptr, indices, shape, *, max_fill: float = DEFAULT_MAX_FILL) -> dict[str, str]:
     """The parameter-free padded formats (ELL, DIA) this pattern does not convert to, each
     with ``convert``'s reason: the same budget checks, without filling any array. The policy's
