@@ -369,22 +369,31 @@ def _dia_fits(ip, ix, n_rows: int, n_cols: int, nnz: int, max_fill: float) -> np
     return offsets
 
 
-def unfit_formats(indptr, indices, shape, *, max_fill: float = DEFAULT_MAX_FILL) -> dict[str, str]:
-    """The parameter-free padded formats (ELL, DIA) this pattern does not convert to, each
-    with ``convert``'s reason: the same budget checks, without filling any array. The policy's
-    grammar leaves these formats out for the matrix (``policy.grammar.kernel_grammar(exclude=)``),
-    since a kernel in them could never run on it. O(nnz); DIA's offsets are what ``convert``
-    computes first."""
+def unfit(indptr, indices, shape, fmt: str, *, max_fill: float = DEFAULT_MAX_FILL) -> str | None:
+    """Why the pattern does not convert to ELL or DIA (``convert``'s ``FormatNotSuitable``
+    message), or None when it does: the same budget check, without filling any array. O(nnz);
+    DIA's offsets are what ``convert`` computes first."""
     ip, ix, n_rows, n_cols = check_csr(indptr, indices, shape)
     nnz = int(ix.size)
-    out = {}
-    for fmt, fits in (("ell", lambda: _ell_fits(np.diff(ip), n_rows, nnz, max_fill)),
-                      ("dia", lambda: _dia_fits(ip, ix, n_rows, n_cols, nnz, max_fill))):
-        try:
-            fits()
-        except FormatNotSuitable as e:
-            out[fmt] = str(e)
-    return out
+    try:
+        if fmt == "ell":
+            _ell_fits(np.diff(ip), n_rows, nnz, max_fill)
+        elif fmt == "dia":
+            _dia_fits(ip, ix, n_rows, n_cols, nnz, max_fill)
+        else:
+            raise ValueError(f"unfit checks ell or dia (no header parameters), not {fmt!r}; convert the others")
+    except FormatNotSuitable as e:
+        return str(e)
+    return None
+
+
+def unfit_formats(indptr, indices, shape, *, max_fill: float = DEFAULT_MAX_FILL) -> dict[str, str]:
+    """The parameter-free padded formats (ELL, DIA) this pattern does not convert to, each
+    with ``convert``'s reason (``unfit``). The policy's grammar leaves these formats out for the
+    matrix (``policy.grammar.kernel_grammar(exclude=)``), since a kernel in them could never run
+    on it."""
+    reasons = {fmt: unfit(indptr, indices, shape, fmt, max_fill=max_fill) for fmt in ("ell", "dia")}
+    return {fmt: why for fmt, why in reasons.items() if why is not None}
 
 
 def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = None, *,

@@ -19,6 +19,7 @@ from sparserl_compile.formats import (
     convert,
     floor_bytes,
     to_device,
+    unfit,
     unfit_formats,
 )
 
@@ -364,13 +365,13 @@ def test_unfit_formats_says_what_convert_refuses(make):
     """ELL and DIA are left out of the policy's grammar for a matrix exactly when ``convert``
     refuses them, with convert's reason; CSR-based and parameterised formats are never named."""
     A = make()
-    unfit = unfit_formats(A.indptr, A.indices, A.shape)
-    assert set(unfit) <= {"ell", "dia"}
+    reasons = unfit_formats(A.indptr, A.indices, A.shape)
+    assert set(reasons) <= {"ell", "dia"}
     for fmt in ("ell", "dia"):
-        if fmt in unfit:
+        if fmt in reasons:
             with pytest.raises(FormatNotSuitable) as e:
                 convert(A.indptr, A.indices, A.shape, fmt)
-            assert str(e.value) == unfit[fmt]
+            assert str(e.value) == reasons[fmt]
         else:
             convert(A.indptr, A.indices, A.shape, fmt)
 
@@ -385,10 +386,12 @@ def test_unfit_formats_on_the_matrices_that_need_it():
     lengths[0] = 5000
     ip = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     ix = np.concatenate([np.arange(5000), np.arange(1, n)]).astype(np.int32)
-    unfit = unfit_formats(ip, ix, (n, n))
-    assert set(unfit) == {"ell", "dia"} and "width 5000" in unfit["ell"] and "5000 diagonals" in unfit["dia"]
+    reasons = unfit_formats(ip, ix, (n, n))
+    assert set(reasons) == {"ell", "dia"} and "width 5000" in reasons["ell"] and "5000 diagonals" in reasons["dia"]
     with pytest.raises(ValueError):
         unfit_formats(np.array([0, 2], np.int32), np.array([0], np.int32), (1, 1))  # indptr ends past indices
+    with pytest.raises(ValueError, match="ell or dia"):
+        unfit(ip, ix, (n, n), "bsr")  # its fit depends on R and C: convert answers it
 
 
 def _banded_csr():
