@@ -114,14 +114,18 @@ def _change(metric: str, base: float, other: float) -> float:
     return other - base if metric in RATE_METRICS else math.log(other / base)
 
 
+def _step(metric: str, tie: float) -> float:
+    """``--tie`` on the scale of ``_change``: a log-ratio, or for a rate a difference."""
+    return tie if metric in RATE_METRICS else math.log1p(tie)
+
+
 def _summary(metric: str, changes: np.ndarray, n_boot: int, seed: int, tie: float) -> dict:
     """The mean change over records with its 95 % bootstrap interval, as a geometric-mean ratio
     (``ratio_geomean``) or, for a rate, a mean difference (``difference_mean``), and how many
     records moved by more than the tie."""
     boots = changes[np.random.default_rng(seed).integers(0, len(changes), size=(n_boot, len(changes)))].mean(axis=1)
     lo, hi = np.percentile(boots, [2.5, 97.5])
-    rate = metric in RATE_METRICS
-    step = tie if rate else math.log1p(tie)
+    rate, step = metric in RATE_METRICS, _step(metric, tie)
     out = ({"difference_mean": float(changes.mean()), "ci95": [float(lo), float(hi)]} if rate else
            {"ratio_geomean": math.exp(changes.mean()), "ci95": [math.exp(lo), math.exp(hi)]})
     return {**out, "better": int((changes > step).sum()), "worse": int((changes < -step).sum())}
@@ -155,12 +159,10 @@ def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRI
            "excluded": sorted(exclude)}
     if not both:
         return {**out, **_empty(metric)}
-    summary = _summary(metric, logs, n_boot, seed, tie)
-    step = tie if metric in RATE_METRICS else math.log1p(tie)
     order = np.argsort(-np.abs(logs))
-    return {**out, **summary,
+    return {**out, **_summary(metric, logs, n_boot, seed, tie),
             "changes": [{"label": both[i][0], "op": both[i][1], "n": both[i][2], "base": b[both[i]],
-                         "other": o[both[i]]} for i in order if abs(logs[i]) > step]}
+                         "other": o[both[i]]} for i in order if abs(logs[i]) > _step(metric, tie)]}
 
 
 def stacked_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRICS[0], n_boot: int = 10_000,
