@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -590,10 +590,127 @@ def format_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     return rolls
 
 
+#: where ``branch_points`` looks for alternatives: the two contract header lines (the format, its
+#: parameters and the launch configuration) or every position of the kernel
+BRANCH_SCOPES = ("header", "all")
+
+
+def _header_end(tokenizer, tokens: list[int]) -> int:
+    """How many of ``tokens`` it takes to finish the two contract header lines (all of them
+    when they never do): the positions whose choice is still part of the header."""
+    text = ""
+    for p, t in enumerate(tokens):
+        if text.count("\n") >= 2:
+            return p
+        text += tokenizer.decode([t])
+    return len(tokens)
+
+
+@torch.no_grad()
+def branch_points(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int,
+                  tokens: list[int], count: int, grammar_text: str | None = None, hint: str | None = None,
+                  constrained: bool = True, scope: str = "header", skip: set | None = None) -> list[tuple[int, int, float]]:
+    """The ``count`` most likely single departures from a (greedy) sample's ``tokens``: pairs of a
+    position p and a token a != tokens[p] the grammar allows there, ranked by the sequence
+    log-probability of ``tokens[:p] + [a]`` (one teacher-forced forward; the masks are the
+    grammar's along ``tokens``). Returned as (p, a, log-probability), most likely first.
+
+    A departure that only spells the same text with other tokens (``a``'s text starts what
+    ``tokens[p:]`` says) is left out, and so are the ``skip`` pairs. ``scope``: ``"header"``
+    (the positions of the two contract header lines, where the format, its parameters and the
+    launch configuration are chosen) or ``"all"``."""
+    if scope not in BRANCH_SCOPES:
+        raise ValueError(f"scope={scope!r}: choose one of {', '.join(map(repr, BRANCH_SCOPES))}")
+    eos = tokenizer.eos_token_id
+    body = tokens[:-1] if tokens and tokens[-1] == eos else list(tokens)
+    end = _header_end(tokenizer, body) if scope == "header" else len(body)
+    if end == 0 or count < 1:
+        return []
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
+    ids = torch.tensor([prompt + body[:end]], device=device)
+    sb = StructureBatch.collate([structure]).to(device)
+    logits = model(ids, sb).logits[0, len(prompt) - 1:len(prompt) - 1 + end].float()
+    if constrained:  # the grammar's mask at each position along the sample
+        import llguidance.torch as llt
+
+        matcher = make_matcher(tokenizer, vocab, grammar_text, op, dtype)
+        packed = llt.allocate_token_bitmask(end, vocab)
+        for p in range(end):
+            llt.fill_next_token_bitmask(matcher, packed, p)
+            matcher.consume_token(body[p])
+        logits = _apply_masks(logits, packed, vocab, eos)
+    logp = torch.log_softmax(logits, -1)
+    chosen = logp.gather(-1, torch.tensor(body[:end], device=device)[:, None]).squeeze(-1)
+    before = torch.cat([chosen.new_zeros(1), chosen.cumsum(0)[:-1]])  # log p(tokens[:p])
+    score = (logp + before[:, None]).index_put_((torch.arange(end, device=device), ids[0, len(prompt):]),
+                                                torch.tensor(float("-inf"), device=device))
+    out, skip = [], skip or set()
+    flat = score.flatten()
+    top = flat.topk(min(flat.numel(), 4 * count + len(skip) + 8))
+    for s, idx in zip(top.values.tolist(), top.indices.tolist()):
+        if s == float("-inf") or len(out) == count:
+            break
+        p, a = divmod(idx, logits.shape[-1])
+        if (p, a) in skip or a == eos:
+            continue
+        if tokenizer.decode(body[p:]).startswith(tokenizer.decode([a])):
+            continue  # the same text in other tokens
+        out.append((p, a, s))
+    return out
+
+
+def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int, k: int,
+                   config: DecodeConfig = DecodeConfig(greedy=True), grammar_text: str | None = None,
+                   hint: str | None = None, references: list[str] | None = None,
+                   greedy: Rollout | None = None, scope: str = "header") -> list[Rollout]:
+    """k distinct kernels: the greedy one and the k - 1 most likely single departures from it
+    (``branch_points``), each the greedy kernel's tokens up to a position, another token there,
+    and the rest written by the model (greedy by default).
+
+    After supervised training the policy is nearly deterministic (about 0.001 nats per token),
+    so k temperature samples are mostly copies of the greedy kernel, and a higher temperature
+    buys variety with broken kernels. The choices that matter for speed are a few tokens of the
+    header (the format, its parameters, the launch configuration) where the model's second
+    choice still has some mass; this spends the k - 1 other candidates on the most likely of
+    those second choices, ranked by the model, each completed as the model would. A departure
+    that ends in a kernel already among the candidates is replaced by the next one (two rounds).
+    ``greedy``: the greedy rollout when the caller has it (its ``tokens`` are used); each other
+    rollout's ``extra`` holds its ``branch`` (position, token) and log-probability."""
+    if k < 1:
+        raise ValueError(f"k={k}: ask for at least one candidate")
+    greedy_cfg = replace(config, greedy=True)
+    if greedy is None:
+        (greedy,) = generate(model, tokenizer, structure, op, dtype, n, k=1, config=greedy_cfg,
+                             grammar_text=grammar_text, hint=hint, references=references)
+    out, seen, tried = [greedy], {greedy.text}, set()
+    for _round in range(2):
+        want = k - len(out)
+        if want <= 0:
+            break
+        points = branch_points(model, tokenizer, structure, op, dtype, n, greedy.tokens, want,
+                               grammar_text=grammar_text, hint=hint, constrained=config.constrained,
+                               scope=scope, skip=tried)
+        if not points:
+            break
+        tried.update((p, a) for p, a, _ in points)
+        rolls = generate(model, tokenizer, structure, op, dtype, n, k=len(points), config=greedy_cfg,
+                         grammar_text=grammar_text, hint=hint, references=references,
+                         forced=[greedy.tokens[:p] + [a] for p, a, _ in points])
+        for r, (p, a, s) in zip(rolls, points):
+            if r.text not in seen:
+                seen.add(r.text)
+                r.extra.update(branch=(p, a), branch_logprob=s)
+                out.append(r)
+    return out[:k]
+
+
 #: how a policy's k candidates are drawn (``PolicyProvider(samples=)``, ``sparserl eval --samples``):
-#: k temperature samples, the k most likely formats each written greedily (``format_diverse``), or
-#: one greedy sample per retrieval hint (``hint_diverse``)
-SAMPLE_MODES = ("temperature", "formats", "hints")
+#: k temperature samples, the k most likely formats each written greedily (``format_diverse``),
+#: one greedy sample per retrieval hint (``hint_diverse``), or the greedy kernel and its k - 1 most
+#: likely departures (``branch_diverse``)
+SAMPLE_MODES = ("temperature", "formats", "hints", "branches")
 
 
 def check_samples(samples: str, model) -> None:

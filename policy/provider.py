@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.decode import DecodeConfig, check_samples, format_diverse, generate, hint_diverse
+from policy.decode import DecodeConfig, check_samples, branch_diverse, format_diverse, generate, hint_diverse
 from policy.encoder import prepare_structure
 from sparserl_compile import contract
 
@@ -144,8 +144,10 @@ class PolicyProvider:
             samples = "hints" if getattr(model.config, "retrieval_hints", 1) > 1 else "temperature"
         check_samples(samples, model)
         #: how the k candidates are drawn: "temperature" (k samples), "formats" (the model's k
-        #: most likely formats, each written greedily: ``decode.format_diverse``) or "hints" (one
-        #: greedy sample per nearest measured winner as the hint: ``decode.hint_diverse``)
+        #: most likely formats, each written greedily: ``decode.format_diverse``), "hints" (one
+        #: greedy sample per nearest measured winner as the hint: ``decode.hint_diverse``) or
+        #: "branches" (the greedy kernel and its k - 1 most likely departures in the header:
+        #: ``decode.branch_diverse``)
         self.samples = samples
         #: decode speculatively against the nearest measured winners (``decode.generate_speculative``:
         #: the same samples' distribution, a fraction of the model calls when the policy writes them)
@@ -219,6 +221,10 @@ class PolicyProvider:
             if self.samples == "formats":
                 cfg = replace(self.decode, greedy=True)
                 rolls = format_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, formats, config=cfg,
+                                       hint=hint, references=refs, grammar_text=grammar)
+            elif self.samples == "branches":
+                cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
+                rolls = branch_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, config=cfg,
                                        hint=hint, references=refs, grammar_text=grammar)
             else:
                 rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,

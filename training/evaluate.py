@@ -65,7 +65,11 @@ class EvalConfig:
                                       "(k samples at --temperature), 'formats' (the k most likely plausible "
                                       "formats, each written greedily: policy.decode.format_diverse) or 'hints' "
                                       "(one greedy sample per retrieval hint, the k nearest measured winners: "
-                                      "policy.decode.hint_diverse; policies trained with hints only)")
+                                      "policy.decode.hint_diverse; policies trained with hints only) or "
+                                      "'branches' (the greedy kernel and its k - 1 most likely single-token "
+                                      "departures, each completed greedily: policy.decode.branch_diverse)")
+    branch_scope: str = opt("header", "--samples branches: where the departures are looked for, 'header' (the "
+                                      "two contract header lines) or 'all' (any position)")
     untraced_samples: bool = opt(False, "decode the temperature samples untraced (no masks or log-probabilities "
                                         "are scored here) and speculatively in one batch: the same distribution, "
                                         "other draws for a seed than the traced default's; faster where a model "
@@ -152,14 +156,15 @@ def _rows(stats: dict[str, KindStats]) -> list[dict]:
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
                     constrained: bool, space_sources=None, log=None, samples: str = "temperature",
                     hint_entries=None, progress=None, untraced_samples: bool = False,
-                    fit_formats: bool = False) -> dict[str, KindStats]:
+                    fit_formats: bool = False, branch_scope: str = "header") -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
     the variant failed), or None. ``samples``: how the k candidates after the greedy one are
     drawn (``EvalConfig.samples``). ``hint_entries``: a ``nearest`` table for a policy trained
     with retrieval hints (``model.config.retrieval``). ``progress(stats)`` is called after
     every record. ``untraced_samples``: ``EvalConfig.untraced_samples``. ``fit_formats``: decode
-    under ``policy.provider.grammar_for``'s grammar for each matrix (``EvalConfig.fit_formats``)."""
+    under ``policy.provider.grammar_for``'s grammar for each matrix (``EvalConfig.fit_formats``).
+    ``branch_scope``: ``EvalConfig.branch_scope``."""
     from policy.decode import DecodeConfig, check_samples, generate
     from policy.provider import grammar_for, structure_and_formats
     from training.sft import default_render
@@ -213,6 +218,12 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, formats, hint=hint,
                                      config=greedy_cfg, references=refs, grammar_text=grammar)
+        elif samples == "branches":
+            from policy.decode import branch_diverse
+
+            # the greedy kernel is the first of the k (as format_diverse's most likely format is)
+            sampled = branch_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, config=greedy_cfg, grammar_text=grammar,
+                                     hint=hint, references=refs, greedy=greedy[0], scope=branch_scope)
         else:
             sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint, references=refs,
                                grammar_text=grammar, config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
@@ -361,7 +372,8 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
                                      space_sources=space, log=log, samples=cfg.samples,
                                      hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None,
                                      progress=lambda st_, label=label: partial(label, st_),
-                                     untraced_samples=cfg.untraced_samples, fit_formats=cfg.fit_formats)
+                                     untraced_samples=cfg.untraced_samples, fit_formats=cfg.fit_formats,
+                                     branch_scope=cfg.branch_scope)
                 report["variants"][label] = _summaries(st)
                 report["per_record"][label] = _rows(st)
                 report["in_progress"] = None

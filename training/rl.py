@@ -92,7 +92,9 @@ class RLConfig:
     raft_explore: str = opt("temperature", "raft without hints: the k - 1 candidates after the greedy kernel are "
                                            "'temperature' samples, 'formats' (the next most likely plausible "
                                            "formats, each forced and written greedily: policy.decode."
-                                           "format_diverse), or 'mixed' (half each)")
+                                           "format_diverse), 'mixed' (half each) or 'branches' (the greedy "
+                                           "kernel's k - 1 most likely departures in the header, each completed "
+                                           "greedily: policy.decode.branch_diverse)")
     validate: int = opt(0, "score the policy on this many validation problems (new instances of the training "
                            "kinds, never held-out ones; training/validation.py) before the first update, every "
                            "--validate-every updates and after the last, keeping the best in <out>/best/")
@@ -104,7 +106,7 @@ class RLConfig:
 
 
 #: how RAFT draws a policy's candidates after its greedy kernel when it has no hints (``--raft-explore``)
-RAFT_EXPLORE = ("temperature", "formats", "mixed")
+RAFT_EXPLORE = ("temperature", "formats", "mixed", "branches")
 
 
 @dataclass
@@ -446,10 +448,11 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     says: samples at ``cfg.temperature`` (what ``sparserl eval``'s best of k draws), or greedy
     kernels of the policy's next most likely plausible formats (``decode.format_diverse``; after
     SFT nearly all the probability is on one format, so temperature samples rarely try another),
-    or half each. A format candidate that repeats the greedy kernel is dropped, so there may be
-    fewer than k. ``seconds``, if given, gains each origin's decoding seconds; ``formats``: the
+    or half each, or the greedy kernel's most likely departures in its header
+    (``decode.branch_diverse``). A format candidate that repeats the greedy kernel is dropped, so
+    there may be fewer than k. ``seconds``, if given, gains each origin's decoding seconds; ``formats``: the
     problem's plausible formats where the caller has them (``provider.plausible_formats``)."""
-    from policy.decode import DecodeConfig, format_diverse, generate, hint_diverse
+    from policy.decode import DecodeConfig, branch_diverse, format_diverse, generate, hint_diverse
 
     seconds = {} if seconds is None else seconds
 
@@ -462,6 +465,11 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     with _timed(seconds, "greedy"):
         rs = _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy,
                               references=references), "greedy")
+    if cfg.raft_explore == "branches":
+        with _timed(seconds, "branch"):
+            rs += _tagged(branch_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, cfg.k, config=together,
+                                         references=references, greedy=rs[0])[1:], "branch")
+        return rs
     n_formats = {"temperature": 0, "formats": cfg.k - 1, "mixed": (cfg.k - 1) // 2}[cfg.raft_explore]
     if n_formats > 0:
         if formats is None:
@@ -512,7 +520,7 @@ def _seconds_text(parts: dict) -> str:
 
 
 def _tagged(rolls: list, origin: str) -> list:
-    """``rolls`` with ``extra["origin"]`` set (greedy, format, sample or hint): the log names where
+    """``rolls`` with ``extra["origin"]`` set (greedy, format, sample, branch or hint): the log names where
     a switched target came from."""
     for r in rolls:
         r.extra["origin"] = origin

@@ -401,3 +401,92 @@ def test_untraced_speculative_sampling_draws_the_masked_distribution(tiny_model,
     assert (want > 0.02).sum() >= 3  # several formats carry weight: a real test of the mix
     assert float((seen - want).abs().sum()) / 2 < 0.05  # total variation distance
     assert float(seen[want == 0].sum()) == 0.0  # never a token the grammar forbids
+
+
+def test_branch_points_are_the_most_likely_grammatical_departures(tiny_model, tiny_tok):
+    """Each departure is a position of the greedy kernel and another token the grammar allows
+    there, ranked by log p(tokens[:p] + [a]) as one teacher-forced pass scores it; no departure
+    only re-spells the greedy text, and ``skip`` leaves pairs out."""
+    from policy.decode import _apply_masks, branch_points, make_matcher
+    from policy.encoder import StructureBatch
+    from policy.tokenizer import prompt_text
+
+    (g,) = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=DecodeConfig(greedy=True, max_new_tokens=40))
+    pts = branch_points(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, g.tokens, 5, scope="all")
+    assert len(pts) == 5 and [s for *_, s in pts] == sorted((s for *_, s in pts), reverse=True)
+    # the reference scores: one token at a time under the grammar's masks
+    prompt = tiny_tok.encode(prompt_text("spmv", "f32", 1, None))
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([prompt + g.tokens]), StructureBatch.collate([_s()])).logits[0].float()
+    matcher = make_matcher(tiny_tok, len(tiny_tok), None, "spmv", "f32")
+    import llguidance.torch as llt
+
+    packed = llt.allocate_token_bitmask(1, len(tiny_tok))
+    logp = []
+    for p, t in enumerate(g.tokens):
+        llt.fill_next_token_bitmask(matcher, packed, 0)
+        logp.append(torch.log_softmax(_apply_masks(logits[len(prompt) - 1 + p][None], packed, len(tiny_tok),
+                                                   tiny_tok.eos_token_id), -1)[0])
+        matcher.consume_token(t)
+    for p, a, s in pts:
+        assert a != g.tokens[p] and logp[p][a] > float("-inf")
+        expect = sum(float(logp[q][g.tokens[q]]) for q in range(p)) + float(logp[p][a])
+        assert s == pytest.approx(expect, abs=1e-3)
+        assert not tiny_tok.decode(g.tokens[p:]).startswith(tiny_tok.decode([a]))
+    rest = branch_points(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, g.tokens, 3, scope="all",
+                         skip={(p, a) for p, a, _ in pts[:2]})
+    assert [(p, a) for p, a, _ in rest] == [(p, a) for p, a, _ in pts[2:5]]
+    with pytest.raises(ValueError, match="scope='body'"):
+        branch_points(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, g.tokens, 3, scope="body")
+
+
+def test_branch_points_stay_in_the_header_by_default(tiny_tok):
+    """``scope="header"``: only the positions before the two contract header lines end."""
+    from policy.decode import _header_end
+
+    src = ("// sparserl op=spmv format=csr dtype=f32 index=i32\n// launch block=128 work=rows per_block=128\n"
+           'extern "C" __global__ void sparserl_kernel() {}')
+    ids = tiny_tok.encode(src)
+    end = _header_end(tiny_tok, ids)
+    assert tiny_tok.decode(ids[:end]).count("\n") == 2 and tiny_tok.decode(ids[:end - 1]).count("\n") < 2
+    assert _header_end(tiny_tok, ids[:5]) == 5  # an unfinished header: every position
+
+
+def test_branch_diverse_is_the_greedy_kernel_and_its_distinct_departures(tiny_model, tiny_tok):
+    """The first candidate is the greedy kernel; every other one starts with the greedy tokens up
+    to its departure, then the departure's token; no two are the same text; drafts change nothing."""
+    from policy.decode import branch_diverse
+
+    g = DecodeConfig(greedy=True, max_new_tokens=40)
+    rs = branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all")
+    (greedy,) = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)
+    assert rs[0].tokens == greedy.tokens and len(rs) == 4
+    assert len({r.text for r in rs}) == 4
+    for r in rs[1:]:
+        p, a = r.extra["branch"]
+        assert r.tokens[:p + 1] == greedy.tokens[:p] + [a]
+    spec = branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, scope="all",
+                          config=DecodeConfig(greedy=True, max_new_tokens=40, trace=False, batch_drafts=True),
+                          references=[r.text for r in rs])
+    assert [r.tokens for r in spec] == [r.tokens for r in rs]
+    with pytest.raises(ValueError, match="k=0"):
+        branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 0)
+
+
+def test_branch_candidates_of_the_shipped_policy_are_other_launch_choices():
+    """On the shipped default policy the departures are header choices (format, its parameters,
+    the launch configuration): each candidate is a complete kernel whose header parses, and its
+    header differs from the greedy kernel's."""
+    from policy.decode import branch_diverse
+    from policy.model import load_policy
+
+    model, tok = load_policy(DEFAULT_CHECKPOINT, "cpu")
+    m = banded(2000, 3)
+    s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+    rs = branch_diverse(model, tok, s, "spmv", "f32", 1, 4,
+                        config=DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=True))
+    assert len(rs) == 4 and all(r.finished for r in rs)
+    headers = [r.text.split("\n", 2)[:2] for r in rs]
+    for r, h in zip(rs[1:], headers[1:]):
+        contract.parse_header(r.text)
+        assert h != headers[0]

@@ -53,6 +53,28 @@ def test_the_grammar_leaves_out_the_formats_the_matrix_does_not_fit(tiny_model, 
     assert seen == [g, None, None]
 
 
+def test_branch_candidates_are_the_greedy_kernel_and_its_departures(tiny_model, tiny_tok, kernel_source,
+                                                                   monkeypatch):
+    """samples="branches": the candidates are ``decode.branch_diverse``'s (greedy, untraced, under
+    the matrix's grammar), each kept once and only when it parses, like every other mode's."""
+    from policy import provider as prov_mod
+    from policy.decode import Rollout
+
+    calls = []
+    other = kernel_source.replace("block=256 work=rows per_block=256", "block=128 work=rows per_block=128")
+
+    def fake_branches(model, tok, s, op, dtype, n, k, config=None, grammar_text=None, **kw):
+        calls.append((k, config.greedy, config.trace, grammar_text))
+        return [Rollout([], [], t, [], True) for t in (kernel_source, kernel_source, other, "not a kernel")]
+
+    monkeypatch.setattr(prov_mod, "branch_diverse", fake_branches)
+    prov = PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", speculative=False)
+    cands = prov.candidates(_Problem(banded(32, 1)), k=4)
+    assert calls == [(4, True, False, None)]
+    assert [c.source for c in cands] == [kernel_source, other]
+    assert prov.stats.duplicates == 1 and prov.stats.unparseable == 1
+
+
 def test_missing_checkpoint_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="sparserl train"):
         PolicyProvider(checkpoint=tmp_path)

@@ -102,6 +102,22 @@ def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
     assert st.samples == 4 and len(set(fmts)) == 3
 
 
+def test_branch_samples_are_the_greedy_kernel_and_its_departures(tiny_model, tiny_tok):
+    """samples="branches": the k candidates after the greedy sample are the greedy kernel and its
+    k - 1 most likely departures (``decode.branch_diverse``), distinct kernels."""
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+    seen = []
+
+    def record(pb, sources):
+        seen.extend(sources)
+        return _all_correct(pb, sources)
+
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], record, k=3, temperature=1.0,
+                         max_new_tokens=12, constrained=True, samples="branches", branch_scope="all")["banded"]
+    assert st.samples == 4 and seen[1] == seen[0] and len(set(seen[1:])) == 3
+
+
 def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tiny_tok, monkeypatch):
     """samples="hints": after the greedy sample (the first hint's), one greedy sample per further
     hint; a sample that is exactly its hinted point, rendered for the matrix, counts as followed."""

@@ -197,7 +197,7 @@ def test_rl_rejects_an_unknown_algo(tmp_path, tiny_tok, n_features):
 
 @pytest.mark.parametrize("setting, message", [
     ({"reward": "speed"}, "--reward 'speed': use 'hierarchical' or 'correctness'"),
-    ({"raft_explore": "hints"}, "--raft-explore 'hints': use 'temperature', 'formats', 'mixed'"),
+    ({"raft_explore": "hints"}, "--raft-explore 'hints': use 'temperature', 'formats', 'mixed', 'branches'"),
     ({"raft_explore": "formats", "retrieval": True}, "is for a policy without hints; .* was trained with hints"),
 ])
 def test_rl_rejects_an_unknown_reward_or_exploration(tmp_path, tiny_tok, n_features, setting, message):
@@ -288,3 +288,34 @@ def test_raft_batch_drafts_decodes_the_samples_and_format_candidates_together(mo
     rs = _raft_candidates(None, None, None, pb, None, ["draft"], cfg, seed=0, formats=["csr", "ell"])
     assert [r.extra["origin"] for r in rs] == ["greedy", "format", "format", "sample", "sample"]
     assert seen == [("greedy", False), ("format", batch_drafts), ("sample", batch_drafts)]
+
+
+def test_raft_branch_exploration_spends_the_candidates_on_the_greedy_kernels_departures(monkeypatch):
+    """--raft-explore branches: after the greedy kernel, the k - 1 candidates are
+    ``decode.branch_diverse``'s departures from it (given the greedy rollout, not decoding it
+    again), tagged "branch", with their decoding seconds under "branch"."""
+    from types import SimpleNamespace
+
+    import policy.decode as decode
+    from training.rl import _raft_candidates
+
+    seen = []
+
+    def fake_generate(model, tok, structure, op, dtype, n, k=1, config=None, references=None, **kw):
+        seen.append(("greedy", k))
+        return [SimpleNamespace(text="greedy kernel", extra={})]
+
+    def fake_branches(model, tok, structure, op, dtype, n, k, config=None, references=None, greedy=None, **kw):
+        seen.append(("branches", k, greedy.text, config.greedy, config.batch_drafts))
+        return [greedy] + [SimpleNamespace(text=f"branch {i}", extra={}) for i in range(k - 1)]
+
+    monkeypatch.setattr(decode, "generate", fake_generate)
+    monkeypatch.setattr(decode, "branch_diverse", fake_branches)
+    cfg = RLConfig(init="", data="", out_dir="", k=4, raft_explore="branches", batch_drafts=True)
+    seconds = {}
+    rs = _raft_candidates(None, None, None, SimpleNamespace(op="spmv", dtype="f32", n=1), None, ["draft"], cfg,
+                          seed=0, seconds=seconds)
+    assert [r.text for r in rs] == ["greedy kernel", "branch 0", "branch 1", "branch 2"]
+    assert [r.extra["origin"] for r in rs] == ["greedy", "branch", "branch", "branch"]
+    assert seen == [("greedy", 1), ("branches", 4, "greedy kernel", True, True)]
+    assert set(seconds) == {"greedy", "branch"}
