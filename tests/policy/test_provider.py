@@ -45,12 +45,20 @@ def test_the_grammar_leaves_out_the_formats_the_matrix_does_not_fit(tiny_model, 
         seen.append(grammar_text)
         return []
 
+    def fake_branches(*args, grammar_text=None, **kw):
+        seen.append(grammar_text)
+        return []
+
     monkeypatch.setattr(prov_mod, "generate", fake_generate)
-    PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False).candidates(_Problem(scattered), k=2)
-    PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False).candidates(_Problem(banded(32, 1)), k=2)
-    PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False,
-                   fit_formats=False).candidates(_Problem(scattered), k=2)
-    assert seen == [g, None, None]
+    monkeypatch.setattr(prov_mod, "branch_diverse", fake_branches)
+    for samples in ("temperature", "branches"):
+        PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False,
+                       samples=samples).candidates(_Problem(scattered), k=2)
+        PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False,
+                       samples=samples).candidates(_Problem(banded(32, 1)), k=2)
+        PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False, samples=samples,
+                       fit_formats=False).candidates(_Problem(scattered), k=2)
+    assert seen == [g, None, None] * 2
 
 
 def test_branch_candidates_are_the_greedy_kernel_and_its_departures(tiny_model, tiny_tok, kernel_source,
@@ -103,7 +111,7 @@ def test_a_kernel_written_twice_is_proposed_once(tiny_model, tiny_tok, kernel_so
     other = kernel_source.rstrip() + "\n// another kernel"
     rolls = [Rollout([], [1], text, [0.0], True) for text in (kernel_source, kernel_source, other)]
     monkeypatch.setattr(prov_mod, "generate", lambda *a, **kw: rolls)
-    prov = PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False)
+    prov = PolicyProvider(model=tiny_model, tokenizer=tiny_tok, speculative=False, samples="temperature")
     cands = prov.candidates(_Problem(banded(32, 1)), k=3)
     assert [c.source for c in cands] == [kernel_source, other]
     assert prov.stats.duplicates == 1 and prov.stats.returned == 2 and prov.stats.sampled == 3

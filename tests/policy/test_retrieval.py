@@ -128,12 +128,18 @@ def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkey
         n_rows, n_cols, nnz = m.shape[0], m.shape[1], m.nnz
         indptr, indices, fingerprint, arch = m.indptr, m.indices, "x", "cpu"
 
-    plain = prov_mod.PolicyProvider(model=tiny_model, tokenizer=tiny_tok, decode=DecodeConfig(max_new_tokens=4))
+    cfg = DecodeConfig(max_new_tokens=4)
+    plain = prov_mod.PolicyProvider(model=tiny_model, tokenizer=tiny_tok, decode=cfg, samples="temperature")
     plain.candidates(P(), 1)
     rag_model = copy.deepcopy(tiny_model)
     rag_model.config.retrieval = True
-    prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok, decode=DecodeConfig(max_new_tokens=4)).candidates(P(), 1)
+    prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok, decode=cfg, samples="temperature").candidates(P(), 1)
     assert seen == [None, "csr_scalar[block=256]"]
+    # the branches mode hands the hint on too
+    calls = []
+    monkeypatch.setattr(prov_mod, "branch_diverse", lambda *a, hint=None, **kw: calls.append(hint) or [])
+    prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok, decode=cfg, samples="branches").candidates(P(), 1)
+    assert calls == ["csr_scalar[block=256]"]
 
 
 def test_retrieval_flag_round_trips_through_a_checkpoint(tiny_model, tiny_tok, tmp_path):
@@ -262,7 +268,7 @@ def test_provider_hint_samples_condition_each_candidate_on_another_winner(tiny_m
     # a point of the kernel space, so two runnable hints are all it has
     assert seen == [("csr_scalar[block=256]", True), ("csr_vector[block=128][tpr=4]", True)]
     assert p.stats.sampled == 2 and p.stats.unfinished == 2 and p.stats.returned == 0
-    # the default: temperature samples, unless the checkpoint was trained on several hints per record
-    assert prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok).samples == "temperature"
+    # the default: the greedy kernel's departures, unless the checkpoint was trained on several hints per record
+    assert prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok).samples == "branches"
     rag_model.config.retrieval_hints = 8
     assert prov_mod.PolicyProvider(model=rag_model, tokenizer=tiny_tok).samples == "hints"
