@@ -84,11 +84,20 @@ class RuntimeConfig:
     cache: bool = True  # read and write the on-disk kernel cache
     kernels: bool = True  # False: every product uses the reference (torch.sparse / cuSPARSE)
     on_miss: str = "search"  # a structure the disk cache cannot serve: see ON_MISS
+    #: idle sandbox workers kept started beside the one that verifies (``SandboxPool.spare``): a
+    #: candidate that fails replaces its worker, and without a spare the next job (the next
+    #: candidate, or cuSPARSE timed again) waits for that start, seconds on a GPU. Each spare is a
+    #: process with its own CUDA context. Worth it where candidates often fail (a policy's
+    #: departures, ``PolicyProvider(samples="branches")``)
+    sandbox_spare: int = 0
 
     def __post_init__(self) -> None:
         if self.on_miss not in ON_MISS:
             raise ValueError(f"RuntimeConfig.on_miss={self.on_miss!r}: use one of {sorted(ON_MISS)} "
                              f"({'; '.join(f'{k}: {v}' for k, v in ON_MISS.items())})")
+        if not isinstance(self.sandbox_spare, int) or isinstance(self.sandbox_spare, bool) or self.sandbox_spare < 0:
+            raise ValueError(f"RuntimeConfig.sandbox_spare={self.sandbox_spare!r}: the number of idle sandbox "
+                             "workers kept ready must be an int >= 0")
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
             raise ValueError(f"RuntimeConfig.k={self.k!r}: the number of candidates must be an int >= 0 "
                              "(0 = the provider's default)")
@@ -566,7 +575,7 @@ _pool_lock = threading.Lock()
 
 def _sandbox_pool():
     """The runtime's one sandbox worker for verification (started on the first search, or by
-    ``prewarm``)."""
+    ``prewarm``), and ``RuntimeConfig.sandbox_spare`` idle ones."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -576,6 +585,7 @@ def _sandbox_pool():
 
             _pool = SandboxPool(1)
             atexit.register(_pool.close)
+        _pool.spare = _config.sandbox_spare  # configure() may change it between products
     return _pool
 
 

@@ -395,9 +395,15 @@ class SandboxPool:
     """
 
     def __init__(self, workers: int = 1, *, timeout_s: float = 60.0, start_timeout_s: float = 180.0,
-                 device: int | None = None, warm: bool | None = None):
+                 device: int | None = None, warm: bool | None = None, spare: int = 0):
         if workers < 1:
             raise ValueError(f"workers={workers}: need at least one")
+        if not isinstance(spare, int) or isinstance(spare, bool) or spare < 0:
+            raise ValueError(f"spare={spare!r}: the number of idle workers kept ready is an int >= 0")
+        #: idle workers kept started beyond the one a job takes: a failed kernel's worker is
+        #: replaced in the background, and the next job takes a spare instead of waiting for that
+        #: start (seconds on a GPU: a fresh interpreter, torch and a CUDA context)
+        self.spare = spare
         #: CUDA device index the workers run on: ``device``, else the parent's (``parent_device``)
         self.device = device if device is not None else parent_device()
         self.timeout_s = timeout_s
@@ -428,14 +434,14 @@ class SandboxPool:
         return _Worker(self.start_timeout_s, self.device, self._warm)
 
     def start(self, wait: bool = False, count: int = 1) -> None:
-        """Start workers in the background now, up to ``count`` idle or starting ones (e.g. the
+        """Start workers in the background now, up to ``count`` (plus ``spare``) idle or starting ones (e.g. the
         pool's ``workers`` before a first ``map``), so the first jobs do not wait for them
         (``runtime.prewarm``, RL's reward workers while the policy decodes); ``wait=True``
         returns once ``count`` are up (or none is starting any more)."""
         with self._lock:
             if self._closed:
                 return
-            missing = count - len(self._free) - self._spawning
+            missing = count + self.spare - len(self._free) - self._spawning
         for _ in range(max(0, missing)):
             self._replace()
         if wait:
@@ -493,6 +499,8 @@ class SandboxPool:
         key = pattern_key or _key(pattern)
         limit = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
+        if self.spare:  # the worker this job takes, and the spares, started or starting
+            self.start(count=1)
         w = self._take()
         try:
             if w.pattern_key != key:

@@ -84,6 +84,30 @@ def test_configure_validates_and_clears_the_table():
         runtime.configure(bogus=1)
     with pytest.raises(TypeError, match="True or False"):
         runtime.configure(cache="yes")
+    with pytest.raises(ValueError, match="sandbox_spare=-1: the number of idle sandbox workers"):
+        runtime.configure(sandbox_spare=-1)
+
+
+def test_the_sandbox_spare_setting_reaches_the_runtimes_pool(monkeypatch):
+    """configure(sandbox_spare=N) is the runtime pool's ``spare`` from the next product on."""
+    monkeypatch.setattr(runtime, "_pool", None)
+
+    class FakePool:  # no worker process started
+        def __init__(self, workers):
+            self.spare = 0
+
+        def close(self):
+            pass
+
+    import sparserl_compile.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "SandboxPool", FakePool)
+    assert runtime._sandbox_pool().spare == 0
+    runtime.configure(sandbox_spare=1)
+    try:
+        assert runtime._sandbox_pool().spare == 1
+    finally:
+        runtime.configure(sandbox_spare=0)
 
 
 def test_provider_resolution():

@@ -98,6 +98,25 @@ def test_a_failed_workers_replacement_starts_in_the_background():
     assert good.ok and good.worker_pid == spare
 
 
+@needs_simt
+def test_a_spare_worker_takes_the_job_after_a_failure():
+    """spare=1: a worker beside the one a job takes is started ahead, so the job after a wrong
+    kernel runs on a worker started before that kernel failed, not on its replacement."""
+    with pytest.raises(ValueError, match="spare=-1"):
+        SandboxPool(1, spare=-1)
+    with SandboxPool(1, timeout_s=60, spare=1) as pool:
+        pool.start(wait=True)
+        deadline = time.monotonic() + 60
+        while (len(pool._free) < 2 or pool._spawning) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ready = {w.proc.pid for w in pool._free}
+        assert len(ready) == 2
+        bad = pool.run(_job(FAULTS["wrong_answer"].source), M)
+        good = pool.run(_job(GOOD), M)
+    assert bad.kind == "wrong" and good.ok
+    assert bad.worker_pid in ready and good.worker_pid in ready and good.worker_pid != bad.worker_pid
+
+
 def test_start_readies_one_worker_and_close_stops_it():
     pool = SandboxPool(1)
     pool.start()
