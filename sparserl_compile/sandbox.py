@@ -451,9 +451,15 @@ class SandboxPool:
             if count == 1:
                 self._give(self._take())  # none could be started in the background: start it here
 
-    def _take(self) -> _Worker:
+    def _take(self, key: str | None = None) -> _Worker:
+        """An idle worker, one that already holds pattern ``key`` first (with spares, a fresh
+        worker would be sent the pattern again), else the most recently idle."""
         with self._lock:
             while True:
+                if key is not None:
+                    held = [i for i, w in enumerate(self._free) if w.pattern_key == key and w.alive()]
+                    if held:
+                        return self._free.pop(held[-1])
                 while self._free:
                     w = self._free.pop()
                     if w.alive():
@@ -501,7 +507,7 @@ class SandboxPool:
         t0 = time.perf_counter()
         if self.spare:  # the worker this job takes, and the spares, started or starting
             self.start(count=1)
-        w = self._take()
+        w = self._take(key)
         try:
             if w.pattern_key != key:
                 w.parent.send(("pattern", key, pattern.indptr, pattern.indices, pattern.shape))
