@@ -52,8 +52,8 @@ class DemoRow:
 def _provider(name: str | None):
     """The named provider, else the runtime's default (the nearest-neighbour proposals).
 
-    The bundled policy checkpoint is a small CPU-trained model that still writes few valid
-    kernels (docs/training.md); ``--provider policy`` shows it.
+    ``--provider policy`` uses the policy provider's default checkpoint (the retrieval policy,
+    ``policy/checkpoints/retrieval``; its held-out figures are in docs/training.md).
     """
     from sparserl_compile import providers
 
