@@ -87,7 +87,8 @@ def test_each_failed_sample_says_where_and_why_it_failed(tiny_model, tiny_tok):
     assert "failures" not in ok.rows[0]
 
 
-def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
+def _sources_seen(tiny_model, tiny_tok, **kw):
+    """One banded record evaluated with k=3; returns (stats, every source the evaluator saw)."""
     m = banded(32, 1)
     pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
     seen = []
@@ -97,7 +98,12 @@ def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
         return _all_correct(pb, sources)
 
     st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], record, k=3, temperature=1.0,
-                         max_new_tokens=12, constrained=True, samples="formats")["banded"]
+                         max_new_tokens=12, constrained=True, **kw)["banded"]
+    return st, seen
+
+
+def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
+    st, seen = _sources_seen(tiny_model, tiny_tok, samples="formats")
     fmts = [s.split("format=")[1].split()[0] for s in seen[1:]]  # after the greedy sample
     assert st.samples == 4 and len(set(fmts)) == 3
 
@@ -105,16 +111,7 @@ def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
 def test_branch_samples_are_the_greedy_kernel_and_its_departures(tiny_model, tiny_tok):
     """samples="branches": the k candidates after the greedy sample are the greedy kernel and its
     k - 1 most likely departures (``decode.branch_diverse``), distinct kernels."""
-    m = banded(32, 1)
-    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
-    seen = []
-
-    def record(pb, sources):
-        seen.extend(sources)
-        return _all_correct(pb, sources)
-
-    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], record, k=3, temperature=1.0,
-                         max_new_tokens=12, constrained=True, samples="branches", branch_scope="all")["banded"]
+    st, seen = _sources_seen(tiny_model, tiny_tok, samples="branches", branch_scope="all")
     assert st.samples == 4 and seen[1] == seen[0] and len(set(seen[1:])) == 3
 
 
