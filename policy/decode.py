@@ -648,7 +648,7 @@ def branch_points(model, tokenizer, structure: PreparedStructure, op: str, dtype
                                                 torch.tensor(float("-inf"), device=device))
     out, skip = [], skip or set()
     flat = score.flatten()
-    top = flat.topk(min(flat.numel(), 4 * count + len(skip) + 8))
+    top = flat.topk(min(flat.numel(), 16 * count + len(skip) + 64))  # room for the re-spellings left out
     for s, idx in zip(top.values.tolist(), top.indices.tolist()):
         if s == float("-inf") or len(out) == count:
             break

@@ -141,8 +141,8 @@ class PolicyProvider:
             raise ValueError("PolicyProvider(model=...) also needs tokenizer=")
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         if samples is None:  # a checkpoint trained to write the hinted kernel: one candidate per hint;
-            # else the greedy kernel and its most likely departures (on the H200, version 4's best of 4
-            # so beat its best of 8 temperature samples held out: docs/training.md)
+            # else the greedy kernel and its most likely departures (version 4's greedy kernel and three
+            # departures beat its eight temperature samples on the held-out records: docs/training.md)
             samples = "hints" if getattr(model.config, "retrieval_hints", 1) > 1 else "branches"
         check_samples(samples, model)
         #: how the k candidates are drawn: "temperature" (k samples), "formats" (the model's k
