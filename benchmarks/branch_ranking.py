@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import sys
 import time
 
@@ -86,6 +85,8 @@ def collect(checkpoint: str, count: int, out: str, max_new_tokens: int = 1200) -
 
 
 def summarize(rows: list[dict]) -> dict:
+    from training.evaluate import geomean
+
     by = collections.defaultdict(list)
     for r in rows:
         by[r["rec"]].append(r)
@@ -110,7 +111,7 @@ def summarize(rows: list[dict]) -> dict:
                     fr.append(rr[0]["best_us"] / min(us))
                 ok += sum(r["correct"] for r in chosen[1:])
                 n += len(chosen[1:])
-            out["ways"][f"{name}, k={k}"] = {"best_of_k": math.exp(sum(map(math.log, fr)) / len(fr)), "records": len(fr),
+            out["ways"][f"{name}, k={k}"] = {"best_of_k": geomean(fr), "records": len(fr),
                                              "departures_kept": n, "kept_correct": ok}
     return out
 

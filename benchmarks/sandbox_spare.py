@@ -28,6 +28,7 @@ from faults import FAULTS, GOOD, candidate  # noqa: E402
 from sparserl_compile import matrices  # noqa: E402
 from sparserl_compile.fileio import write_json  # noqa: E402
 from sparserl_compile.sandbox import SandboxJob, SandboxPool  # noqa: E402
+from sparserl_compile.suite import run_stamp  # noqa: E402
 
 
 def measure(spare: int, executor: str, reps: int, pause_s: float) -> dict:
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--pause-s", type=float, default=8.0, help="seconds between repetitions")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
+    stamp = run_stamp()  # where, and when the measurement started
     rows = []
     for spare in map(int, a.spares.split(",")):
         r = measure(spare, a.executor, a.reps, a.pause_s)
@@ -68,10 +70,7 @@ def main(argv=None) -> int:
         print(f"spare={spare}: the job after a failed one {r['next_job_median_s']:.3f} s (median of {a.reps}; "
               f"{', '.join(f'{x:.3f}' for x in r['next_job_s'])}), the failed job {r['failed_job_median_s']:.3f} s")
     if a.json:
-        import platform
-
-        write_json(a.json, {"rows": rows, "machine": platform.node(), "python": platform.python_version(),
-                            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        write_json(a.json, {**stamp, "rows": rows})
     return 0
 
 
