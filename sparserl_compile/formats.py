@@ -369,10 +369,15 @@ def _dia_fits(ip, ix, n_rows: int, n_cols: int, nnz: int, max_fill: float) -> np
     return offsets
 
 
-def unfit(indptr, indices, shape, fmt: str, *, max_fill: float = DEFAULT_MAX_FILL) -> str | None:
-    """Why the pattern does not convert to ELL or DIA (``convert``'s ``FormatNotSuitable``
-    message), or None when it does: the same budget check, without filling any array. O(nnz);
-    DIA's offsets are what ``convert`` computes first."""
+def unfit(indptr, indices, shape, fmt: str, params: dict[str, int] | None = None, *,
+          max_fill: float = DEFAULT_MAX_FILL) -> str | None:
+    """Why the pattern does not convert to ``fmt`` with header ``params`` (``convert``'s
+    ``FormatNotSuitable`` message), or None when it does: the same budget check, without filling
+    any array. O(nnz); DIA's offsets, SELL's slice layout and BSR's block count are what
+    ``convert`` computes first. The CSR-based formats always fit (None)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {tuple(FORMATS)}")
+    p = _params(fmt, params)
     ip, ix, n_rows, n_cols = check_csr(indptr, indices, shape)
     nnz = int(ix.size)
     try:
@@ -380,8 +385,15 @@ def unfit(indptr, indices, shape, fmt: str, *, max_fill: float = DEFAULT_MAX_FIL
             _ell_fits(np.diff(ip), n_rows, nnz, max_fill)
         elif fmt == "dia":
             _dia_fits(ip, ix, n_rows, n_cols, nnz, max_fill)
-        else:
-            raise ValueError(f"unfit checks ell or dia (no header parameters), not {fmt!r}; convert the others")
+        elif fmt == "sell":
+            C, sigma = p["C"], p["sigma"]
+            n_slices = math.ceil(n_rows / C)
+            _, slice_ptr = _sell_layout(np.diff(ip).astype(np.int64), n_rows, C, sigma, n_slices)
+            _check_budget(fmt, int(slice_ptr[-1]), nnz, max_fill, f"C={C} sigma={sigma}")
+        elif fmt == "bsr":
+            R, C = p["R"], p["C"]
+            nblk = int(_bsr_count(ip, ix, n_rows, n_cols, R, C)[-1])
+            _check_budget(fmt, nblk * R * C, nnz, max_fill, f"{nblk} blocks of {R}x{C}")
     except FormatNotSuitable as e:
         return str(e)
     return None

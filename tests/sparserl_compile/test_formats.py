@@ -390,8 +390,26 @@ def test_unfit_formats_on_the_matrices_that_need_it():
     assert set(reasons) == {"ell", "dia"} and "width 5000" in reasons["ell"] and "5000 diagonals" in reasons["dia"]
     with pytest.raises(ValueError):
         unfit_formats(np.array([0, 2], np.int32), np.array([0], np.int32), (1, 1))  # indptr ends past indices
-    with pytest.raises(ValueError, match="ell or dia"):
-        unfit(ip, ix, (n, n), "bsr")  # its fit depends on R and C: convert answers it
+    with pytest.raises(ValueError, match="unknown format"):
+        unfit(ip, ix, (n, n), "coo")
+
+
+@pytest.mark.parametrize("fmt,params", [("sell", {"C": 32, "sigma": 1}), ("sell", {"C": 4, "sigma": 256}),
+                                        ("bsr", {"R": 4, "C": 4}), ("bsr", {"R": 2, "C": 8}),
+                                        ("csr", None), ("merge", {"items_per_part": 16})])
+@pytest.mark.parametrize("which", ["uniform", "block_diagonal", "skewed"])
+def test_unfit_answers_what_convert_does(fmt, params, which):
+    """unfit's verdict for a format with header parameters is convert's, without filling arrays."""
+    A = {"uniform": lambda: matrices.uniform_random(3000, 3000, 8, seed=1),
+         "block_diagonal": lambda: matrices.block_diagonal(16, 8, seed=1),
+         "skewed": lambda: matrices.rmat(11, 8, seed=1)}[which]()
+    why = unfit(A.indptr, A.indices, A.shape, fmt, params)
+    try:
+        convert(A.indptr, A.indices, A.shape, fmt, params)
+    except FormatNotSuitable as e:
+        assert why == str(e)
+    else:
+        assert why is None
 
 
 def _banded_csr():
