@@ -395,7 +395,8 @@ class SandboxPool:
     """
 
     def __init__(self, workers: int = 1, *, timeout_s: float = 60.0, start_timeout_s: float = 180.0,
-                 device: int | None = None, warm: bool | None = None, spare: int = 0):
+                 device: int | None = None, warm: bool | None = None, spare: int = 0,
+                 restart_on=None):
         if workers < 1:
             raise ValueError(f"workers={workers}: need at least one")
         if not isinstance(spare, int) or isinstance(spare, bool) or spare < 0:
@@ -404,6 +405,15 @@ class SandboxPool:
         #: replaced in the background, and the next job takes a spare instead of waiting for that
         #: start (seconds on a GPU: a fresh interpreter, torch and a CUDA context)
         self.spare = spare
+        #: result kinds after which a worker is replaced (default ``_RESTART``: every kernel that
+        #: ran and failed, since it may have scribbled over the worker's memory). A pool whose
+        #: verdicts are only advice, checked again elsewhere (``policy.screen``: the CPU executor's
+        #: bounds-checked runs before the GPU's verification), may keep its workers after a wrong
+        #: kernel; a hang or a dead worker is replaced whatever this says
+        self.restart_on = frozenset(_RESTART if restart_on is None else restart_on)
+        unknown = self.restart_on - set(KINDS)
+        if unknown:
+            raise ValueError(f"restart_on={sorted(unknown)}: name result kinds of {KINDS}")
         #: CUDA device index the workers run on: ``device``, else the parent's (``parent_device``)
         self.device = device if device is not None else parent_device()
         self.timeout_s = timeout_s
@@ -529,7 +539,7 @@ class SandboxPool:
             self._replace()
             return SandboxResult("crash", f"the worker died (exit code {code}) while running the job",
                                  wall_s=time.perf_counter() - t0, worker_pid=w.proc.pid)
-        if res.kind in _RESTART:
+        if res.kind in self.restart_on:
             self._replace()  # the replacement starts while this one stops
             w.stop()
             self.restarts += 1

@@ -82,6 +82,22 @@ def test_each_fault_gets_its_kind(name):
 
 
 @needs_simt
+def test_restart_on_keeps_the_worker_after_a_wrong_kernel_but_not_after_a_hang():
+    """``restart_on`` names the result kinds after which a worker is replaced: a pool that keeps
+    its workers after a wrong kernel (``policy.screen``) runs the next job on the same worker;
+    a hang is still killed and replaced. Unknown kinds are refused."""
+    with SandboxPool(1, timeout_s=60, restart_on={"internal"}) as pool:
+        bad = pool.run(_job(FAULTS["wrong_answer"].source), M)
+        good = pool.run(_job(GOOD), M)
+        assert bad.kind == "wrong" and good.ok and good.worker_pid == bad.worker_pid and pool.restarts == 0
+        hang = pool.run(_job(FAULTS["infinite_loop"].source), M, timeout_s=5)
+        after = pool.run(_job(GOOD), M)
+    assert hang.kind == "timeout" and after.ok and after.worker_pid != hang.worker_pid
+    with pytest.raises(ValueError, match="restart_on"):
+        SandboxPool(1, restart_on={"slow"})
+
+
+@needs_simt
 def test_a_failed_workers_replacement_starts_in_the_background():
     """After a wrong kernel the worker is replaced at once, not when the next job comes: the
     next job runs on the worker already started (a GPU worker's start is seconds)."""
