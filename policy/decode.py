@@ -664,7 +664,8 @@ def branch_points(model, tokenizer, structure: PreparedStructure, op: str, dtype
 def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int, k: int,
                    config: DecodeConfig = DecodeConfig(greedy=True), grammar_text: str | None = None,
                    hint: str | None = None, references: list[str] | None = None,
-                   greedy: Rollout | None = None, scope: str = "header") -> list[Rollout]:
+                   greedy: Rollout | None = None, scope: str = "header", screen=None,
+                   rounds: int | None = None) -> list[Rollout]:
     """k distinct kernels: the greedy one and the k - 1 most likely single departures from it
     (``branch_points``), each the greedy kernel's tokens up to a position, another token there,
     and the rest written by the model (greedy by default).
@@ -677,15 +678,22 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     those second choices, ranked by the model, each completed as the model would. A departure
     that ends in a kernel already among the candidates is replaced by the next one (two rounds).
     ``greedy``: the greedy rollout when the caller has it (its ``tokens`` are used); each other
-    rollout's ``extra`` holds its ``branch`` (position, token) and log-probability."""
+    rollout's ``extra`` holds its ``branch`` (position, token) and log-probability.
+
+    ``screen``: a callable taking a round's new departures' texts and returning, per text, None
+    to keep it or why it is left out (``policy.screen.Screen.check`` for the matrix: a departure
+    that would fail the GPU's verification is replaced by the next most likely one, as a repeat
+    is). The left-out departures are listed in the greedy rollout's ``extra["screened_out"]`` as
+    (position, token, reason). ``rounds``: how many times departures are drawn to fill the k
+    (default 2, 4 with a screen)."""
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one candidate")
     greedy_cfg = replace(config, greedy=True)
     if greedy is None:
         (greedy,) = generate(model, tokenizer, structure, op, dtype, n, k=1, config=greedy_cfg,
                              grammar_text=grammar_text, hint=hint, references=references)
-    out, seen, tried = [greedy], {greedy.text}, set()
-    for _round in range(2):
+    out, seen, tried, dropped = [greedy], {greedy.text}, set(), []
+    for _round in range(rounds if rounds is not None else (4 if screen is not None else 2)):
         want = k - len(out)
         if want <= 0:
             break
@@ -698,11 +706,20 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
         rolls = generate(model, tokenizer, structure, op, dtype, n, k=len(points), config=greedy_cfg,
                          grammar_text=grammar_text, hint=hint, references=references,
                          forced=[greedy.tokens[:p] + [a] for p, a, _ in points])
+        new = []
         for r, (p, a, s) in zip(rolls, points):
             if r.text not in seen:
                 seen.add(r.text)
                 r.extra.update(branch=(p, a), branch_logprob=s)
+                new.append(r)
+        verdicts = screen([r.text for r in new]) if screen is not None and new else [None] * len(new)
+        for r, why in zip(new, verdicts):
+            if why is None:
                 out.append(r)
+            else:
+                dropped.append((*r.extra["branch"], why))
+    if screen is not None:
+        greedy.extra["screened_out"] = dropped
     return out[:k]
 
 

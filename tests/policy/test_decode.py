@@ -473,6 +473,32 @@ def test_branch_diverse_is_the_greedy_kernel_and_its_distinct_departures(tiny_mo
         branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 0)
 
 
+def test_branch_diverse_replaces_what_the_screen_leaves_out(tiny_model, tiny_tok):
+    """A screen's verdicts: a departure it leaves out is replaced by the next most likely one and
+    listed, with the reason, in the greedy rollout's ``screened_out``; the kept ones are the
+    unscreened draw's, minus the left-out ones, in order."""
+    from policy.decode import branch_diverse
+
+    g = DecodeConfig(greedy=True, max_new_tokens=40)
+    plain = branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 8, config=g, scope="all")
+    banned = {plain[1].text, plain[3].text}
+    seen = []
+
+    def screen(texts):
+        seen.extend(texts)
+        return ["no" if t in banned else None for t in texts]
+
+    rs = branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all", screen=screen)
+    assert rs[0].tokens == plain[0].tokens and plain[0].text not in seen  # the greedy kernel is never screened
+    assert [r.text for r in rs[1:]] == [r.text for r in plain[1:] if r.text not in banned][:3]
+    out = rs[0].extra["screened_out"]
+    assert sorted(why for *_, why in out) == ["no", "no"]
+    assert {tuple(p[:2]) for p in out} == {plain[1].extra["branch"], plain[3].extra["branch"]}
+    everything = branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all",
+                                screen=lambda texts: ["no"] * len(texts), rounds=2)
+    assert len(everything) == 1 and len(everything[0].extra["screened_out"]) >= 3
+
+
 def test_branch_candidates_of_the_shipped_policy_are_other_launch_choices():
     """On the shipped default policy the departures are header choices (format, its parameters,
     the launch configuration): each candidate is a complete kernel whose header parses, and its
