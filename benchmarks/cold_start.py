@@ -59,22 +59,33 @@ def _make_provider(spec: str):
     ``samples``, e.g. ``policy+hints@policy/checkpoints/retrieval``). The provider decodes its
     first k candidates speculatively in one batch (``DecodeConfig.batch_drafts``, its default);
     ``+one`` decodes them one at a time, ``+batch`` names the default, e.g.
-    ``policy+hints+one@policy/checkpoints/retrieval``."""
+    ``policy+hints+one@policy/checkpoints/retrieval``; ``+screenN`` screens branch departures
+    on N CPU workers (``PolicyProvider(screen_workers=N)``). ``+spareN`` (any provider) keeps N
+    spare sandbox workers (``configure(sandbox_spare=N)``; see ``_spare``)."""
     name, _, arg = spec.partition("@")
     base, *mods = name.split("+")
+    mods = [m for m in mods if not m.startswith("spare")]
     order = {"batch": True, "one": False}
+    screen = next((int(m[len("screen"):]) for m in mods if m.startswith("screen")), 0)
+    mods = [m for m in mods if not m.startswith("screen")]
     samples = next((m for m in mods if m not in order), "")
-    if base == "policy" and (arg or mods):
+    if base == "policy" and (arg or mods or screen):
         from dataclasses import replace
 
         from policy.provider import PolicyProvider
 
-        prov = PolicyProvider(checkpoint=arg or None, samples=samples or None)
+        prov = PolicyProvider(checkpoint=arg or None, samples=samples or None, screen_workers=screen)
         for m in mods:
             if m in order:
                 prov.decode = replace(prov.decode, batch_drafts=order[m])
         return prov
     return providers.resolve(name)
+
+
+def _spare(spec: str) -> int:
+    """The ``+spareN`` of a provider spec (0 without)."""
+    name = spec.partition("@")[0]
+    return next((int(m[len("spare"):]) for m in name.split("+")[1:] if m.startswith("spare")), 0)
 
 
 def _breakdown(row: dict | None) -> dict:
@@ -129,7 +140,7 @@ def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
         t0 = time.perf_counter()
         prov = _make_provider(pspec)
         load_s = time.perf_counter() - t0
-        sr.configure(provider=prov, k=int(k), cache=False, on_miss="search")
+        sr.configure(provider=prov, k=int(k), cache=False, on_miss="search", sandbox_spare=_spare(pspec))
         t0 = time.perf_counter()
         sr.prewarm().join()
         warm = sr.sparsify(matrices.stencil2d(40, seed=3)).to(dev)  # contexts, NVRTC: paid once
@@ -143,10 +154,13 @@ def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
             native = native_csr(m, dev)
             for n in widths:
                 x = torch.randn(m.shape[1], device=dev) if n == 1 else torch.randn(m.shape[1], n, device=dev)
+                stats = getattr(prov, "stats", None)
+                screened = getattr(stats, "screened_out", 0)
                 first, err = first_product(a, native, x, dev)
                 plan = next(iter(runtime.plans().values()), None)
                 logged = runtime.first_uses()
                 row = {"provider": pspec, "k": int(k), "matrix": label, "nnz": int(m.nnz), "n": n,
+                       "screened_out": getattr(stats, "screened_out", 0) - screened if stats is not None else None,
                        "first_call_s": first,
                        "steady_us": wall_median_us(lambda: a @ x, dev),
                        "torch_us": wall_median_us(lambda: native @ x if n > 1 else torch.mv(native, x), dev),
@@ -168,7 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--providers", default="nearest:4,policy:4,search:0",
                    help="comma list of NAME[+SAMPLES][+one|+batch][@CHECKPOINT]:K (K=0: the provider's default; "
                         "e.g. policy+hints@policy/checkpoints/retrieval:4; +one: the k candidates decoded "
-                        "one at a time, +batch: in one batch, the default)")
+                        "one at a time, +batch: in one batch, the default; +screenN: branch departures "
+                        "screened on N CPU workers; +spareN: N spare sandbox workers)")
     p.add_argument("--widths", default="1,32", help="dense widths (1 = SpMV)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run of the script: CPU tensors take the reference)")

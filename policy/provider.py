@@ -48,6 +48,7 @@ class ProviderStats:
     unfinished: int = 0  # cut off by max_new_tokens
     unparseable: int = 0  # header rejected by contract.parse_header
     duplicates: int = 0  # the same kernel as an earlier sample of the request (dropped)
+    screened_out: int = 0  # departures the CPU screen left out (``screen_workers``), replaced by others
     returned: int = 0
 
 
@@ -120,7 +121,7 @@ class PolicyProvider:
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=True),
                  model=None, tokenizer=None, samples: str | None = None, speculative: bool = True,
-                 fill_budget_s: float = FILL_BUDGET_S, fit_formats: bool = True):
+                 fill_budget_s: float = FILL_BUDGET_S, fit_formats: bool = True, screen_workers: int = 0):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -159,6 +160,19 @@ class PolicyProvider:
         self.fit_formats = fit_formats
         #: hints mode: seconds of proposal after which no hint past the k-th is decoded
         self.fill_budget_s = fill_budget_s
+        #: branches mode with ``screen_workers``: a ``policy.screen.Screen`` (that many sandboxed CPU
+        #: workers) every departure passes before it is a candidate; one that fails (its format does
+        #: not fit the matrix, or it fails verification on the CPU executor on the matrix's first
+        #: rows) is replaced by the next most likely departure, so the GPU's sandbox does not spend
+        #: a worker restart on it
+        self.screen = None
+        if screen_workers:
+            if samples != "branches":
+                raise ValueError(f"screen_workers={screen_workers} screens departures from the greedy kernel: it "
+                                 f"needs samples='branches', not {samples!r}")
+            from policy.screen import Screen
+
+            self.screen = Screen(screen_workers)
         self.stats = ProviderStats()
         #: sha256 of the weights file (None for an in-memory model); the runtime's cache key
         #: reads ``getattr(provider, "checkpoint_hash", None)`` so a new checkpoint misses the cache
@@ -226,8 +240,12 @@ class PolicyProvider:
                                        hint=hint, references=refs, grammar_text=grammar)
             elif self.samples == "branches":
                 cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
+                screen = self.screen
+                check = (None if screen is None else
+                         lambda texts: screen.check(indptr, indices, shape, problem.op, dtype, n, texts))
                 rolls = branch_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, config=cfg,
-                                       hint=hint, references=refs, grammar_text=grammar)
+                                       hint=hint, references=refs, grammar_text=grammar, screen=check)
+                self.stats.screened_out += len(rolls[0].extra.get("screened_out", ())) if rolls else 0
             else:
                 rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,
                                  hint=hint, references=refs, grammar_text=grammar)

@@ -74,6 +74,10 @@ class EvalConfig:
                                         "are scored here) and speculatively in one batch: the same distribution, "
                                         "other draws for a seed than the traced default's; faster where a model "
                                         "call is dear (the H200), about 10 % slower in all on the 2-core CPU")
+    screen_workers: int = opt(0, "--samples branches: check each departure on the CPU before it is scored (its "
+                                 "format fits the matrix; it passes verification on the CPU executor on the "
+                                 "matrix's first rows: policy.screen) with this many CPU workers, and replace "
+                                 "the ones that fail by the next most likely departures; 0 = no screen")
     fit_formats: bool = opt(True, "leave out of the grammar the parameter-free padded formats (ELL, DIA) the "
                                   "matrix does not convert to, as the policy provider does "
                                   "(policy.provider.grammar_for); --no-fit-formats: the plain grammar")
@@ -156,7 +160,7 @@ def _rows(stats: dict[str, KindStats]) -> list[dict]:
 def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: float, max_new_tokens: int,
                     constrained: bool, space_sources=None, log=None, samples: str = "temperature",
                     hint_entries=None, progress=None, untraced_samples: bool = False,
-                    fit_formats: bool = False, branch_scope: str = "header") -> dict[str, KindStats]:
+                    fit_formats: bool = False, branch_scope: str = "header", screen=None) -> dict[str, KindStats]:
     """Per-kind stats for one policy variant. ``problems``: (kind, RLProblem) pairs;
     ``space_sources``: per problem, normalized kernel-space source -> measured us (None when
     the variant failed), or None. ``samples``: how the k candidates after the greedy one are
@@ -164,7 +168,9 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     with retrieval hints (``model.config.retrieval``). ``progress(stats)`` is called after
     every record. ``untraced_samples``: ``EvalConfig.untraced_samples``. ``fit_formats``: decode
     under ``policy.provider.grammar_for``'s grammar for each matrix (``EvalConfig.fit_formats``).
-    ``branch_scope``: ``EvalConfig.branch_scope``."""
+    ``branch_scope``: ``EvalConfig.branch_scope``. ``screen``: a ``policy.screen.Screen`` the
+    departures of ``samples="branches"`` pass before they are scored (``EvalConfig.screen_workers``);
+    each record's row counts the ones it left out (``screened_out``)."""
     from policy.decode import DecodeConfig, check_samples, generate
     from policy.provider import grammar_for, structure_and_formats
     from training.sft import default_render
@@ -222,8 +228,10 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             from policy.decode import branch_diverse
 
             # the greedy kernel is the first of the k (as format_diverse's most likely format is)
+            check = (None if screen is None else
+                     lambda texts, m=m, pb=pb: screen.check(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n, texts))
             sampled = branch_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, config=greedy_cfg, grammar_text=grammar,
-                                     hint=hint, references=refs, greedy=greedy[0], scope=branch_scope)
+                                     hint=hint, references=refs, greedy=greedy[0], scope=branch_scope, screen=check)
         else:
             sampled = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=k, hint=hint, references=refs,
                                grammar_text=grammar, config=DecodeConfig(temperature=temperature, max_new_tokens=max_new_tokens,
@@ -235,6 +243,8 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             log(f"[eval] {pb.label} {pb.op} n={pb.n} constrained={constrained}: "
                 f"compiled {[o.compiled for o in outs]} correct {[o.correct for o in outs]}")
         _score(st, pb, outs, texts, None if space_sources is None else space_sources[i], best_from=1)
+        if "screened_out" in greedy[0].extra:
+            st.rows[-1]["screened_out"] = [why[:120] for _p, _a, why in greedy[0].extra["screened_out"]]
         if progress is not None:
             progress(stats)
     return stats
@@ -333,7 +343,15 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
         raise ValueError(f"{cfg.data}: no held-out records to evaluate on")
     problems = list(zip([r.matrix.kind for r in records], problems_from_records(records)))
     space = [measured_sources(r, pb.matrix, default_render) for r, (_, pb) in zip(records, problems)]
+    if cfg.screen_workers and cfg.samples != "branches":
+        raise ValueError(f"--screen-workers checks departures from the greedy kernel: it needs --samples branches, "
+                         f"not {cfg.samples!r}")
     evaluator = make_evaluator(cfg.evaluator, cfg.workers, records=records)
+    screen = None
+    if cfg.screen_workers:
+        from policy.screen import Screen
+
+        screen = Screen(cfg.screen_workers)
     tables: list = []
 
     def train_entries():  # the training split as a nearest table (hints, the nearest baseline)
@@ -347,7 +365,8 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     from sparserl_compile.suite import run_stamp
 
     report = {**run_stamp(), "held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
-              "samples": cfg.samples + (" untraced" if cfg.untraced_samples and cfg.samples == "temperature" else ""),
+              "samples": cfg.samples + (" untraced" if cfg.untraced_samples and cfg.samples == "temperature" else "")
+              + (f" screened ({cfg.screen_workers} CPU workers)" if screen is not None else ""),
               "in_progress": None, "checkpoints": {}, "variants": {}, "per_record": {}}
 
     def save():  # after every record: a run cut short keeps what it measured
@@ -373,7 +392,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
                                      hint_entries=train_entries() if getattr(model.config, "retrieval", False) else None,
                                      progress=lambda st_, label=label: partial(label, st_),
                                      untraced_samples=cfg.untraced_samples, fit_formats=cfg.fit_formats,
-                                     branch_scope=cfg.branch_scope)
+                                     branch_scope=cfg.branch_scope, screen=screen)
                 report["variants"][label] = _summaries(st)
                 report["per_record"][label] = _rows(st)
                 report["in_progress"] = None
@@ -391,6 +410,9 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     finally:
         if hasattr(evaluator, "close"):
             evaluator.close()
+        if screen is not None:
+            report["screen"] = dict(screen.counts)
+            screen.close()
     save()
     return report
 

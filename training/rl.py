@@ -95,6 +95,10 @@ class RLConfig:
                                            "format_diverse), 'mixed' (half each) or 'branches' (the greedy "
                                            "kernel's k - 1 most likely departures in the header, each completed "
                                            "greedily: policy.decode.branch_diverse)")
+    raft_screen: int = opt(0, "raft --raft-explore branches: check each departure on the CPU before its reward "
+                              "(its format fits the matrix; it passes verification on the CPU executor on the "
+                              "matrix's first rows: policy.screen) with this many CPU workers, and replace the "
+                              "ones that fail by the next most likely departures; 0 = no screen")
     validate: int = opt(0, "score the policy on this many validation problems (new instances of the training "
                            "kinds, never held-out ones; training/validation.py) before the first update, every "
                            "--validate-every updates and after the last, keeping the best in <out>/best/")
@@ -181,6 +185,9 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     """
     t_begin = time.perf_counter()  # the set-up's parts are logged before the first update
     setup: dict[str, float] = {}
+    if cfg.raft_screen and not (cfg.algo == "raft" and cfg.raft_explore == "branches"):
+        raise ValueError("--raft-screen checks departures from the greedy kernel: it needs --algo raft "
+                         "--raft-explore branches")
 
     def took(part: str, since: float) -> float:
         now = time.perf_counter()
@@ -286,6 +293,12 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                                    parallel_verify=cfg.parallel_verify)
     if hasattr(evaluator, "close"):
         cleanup.callback(evaluator.close)
+    screen = None
+    if cfg.raft_screen:
+        from policy.screen import Screen
+
+        screen = Screen(cfg.raft_screen)
+        cleanup.callback(screen.close)
     t = took("evaluator", t)
     reward_fn = reward_fn or REWARDS[cfg.reward]
     validator = None
@@ -371,7 +384,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                 if hint_entries is not None and not hints[pi]:
                     continue  # the table has no runnable point for this problem: nothing to compare
                 rs = _raft_candidates(model, tok, structs[pi], pb, hints.get(pi), refs.get(pi), cfg, seed=sample_seed,
-                                      seconds=parts, formats=formats.get(pi))
+                                      seconds=parts, formats=formats.get(pi), screen=screen)
             else:
                 dc = DecodeConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                   constrained=cfg.constrained, seed=sample_seed, batch_drafts=cfg.batch_drafts)
@@ -441,7 +454,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
 
 
 def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig, seed: int,
-                     seconds: dict | None = None, formats=None) -> list:
+                     seconds: dict | None = None, formats=None, screen=None) -> list:
     """A RAFT problem's candidates, the greedy prompt's kernel first: with ``hints`` (a policy
     trained with them) one greedy kernel per hint (``decode.hint_diverse``, what the runtime's
     provider draws); without, the greedy kernel and k - 1 others drawn as ``cfg.raft_explore``
@@ -451,7 +464,9 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     or half each, or the greedy kernel's most likely departures in its header
     (``decode.branch_diverse``). A format candidate that repeats the greedy kernel is dropped, so
     there may be fewer than k. ``seconds``, if given, gains each origin's decoding seconds; ``formats``: the
-    problem's plausible formats where the caller has them (``provider.plausible_formats``)."""
+    problem's plausible formats where the caller has them (``provider.plausible_formats``); ``screen``: a
+    ``policy.screen.Screen`` the departures pass first (``--raft-screen``; its seconds are the part
+    "screen" of ``seconds``)."""
     from policy.decode import DecodeConfig, branch_diverse, format_diverse, generate, hint_diverse
 
     seconds = {} if seconds is None else seconds
@@ -466,9 +481,17 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
         rs = _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy,
                               references=references), "greedy")
     if cfg.raft_explore == "branches":
+        def check(texts):
+            m = pb.matrix
+            with _timed(seconds, "screen"):
+                return screen.check(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n, texts)
+
+        before = seconds.get("screen", 0.0)
         with _timed(seconds, "branch"):
             rs += _tagged(branch_diverse(model, tok, structure, pb.op, pb.dtype, pb.n, cfg.k, config=together,
-                                         references=references, greedy=rs[0])[1:], "branch")
+                                         references=references, greedy=rs[0],
+                                         screen=check if screen is not None else None)[1:], "branch")
+        seconds["branch"] -= seconds.get("screen", 0.0) - before  # the screen's seconds are its own part
         return rs
     n_formats = {"temperature": 0, "formats": cfg.k - 1, "mixed": (cfg.k - 1) // 2}[cfg.raft_explore]
     if n_formats > 0:

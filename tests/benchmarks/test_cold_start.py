@@ -23,3 +23,22 @@ def test_policy_specs_choose_how_the_candidates_are_decoded(spec, batch):
 
 def test_a_plain_name_is_the_registered_provider():
     assert cold_start._make_provider("nearest").name == "nearest"
+
+
+DEFAULT = RETRIEVAL.parent / "default"
+
+
+@pytest.mark.skipif(not (DEFAULT / "model.safetensors").is_file(), reason="no default checkpoint in this checkout")
+def test_screen_and_spare_modifiers():
+    """``+screenN`` gives the provider a CPU screen of N workers (branches only); ``+spareN`` is
+    the runtime's spare sandbox workers, for any provider, and leaves the provider alone."""
+    prov = cold_start._make_provider(f"policy+branches+screen2+spare1@{DEFAULT}")
+    try:
+        assert prov.samples == "branches" and prov.screen is not None and prov.screen.pool.workers == 2
+    finally:
+        prov.screen.close()
+    assert cold_start._spare(f"policy+branches+screen2+spare1@{DEFAULT}") == 1
+    assert cold_start._spare("nearest+spare2") == 2 and cold_start._spare("nearest") == 0
+    assert cold_start._make_provider(f"policy@{DEFAULT}").screen is None
+    with pytest.raises(ValueError, match="needs samples='branches'"):
+        cold_start._make_provider(f"policy+temperature+screen1@{DEFAULT}")

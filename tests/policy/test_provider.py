@@ -83,6 +83,43 @@ def test_branch_candidates_are_the_greedy_kernel_and_its_departures(tiny_model, 
     assert prov.stats.duplicates == 1 and prov.stats.unparseable == 1
 
 
+def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model, tiny_tok, kernel_source,
+                                                                     monkeypatch):
+    """screen_workers: the provider's branch_diverse gets a screen that checks departures for the
+    problem's pattern, op, dtype and width with its ``Screen``; what it left out is counted in
+    ``stats.screened_out``. A screen for another sampling mode is refused."""
+    from policy import provider as prov_mod
+    from policy.decode import Rollout
+
+    asked = []
+
+    class FakeScreen:
+        def __init__(self, workers):
+            self.workers = workers
+
+        def check(self, indptr, indices, shape, op, dtype, n, texts):
+            asked.append((shape, op, dtype, n, len(texts)))
+            return ["no"] * len(texts)
+
+    def fake_branches(model, tok, s, op, dtype, n, k, screen=None, **kw):
+        greedy = Rollout([], [], kernel_source, [], True)
+        greedy.extra["screened_out"] = [(3, 7, why) for why in screen(["a", "b"])]
+        return [greedy]
+
+    import policy.screen
+
+    monkeypatch.setattr(policy.screen, "Screen", FakeScreen)
+    monkeypatch.setattr(prov_mod, "branch_diverse", fake_branches)
+    prov = PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", speculative=False,
+                          screen_workers=3)
+    assert prov.screen.workers == 3
+    m = banded(32, 1)
+    assert [c.source for c in prov.candidates(_Problem(m), k=4)] == [kernel_source]
+    assert asked == [((32, 32), "spmv", "f32", 1, 2)] and prov.stats.screened_out == 2
+    with pytest.raises(ValueError, match="needs samples='branches'"):
+        PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="temperature", screen_workers=1)
+
+
 def test_missing_checkpoint_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="sparserl train"):
         PolicyProvider(checkpoint=tmp_path)

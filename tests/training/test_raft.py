@@ -319,3 +319,37 @@ def test_raft_branch_exploration_spends_the_candidates_on_the_greedy_kernels_dep
     assert [r.extra["origin"] for r in rs] == ["greedy", "branch", "branch", "branch"]
     assert seen == [("greedy", 1), ("branches", 4, "greedy kernel", True, True)]
     assert set(seconds) == {"greedy", "branch"}
+
+
+def test_raft_screen_checks_the_departures_for_the_problems_matrix(monkeypatch):
+    """--raft-screen: branch_diverse gets a screen that asks the Screen about the problem's
+    matrix, op, dtype and width; its seconds are the part "screen", not the branch decoding's.
+    Without branch exploration the flag is refused before any data is read."""
+    from types import SimpleNamespace
+
+    import policy.decode as decode
+    from training.rl import _raft_candidates
+
+    asked = []
+
+    class FakeScreen:
+        def check(self, indptr, indices, shape, op, dtype, n, texts):
+            asked.append((indptr, indices, shape, op, dtype, n, tuple(texts)))
+            return [None, "no"]
+
+    monkeypatch.setattr(decode, "generate", lambda *a, **kw: [SimpleNamespace(text="greedy kernel", extra={})])
+
+    def fake_branches(model, tok, structure, op, dtype, n, k, greedy=None, screen=None, **kw):
+        kept = [t for t, why in zip(["a", "b"], screen(["a", "b"])) if why is None]
+        return [greedy] + [SimpleNamespace(text=t, extra={}) for t in kept]
+
+    monkeypatch.setattr(decode, "branch_diverse", fake_branches)
+    cfg = RLConfig(init="", data="", out_dir="", k=3, raft_explore="branches", raft_screen=1)
+    pb = SimpleNamespace(op="spmm", dtype="f32", n=32, matrix=SimpleNamespace(indptr="ip", indices="ix", shape=(4, 5)))
+    seconds = {}
+    rs = _raft_candidates(None, None, None, pb, None, None, cfg, seed=0, seconds=seconds, screen=FakeScreen())
+    assert [r.text for r in rs] == ["greedy kernel", "a"]
+    assert asked == [("ip", "ix", (4, 5), "spmm", "f32", 32, ("a", "b"))]
+    assert set(seconds) == {"greedy", "branch", "screen"} and seconds["branch"] >= 0
+    with pytest.raises(ValueError, match="--raft-screen .* needs --algo raft --raft-explore branches"):
+        rl(RLConfig(init="", data="", out_dir="", algo="raft", raft_explore="mixed", raft_screen=2))
