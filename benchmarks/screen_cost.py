@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -55,6 +56,35 @@ def _draw(model, tok, problems, k: int, screen, max_new_tokens: int):
     return rows
 
 
+def _way(way: str, model, tok, problems, a, scratch: list, Screen):
+    """One way's (texts per record, summary with rows): no screen, or a screen whose workers are
+    kept ("keep") or replaced ("restart") after a failure, on a fresh kernel cache."""
+    from sparserl_compile.sandbox import _RESTART
+
+    screen = None
+    if way != "none":
+        # a fresh kernel cache per screen: the CPU executor's g++ builds (and NVRTC's) of one
+        # screen would otherwise make the next one's free
+        scratch.append(tempfile.mkdtemp(prefix=f"screen_cost_{way}_"))
+        os.environ["SPARSERL_CACHE_DIR"] = scratch[-1]
+        screen = Screen(a.workers)
+        if way == "restart":
+            screen.pool.restart_on = frozenset(_RESTART)
+        screen.pool.start(count=a.workers, wait=True)  # started workers, as a serving process has them
+    try:
+        rows = _draw(model, tok, problems, a.k, screen, a.max_new_tokens)
+    finally:
+        restarts = screen.pool.restarts if screen is not None else 0
+        counts = dict(screen.counts) if screen is not None else {}
+        if screen is not None:
+            screen.close()
+    summary = {"decode_s": sum(r["decode_s"] for r in rows), "screen_s": sum(r["screen_s"] for r in rows),
+               "candidates": sum(len(r["texts"]) for r in rows), "counts": counts, "restarts": restarts}
+    print(f"[screen] {way:8s} decoding {summary['decode_s']:6.1f} s  screen {summary['screen_s']:5.1f} s  "
+          f"{summary['candidates']} candidates  {counts}  restarts {restarts}", flush=True)
+    return [r["texts"] for r in rows], {**summary, "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default="policy/checkpoints/default")
@@ -68,7 +98,6 @@ def main(argv=None) -> int:
     from policy.model import load_policy
     from policy.screen import Screen
     from sparserl_compile.fileio import write_json
-    from sparserl_compile.sandbox import _RESTART
     from sparserl_compile.suite import run_stamp
     from training.data import DEFAULT_SUPERVISION, load_supervision, split
     from training.rl import problems_from_records
@@ -79,30 +108,17 @@ def main(argv=None) -> int:
     out = {**run_stamp(), "checkpoint": a.checkpoint, "records": len(problems), "k": a.k, "workers": a.workers,
            "ways": {}}
     _draw(model, tok, problems, a.k, None, a.max_new_tokens)  # warm-up, untimed: grammars compiled, caches filled
-    texts = {}
-    for way in ("none", "keep", "restart"):
-        screen = None
-        if way != "none":
-            # a fresh kernel cache per screen: the CPU executor's g++ builds (and NVRTC's) of one
-            # screen would otherwise make the next one's free
-            os.environ["SPARSERL_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"screen_cost_{way}_")
-            screen = Screen(a.workers)
-            if way == "restart":
-                screen.pool.restart_on = frozenset(_RESTART)
-            screen.pool.start(count=a.workers, wait=True)  # started workers, as a serving process has them
-        try:
-            rows = _draw(model, tok, problems, a.k, screen, a.max_new_tokens)
-        finally:
-            restarts = screen.pool.restarts if screen is not None else 0
-            counts = dict(screen.counts) if screen is not None else {}
-            if screen is not None:
-                screen.close()
-        texts[way] = [r["texts"] for r in rows]
-        summary = {"decode_s": sum(r["decode_s"] for r in rows), "screen_s": sum(r["screen_s"] for r in rows),
-                   "candidates": sum(len(r["texts"]) for r in rows), "counts": counts, "restarts": restarts}
-        out["ways"][way] = {**summary, "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows]}
-        print(f"[screen] {way:8s} decoding {summary['decode_s']:6.1f} s  screen {summary['screen_s']:5.1f} s  "
-              f"{summary['candidates']} candidates  {counts}  restarts {restarts}", flush=True)
+    texts, scratch, env = {}, [], os.environ.get("SPARSERL_CACHE_DIR")
+    try:
+        for way in ("none", "keep", "restart"):
+            texts[way], out["ways"][way] = _way(way, model, tok, problems, a, scratch, Screen)
+    finally:
+        for d in scratch:
+            shutil.rmtree(d, ignore_errors=True)
+        if env is None:
+            os.environ.pop("SPARSERL_CACHE_DIR", None)
+        else:
+            os.environ["SPARSERL_CACHE_DIR"] = env
     out["same_verdicts"] = texts["keep"] == texts["restart"]
     print(f"[screen] the two screens kept the same candidates: {out['same_verdicts']}")
     if a.json:
