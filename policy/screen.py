@@ -104,9 +104,11 @@ class Screen:
     def _unfit(self, indptr, indices, shape, fmt: str, params: dict) -> str | None:
         from sparserl_compile import formats
 
-        key = (id(indptr), id(indices), tuple(shape))
-        if key != self._fit_key:  # another matrix: forget the verdicts
-            self._fit, self._fit_key = {}, key
+        # the arrays themselves, not their ids: holding them keeps a freed array's id from being
+        # reused by another matrix's, which would hand that matrix this one's verdicts
+        key = self._fit_key
+        if key is None or key[0] is not indptr or key[1] is not indices or key[2] != tuple(shape):
+            self._fit, self._fit_key = {}, (indptr, indices, tuple(shape))  # another matrix: forget the verdicts
         fp = (fmt, tuple(sorted(params.items())))
         if fp not in self._fit:
             self._fit[fp] = formats.unfit(indptr, indices, shape, fmt, params)

@@ -99,3 +99,15 @@ def test_screen_on_a_real_matrix(screen, shared_matrices):
 def test_screen_needs_a_worker():
     with pytest.raises(ValueError, match="workers=0"):
         Screen(0)
+
+
+def test_screen_verdicts_are_per_matrix(screen):
+    """The format-fit verdicts are remembered for one matrix at a time: a matrix of the same shape
+    checked next gets its own verdicts, not the last one's."""
+    band = matrices.block_diagonal(250, 4, seed=1)  # 1000 x 1000, dense 4x4 blocks: BSR 4x4 fits
+    scattered = matrices.uniform_random(1000, 1000, 8, seed=4)  # BSR 4x4 would be mostly padding
+    bsr = _src("bsr", "spmv", {"R": 4, "C": 4}, band)
+    for _ in range(2):
+        assert screen.check(band.indptr, band.indices, band.shape, "spmv", "f32", 1, [bsr]) == [None]
+        (why,) = screen.check(scattered.indptr, scattered.indices, scattered.shape, "spmv", "f32", 1, [bsr])
+        assert why.startswith("format: bsr:")
