@@ -82,7 +82,7 @@ def test_raft_update_replays_the_anchors(tiny_tok, n_features):
 
 
 def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, raft_steps: int, raft_anchor: int,
-              reward: str = "hierarchical", explore: str = "temperature"):
+              reward: str = "hierarchical", explore: str = "temperature", screen: int = 0):
     """A RAFT run of a tiny policy on one problem (3 candidates): the evaluator times the second
     candidate 5x faster than the first and calls the third wrong. Returns the result, every
     update's candidate sources, the log, the matrix, the starting checkpoint and its model."""
@@ -104,7 +104,7 @@ def _raft_run(tmp_path, tiny_tok, n_features, *, retrieval: bool, steps: int, ra
     cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=steps, problems_per_step=1,
                    k=3, max_new_tokens=16, lr=3e-3, algo="raft", raft_steps=raft_steps, raft_batch=4,
                    speculative=False, save_every=100, raft_anchor=raft_anchor, reward=reward,
-                   raft_explore=explore)
+                   raft_explore=explore, raft_screen=screen)
     logs = []
     r = rl(cfg, problems=[RLProblem(m, "spmv", "f32", 1, "b48")], evaluator=timed, log=logs.append)
     return r, seen, logs, m, init, model
@@ -319,6 +319,17 @@ def test_raft_branch_exploration_spends_the_candidates_on_the_greedy_kernels_dep
     assert [r.extra["origin"] for r in rs] == ["greedy", "branch", "branch", "branch"]
     assert seen == [("greedy", 1), ("branches", 4, "greedy kernel", True, True)]
     assert set(seconds) == {"greedy", "branch"}
+
+
+def test_a_raft_run_with_a_screen(tmp_path, tiny_tok, n_features):
+    """A real run with --raft-screen 1: the tiny policy's departures are not kernels, so the
+    screen leaves every one out at the header and only the greedy kernel is rewarded; the
+    update's log names the screen's seconds."""
+    r, seen, logs, *_ = _raft_run(tmp_path, tiny_tok, n_features, retrieval=False, steps=1, raft_steps=1,
+                                  raft_anchor=0, explore="branches", screen=1)
+    assert r.step == 1 and len(seen) == 1 and len(seen[0]) == 1
+    step = next(line for line in logs if line.startswith("[rl] step 1/"))
+    assert "screen" in step and "branch" in step
 
 
 def test_raft_screen_checks_the_departures_for_the_problems_matrix(monkeypatch):
