@@ -102,6 +102,13 @@ class KindStats:
     #: cuSPARSE fallback (the space best over torch.sparse's time) instead of being left out
     measured_frac_greedy_fallback: list[float] = field(default_factory=list)
     measured_frac_best_of_k: list[float] = field(default_factory=list)  # per record, some sample a point
+    #: the samples whose text is not the greedy kernel's (``_score``: the departures of "branches",
+    #: the other formats' kernels, the temperature samples that differ from the greedy kernel),
+    #: and how many of them compiled and were correct: the rates above count the greedy kernel
+    #: again wherever the mode's first candidate is it
+    others: int = 0
+    others_compiled: int = 0
+    others_correct: int = 0
     greedy_correct: int = 0
     greedy_novel: int = 0  # records whose greedy kernel is correct and no measured point (no greedy fraction)
     records: int = 0
@@ -114,6 +121,9 @@ class KindStats:
         return {"samples": self.samples,
                 "compile_rate": self.compiled / self.samples if self.samples else None,
                 "correct_rate": self.correct / self.samples if self.samples else None,
+                "others": self.others,
+                "others_compile_rate": self.others_compiled / self.others if self.others else None,
+                "others_correct_rate": self.others_correct / self.others if self.others else None,
                 "novel_rate": self.novel / self.correct if self.correct else None,
                 "speedup_greedy_geomean": geomean(self.speedup_greedy),
                 "speedup_best_of_k_geomean": geomean(self.speedup_best_of_k),
@@ -257,10 +267,14 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
     st.records += 1
     st.greedy_correct += bool(outs[0].correct)
     measured = []  # measured us of each correct sample that is a measured point (None otherwise)
-    for o, t in zip(outs, texts):
+    for j, (o, t) in enumerate(zip(outs, texts)):
         st.samples += 1
         st.compiled += o.compiled
         st.correct += o.correct
+        if j >= best_from and t != texts[0]:
+            st.others += 1
+            st.others_compiled += o.compiled
+            st.others_correct += o.correct
         us = None
         if o.correct and space is not None:
             key = normalized(t)

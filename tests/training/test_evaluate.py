@@ -113,6 +113,27 @@ def test_branch_samples_are_the_greedy_kernel_and_its_departures(tiny_model, tin
     k - 1 most likely departures (``decode.branch_diverse``), distinct kernels."""
     st, seen = _sources_seen(tiny_model, tiny_tok, samples="branches", branch_scope="all")
     assert st.samples == 4 and seen[1] == seen[0] and len(set(seen[1:])) == 3
+    # the departures alone: the greedy kernel, counted twice in the rates, is not among the others
+    summ = st.summary()
+    assert st.others == 2 and summ["others"] == 2
+    assert summ["others_compile_rate"] == summ["others_correct_rate"] == 1.0
+
+
+def test_the_others_rates_leave_out_the_greedy_kernel_wherever_it_comes(tiny_model, tiny_tok):
+    """others_*: the samples whose text differs from the greedy kernel's, whichever mode drew
+    them; a sample that copies the greedy kernel is not among them."""
+    m = banded(32, 1)
+    pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
+
+    def first_ok_rest_wrong(pb, sources):
+        return [KernelOutcome(True, True, s == sources[0], 50.0, pb.reference_us, pb.best_space_us) for s in sources]
+
+    st = evaluate_policy(tiny_model, tiny_tok, [("banded", pb)], first_ok_rest_wrong, k=4, temperature=1.0,
+                         max_new_tokens=12, constrained=False)["banded"]
+    summ = st.summary()
+    copies = st.samples - 1 - st.others  # temperature samples equal to the greedy kernel
+    assert st.others + copies == 4 and summ["correct_rate"] == (1 + copies) / 5
+    assert summ["others_correct_rate"] in (None, 0.0) and summ["others_compile_rate"] in (None, 1.0)
 
 
 def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tiny_tok, monkeypatch):
