@@ -6,7 +6,8 @@ the old ``items_per_part`` in its arithmetic, an SpMM kernel keeps the old ``til
 to another format keeps a body written for SpMV, or the header names BSR blocks the matrix
 does not convert to. Live on the H200, 39 % of version 4's departures failed (86.7 % compiled,
 61.2 % correct; twenty-ninth session). On the GPU each failure costs a sandbox worker (a
-fresh interpreter, torch and a CUDA context, about 4 s) and, in RL, a third of the updates.
+fresh interpreter, torch and a CUDA context, about 4 s), and in RL it made the updates three
+times fewer.
 
 ``Screen`` answers, per candidate, whether it is worth the GPU's time, in three steps, cheapest
 first:
@@ -68,7 +69,7 @@ def probe_pattern(indptr, indices, shape, n: int = 1, rows: int = PROBE_ROWS,
 
 class Screen:
     """Checks candidates for one matrix at a time on the CPU (module docstring) with a pool of
-    ``workers`` sandboxed CPU workers (``spare`` kept started, so a failed kernel's worker is
+    ``workers`` sandboxed CPU workers (``spare`` kept started, so a worker that hangs or dies is
     replaced while the next job runs). ``check(...)`` returns, per source, None (worth the
     GPU's time) or why not. ``close()`` stops the workers (also at exit)."""
 
