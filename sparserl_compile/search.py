@@ -159,8 +159,8 @@ def _convert_problem(pat, c: Candidate) -> str | None:
     from sparserl_compile import formats
 
     fmt, params = c.header.format, c.header.params
-    if fmt in ("ell", "dia"):  # no parameters: the budget check alone, nothing filled
-        return None if formats.unfit(pat.indptr, pat.indices, pat.shape, fmt) is None else f"{fmt}: FormatNotSuitable"
+    if fmt != "bsr":  # the budget check alone, nothing filled (BSR's block density needs its fill)
+        return None if formats.unfit(pat.indptr, pat.indices, pat.shape, fmt, params) is None else f"{fmt}: FormatNotSuitable"
     try:
         fd = formats.convert(pat.indptr, pat.indices, pat.shape, fmt, params)
     except formats.FormatNotSuitable:
