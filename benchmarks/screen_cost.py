@@ -39,10 +39,12 @@ def _draw(model, tok, problems, k: int, screen, max_new_tokens: int):
         gram = grammar_for(pb.op, pb.dtype, m.indptr, m.indices, m.shape)
         spent = [0.0]
 
-        def check(texts, m=m, pb=pb):
+        bound = screen and screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)
+
+        def check(texts, bound=bound):
             t = time.perf_counter()
             try:
-                return screen.check(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n, texts)
+                return bound(texts)
             finally:
                 spent[0] += time.perf_counter() - t
 

@@ -240,9 +240,7 @@ class PolicyProvider:
                                        hint=hint, references=refs, grammar_text=grammar)
             elif self.samples == "branches":
                 cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
-                screen = self.screen
-                check = (None if screen is None else
-                         lambda texts: screen.check(indptr, indices, shape, problem.op, dtype, n, texts))
+                check = self.screen and self.screen.checker(indptr, indices, shape, problem.op, dtype, n)
                 rolls = branch_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, config=cfg,
                                        hint=hint, references=refs, grammar_text=grammar, screen=check)
                 self.stats.screened_out += len(rolls[0].extra.get("screened_out", ())) if rolls else 0

@@ -115,6 +115,11 @@ class Screen:
             self._fit[fp] = formats.unfit(indptr, indices, shape, fmt, params)
         return self._fit[fp]
 
+    def checker(self, indptr, indices, shape, op: str, dtype: str, n: int):
+        """``check`` bound to one problem: a callable from sources to verdicts, what
+        ``decode.branch_diverse(screen=)`` takes."""
+        return lambda sources: self.check(indptr, indices, shape, op, dtype, n, sources)
+
     def check(self, indptr, indices, shape, op: str, dtype: str, n: int, sources: list[str]) -> list[str | None]:
         """Per source, None when it passed every step, else the step's reason ("header: ...",
         "format: ...", "probe <kind>: ...")."""

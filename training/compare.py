@@ -159,10 +159,10 @@ def pooled_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRI
            "excluded": sorted(exclude)}
     if not both:
         return {**out, **_empty(metric)}
-    order = np.argsort(-np.abs(logs))
+    order, step = np.argsort(-np.abs(logs)), _step(metric, tie)
     return {**out, **_summary(metric, logs, n_boot, seed, tie),
             "changes": [{"label": both[i][0], "op": both[i][1], "n": both[i][2], "base": b[both[i]],
-                         "other": o[both[i]]} for i in order if abs(logs[i]) > _step(metric, tie)]}
+                         "other": o[both[i]]} for i in order if abs(logs[i]) > step]}
 
 
 def stacked_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METRICS[0], n_boot: int = 10_000,

@@ -238,8 +238,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
             from policy.decode import branch_diverse
 
             # the greedy kernel is the first of the k (as format_diverse's most likely format is)
-            check = (None if screen is None else
-                     lambda texts, m=m, pb=pb: screen.check(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n, texts))
+            check = screen and screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)
             sampled = branch_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, config=greedy_cfg, grammar_text=grammar,
                                      hint=hint, references=refs, greedy=greedy[0], scope=branch_scope, screen=check)
         else:

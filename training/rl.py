@@ -482,9 +482,9 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
                               references=references), "greedy")
     if cfg.raft_explore == "branches":
         def check(texts):
-            m = pb.matrix
             with _timed(seconds, "screen"):
-                return screen.check(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n, texts)
+                m = pb.matrix
+                return screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)(texts)
 
         before = seconds.get("screen", 0.0)
         with _timed(seconds, "branch"):

@@ -90,10 +90,13 @@ def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model,
     ``stats.screened_out``. A screen for another sampling mode is refused."""
     from policy import provider as prov_mod
     from policy.decode import Rollout
+    from policy.screen import Screen
 
     asked = []
 
     class FakeScreen:
+        checker = Screen.checker  # the real binding of a problem; check is this fake's
+
         def __init__(self, workers):
             self.workers = workers
 

@@ -339,11 +339,14 @@ def test_raft_screen_checks_the_departures_for_the_problems_matrix(monkeypatch):
     from types import SimpleNamespace
 
     import policy.decode as decode
+    from policy.screen import Screen
     from training.rl import _raft_candidates
 
     asked = []
 
     class FakeScreen:
+        checker = Screen.checker  # the real binding of a problem; check is this fake's
+
         def check(self, indptr, indices, shape, op, dtype, n, texts):
             asked.append((indptr, indices, shape, op, dtype, n, tuple(texts)))
             return [None, "no"]
