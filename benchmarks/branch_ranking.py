@@ -40,8 +40,7 @@ def _seq_logps(model, prompt, seqs, s):
 def collect(checkpoint: str, count: int, out: str, max_new_tokens: int = 1200) -> list[dict]:
     from policy.decode import DecodeConfig, branch_points, generate
     from policy.model import load_policy
-    from policy.provider import grammar_for, structure_and_formats
-    from policy.retrieval import default_entries, reference_sources
+    from policy.provider import problem_inputs
     from policy.tokenizer import prompt_text
     from sparserl_compile.fileio import write_json
     from training.data import DEFAULT_SUPERVISION, load_supervision, split
@@ -58,9 +57,7 @@ def collect(checkpoint: str, count: int, out: str, max_new_tokens: int = 1200) -
     for i, (r, pb) in enumerate(zip(recs, pbs)):
         m = pb.matrix
         space = measured_sources(r, m, default_render)
-        s, _ = structure_and_formats(m.indptr, m.indices, m.shape, model.config.max_points, formats=False)
-        refs = reference_sources(s.features, pb.op, pb.dtype, pb.n, default_entries(), m, count=4)
-        gram = grammar_for(pb.op, pb.dtype, m.indptr, m.indices, m.shape)
+        s, _, refs, gram = problem_inputs(model, m, pb.op, pb.dtype, pb.n, samples="branches")
         (g,) = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, config=cfg, grammar_text=gram, references=refs)
         pts = branch_points(model, tok, s, pb.op, pb.dtype, pb.n, g.tokens, count, grammar_text=gram)
         rolls = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=len(pts), config=cfg, grammar_text=gram,

@@ -27,16 +27,13 @@ import time
 def _draw(model, tok, problems, k: int, screen, max_new_tokens: int):
     """Per record: (texts, screened-out reasons, decode seconds, screen seconds)."""
     from policy.decode import DecodeConfig, branch_diverse
-    from policy.provider import grammar_for, structure_and_formats
-    from policy.retrieval import default_entries, reference_sources
+    from policy.provider import problem_inputs
 
     cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, trace=False, batch_drafts=True)
     rows = []
     for pb in problems:
         m = pb.matrix
-        s, _ = structure_and_formats(m.indptr, m.indices, m.shape, model.config.max_points, formats=False)
-        refs = reference_sources(s.features, pb.op, pb.dtype, pb.n, default_entries(), m, count=4)
-        gram = grammar_for(pb.op, pb.dtype, m.indptr, m.indices, m.shape)
+        s, _, refs, gram = problem_inputs(model, m, pb.op, pb.dtype, pb.n, samples="branches")
         spent = [0.0]
 
         bound = screen and screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)

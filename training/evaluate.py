@@ -182,7 +182,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     departures of ``samples="branches"`` pass before they are scored (``EvalConfig.screen_workers``);
     each record's row counts the ones it left out (``screened_out``)."""
     from policy.decode import DecodeConfig, check_samples, generate
-    from policy.provider import grammar_for, structure_and_formats
+    from policy.provider import problem_inputs
     from training.sft import default_render
 
     check_samples(samples, model)
@@ -193,10 +193,11 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     for i, (kind, pb) in enumerate(problems):
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
-        s, formats = structure_and_formats(m.indptr, m.indices, m.shape, model.config.max_points,
-                                           formats=samples == "formats")
-        from policy.retrieval import (default_entries, hint_name, nearest_hint, nearest_points, problem_for,
-                                      reference_sources)
+        # drafts for speculative decoding (the decoding's speed only, never its samples)
+        s, formats, refs, grammar = problem_inputs(model, m, pb.op, pb.dtype, pb.n, samples=samples,
+                                                   entries=hint_entries, count=max(4, k) if samples == "hints" else 4,
+                                                   fit_formats=fit_formats and constrained)
+        from policy.retrieval import hint_name, nearest_hint, nearest_points, problem_for
 
         hint = points = None
         if hint_entries is not None and getattr(model.config, "retrieval", False):
@@ -206,13 +207,8 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                 hint = hint_name(*points[0]) if points else None
             else:
                 hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable)
-        # drafts for speculative decoding (the decoding's speed only, never its samples)
-        refs = reference_sources(s.features, pb.op, pb.dtype, pb.n,
-                                 hint_entries if hint_entries is not None else default_entries(), m,
-                                 count=max(4, k) if samples == "hints" else 4, formats=formats)
         # untraced: no logprobs or masks are scored here, so greedy skips the masks it can (same tokens)
         greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained, trace=False)
-        grammar = grammar_for(pb.op, pb.dtype, m.indptr, m.indices, m.shape) if fit_formats and constrained else None
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg,
                           grammar_text=grammar)
         if samples == "hints":

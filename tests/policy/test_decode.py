@@ -516,3 +516,32 @@ def test_branch_candidates_of_the_shipped_policy_are_other_launch_choices():
     for r, h in zip(rs[1:], headers[1:]):
         contract.parse_header(r.text)
         assert h != headers[0]
+
+
+def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_formats_draft():
+    """A departure into another format than the nearest entries' drafts is written one token a
+    forward; with ``problem_inputs(samples="branches")``'s drafts (one of every format) the same
+    departures take far fewer forwards. Greedy decoding writes the same kernels either way."""
+    from policy.decode import branch_diverse, format_of
+    from policy.model import load_policy
+    from policy.provider import problem_inputs
+    from policy.retrieval import default_entries, reference_sources
+    from sparserl_compile.matrices import uniform_random
+
+    model, tok = load_policy(DEFAULT_CHECKPOINT, "cpu")
+    counted = CountingPolicy(model)
+    m = uniform_random(3000, 3000, 8, seed=1)
+    s, formats, every, grammar = problem_inputs(model, m, "spmm", "f32", 32, samples="branches")
+    assert formats == ()  # nothing forces a format here
+    nearest = reference_sources(s.features, "spmm", "f32", 32, default_entries(), m, count=4)
+    assert every[:len(nearest)] == nearest and {format_of(t) for t in every} == set(contract.FORMATS)
+    cfg = DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=True)
+    texts, calls = [], []
+    for refs in (nearest, every):
+        counted.calls = 0
+        texts.append([r.text for r in branch_diverse(counted, tok, s, "spmm", "f32", 32, 4, cfg,
+                                                     grammar_text=grammar, references=refs)])
+        calls.append(counted.calls)
+    assert texts[0] == texts[1] and len(texts[0]) == 4
+    assert {format_of(t) for t in texts[0][1:]} - {format_of(t) for t in nearest}  # a format no near draft has
+    assert calls[1] * 3 < calls[0], calls

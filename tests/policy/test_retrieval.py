@@ -193,6 +193,19 @@ def test_reference_sources_add_a_draft_of_each_asked_format():
                                                               formats=("ell",), scan=2)] == ["csr"]
 
 
+def test_draft_formats_follow_how_the_candidates_leave_the_greedy_kernel():
+    """A departure may switch to any format, so "branches" drafts every contract format; forced
+    formats ("formats", RAFT's "mixed") draft the plausible ones they force; temperature samples
+    and hints draft none beyond the nearest entries'."""
+    from sparserl_compile import contract
+
+    assert retrieval.draft_formats("branches", ("csr",)) == tuple(contract.FORMATS)
+    assert retrieval.draft_formats("formats", ("csr", "ell")) == ("csr", "ell")
+    assert retrieval.draft_formats("mixed", ["dia"]) == ("dia",)
+    assert retrieval.draft_formats("temperature", ("csr", "ell")) == ()
+    assert retrieval.draft_formats("hints") == ()
+
+
 def test_nearest_hints_are_the_nearest_entries_winners_in_order():
     table = [entry("a", [1.0, 1.0], "csr_scalar", {"block": 64}),
              entry("b", [1.5, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
