@@ -57,7 +57,7 @@ def collect(checkpoint: str, count: int, out: str, max_new_tokens: int = 1200) -
     for i, (r, pb) in enumerate(zip(recs, pbs)):
         m = pb.matrix
         space = measured_sources(r, m, default_render)
-        s, _, refs, gram = problem_inputs(model, m, pb.op, pb.dtype, pb.n, samples="branches")
+        s, _, refs, gram = problem_inputs(model, m, pb.op, pb.dtype, pb.n)
         (g,) = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, config=cfg, grammar_text=gram, references=refs)
         pts = branch_points(model, tok, s, pb.op, pb.dtype, pb.n, g.tokens, count, grammar_text=gram)
         rolls = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=len(pts), config=cfg, grammar_text=gram,

@@ -33,7 +33,7 @@ def _draw(model, tok, problems, k: int, screen, max_new_tokens: int):
     rows = []
     for pb in problems:
         m = pb.matrix
-        s, _, refs, gram = problem_inputs(model, m, pb.op, pb.dtype, pb.n, samples="branches")
+        s, _, refs, gram = problem_inputs(model, m, pb.op, pb.dtype, pb.n)
         spent = [0.0]
 
         bound = screen and screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)

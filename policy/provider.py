@@ -113,23 +113,23 @@ def grammar_for(op: str, dtype: str, indptr, indices, shape) -> str | None:
     return kernel_grammar(op, dtype, exclude=sorted(unfit)) if unfit else None
 
 
-def problem_inputs(model, matrix, op: str, dtype: str, n: int, *, samples: str = "temperature", entries=None,
+def problem_inputs(model, matrix, op: str, dtype: str, n: int, *, formats: bool = False, entries=None,
                    count: int = 4, fit_formats: bool = True):
     """What decoding one problem outside the runtime takes, prepared as ``PolicyProvider``
     prepares it (evaluation and the benchmarks): ``(structure, formats, references, grammar)``:
-    the encoder's structure; the plausible formats when ``samples`` forces formats (else ``()``);
-    drafts for speculative decoding, the first ``count`` proposals of ``entries`` (default: the
-    shipped ``nearest`` table) plus one of each format of ``retrieval.draft_formats(samples)``;
+    the encoder's structure; the ``plausible_formats`` when ``formats`` (else ``()``);
+    drafts for speculative decoding (``retrieval.reference_sources``: the first ``count``
+    proposals of ``entries``, default the shipped ``nearest`` table, and one of every format);
     and the grammar fitted to the matrix (``grammar_for``; None without ``fit_formats``).
     ``matrix``: anything with ``indptr``, ``indices`` and ``shape``."""
-    from policy.retrieval import default_entries, draft_formats, reference_sources
+    from policy.retrieval import default_entries, reference_sources
 
-    s, formats = structure_and_formats(matrix.indptr, matrix.indices, matrix.shape, model.config.max_points,
-                                       formats=samples in ("formats", "mixed"))
+    s, plausible = structure_and_formats(matrix.indptr, matrix.indices, matrix.shape, model.config.max_points,
+                                         formats=formats)
     refs = reference_sources(s.features, op, dtype, n, entries if entries is not None else default_entries(),
-                             matrix, count=count, formats=draft_formats(samples, formats))
+                             matrix, count=count)
     grammar = grammar_for(op, dtype, matrix.indptr, matrix.indices, matrix.shape) if fit_formats else None
-    return s, formats, refs, grammar
+    return s, plausible, refs, grammar
 
 
 class PolicyProvider:
@@ -215,7 +215,7 @@ class PolicyProvider:
                               features=np.asarray(feats.as_vector(), np.float32))
         dtype = contract.TORCH_DTYPES.get(str(problem.dtype).replace("torch.", ""), str(problem.dtype))
         n = int(getattr(problem, "n", 1) or 1)
-        from policy.retrieval import default_entries, draft_formats, nearest_hint, reference_sources
+        from policy.retrieval import default_entries, nearest_hint, reference_sources
         from sparserl_compile.search import pattern_of
 
         hint = None
@@ -226,13 +226,12 @@ class PolicyProvider:
         if retrieval and self.samples != "hints":
             # trained with hints: give it one (in "hints" mode each candidate has its own)
             hint = nearest_hint(s.features, problem.op, dtype, n, default_entries(), problem=problem, space=space)
+        formats = plausible_formats(indptr, indices, shape, features=feats) if self.samples == "formats" else ()
         # drafts for speculative decoding: the nearest measured winners, rendered (speed only)
         # (one per hint, filling hints included, when each candidate has its own hint), and one of
-        # each format a candidate may be forced or depart into (draft_formats)
-        formats = plausible_formats(indptr, indices, shape, features=feats) if self.samples == "formats" else ()
+        # every format, for candidates forced or departing into another format
         refs = reference_sources(s.features, problem.op, dtype, n, default_entries(), pattern_of(problem),
-                                 count=max(4, 2 * k) if self.samples == "hints" else 4,
-                                 formats=draft_formats(self.samples, formats)) if self.speculative else None
+                                 count=max(4, 2 * k) if self.samples == "hints" else 4) if self.speculative else None
         grammar = (grammar_for(problem.op, dtype, indptr, indices, shape)
                    if self.fit_formats and self.decode.constrained else None)
         out, seen = [], set()

@@ -66,41 +66,29 @@ def problem_for(op: str, dtype: str, n: int, matrix):
                         fingerprint(matrix.indptr, matrix.indices, matrix.shape), "sm_90")
 
 
-def draft_formats(samples: str, plausible=()) -> tuple[str, ...]:
-    """The formats that get a draft of their own (``reference_sources(formats=)``) when the
-    candidates after the greedy kernel are drawn by ``samples`` (``decode.SAMPLE_MODES``, or
-    RAFT's ``--raft-explore`` modes). ``"formats"`` and ``"mixed"`` force the ``plausible``
-    formats; ``"branches"`` departs from the greedy kernel at any header token, the format
-    included, to any format the grammar allows, so every contract format gets a draft; the
-    temperature samples rarely leave the greedy kernel's format (none).
-
-    A departure to a format no draft is written in is decoded one token a forward: on the 42
-    held-out records at k = 4 the departures took 4518 forwards with the nearest entries' drafts
-    alone and 719 with a draft of every format, the same kernels (``benchmarks/branch_drafts.py``)."""
-    if samples == "branches":
-        from sparserl_compile import contract
-
-        return tuple(contract.FORMATS)
-    return tuple(plausible) if samples in ("formats", "mixed") else ()
-
-
 def reference_sources(features, op: str, dtype: str, n: int, entries, structure, count: int = 4,
-                      exclude: str | None = None, formats=(), scan: int = 300) -> list[str]:
+                      exclude: str | None = None, formats=None, scan: int = 300) -> list[str]:
     """The rendered sources of the first ``count`` proposals of the nearest entries (the hint's
     kernel first): drafts for speculative decoding (``decode.generate(references=...)``). They
     change how fast a sample is decoded, never which sample comes out. ``structure``: the
     problem's pattern (``indptr``, ``indices``, ``shape``), for families that read it.
 
     ``formats``: also, for each of these formats the first ``count`` left without, the next
-    proposal of that format (among the first ``scan``), so that a sample forced into another
-    format (``decode.format_diverse``) has a draft of its own format."""
+    proposal of that format (among the first ``scan``); default: every contract format, ``()``:
+    none. A sample in a format no draft is written in is decoded one token a forward: a
+    departure from the greedy kernel into another format (``decode.branch_diverse``), a format
+    forced on it (``decode.format_diverse``), or a greedy kernel or sample that leaves the
+    nearest winners' formats. On the 42 held-out records at k = 4 (2-core CPU, version 4) the
+    departures took 4518 forwards with the nearest proposals' drafts alone and 719 with a draft
+    of every format, the same kernels (``benchmarks/format_drafts.py``; rendering the extra
+    drafts costs a few milliseconds)."""
     from policy.decode import format_of
-    from sparserl_compile import kernels
+    from sparserl_compile import contract, kernels
     from sparserl_compile.nearest import proposals
 
     pool = [e for e in entries if e.label != exclude] if exclude is not None else entries
     out, have, family_format = [], set(), {}
-    wanted = set(formats)
+    wanted = set(contract.FORMATS if formats is None else formats)
     for i, (family, params) in enumerate(proposals(pool, features, op, dtype, 1 if op == "spmv" else int(n))):
         if len(out) >= count and (not wanted - have or i >= scan):
             break

@@ -194,7 +194,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         st = stats.setdefault(kind, KindStats())
         m = pb.matrix
         # drafts for speculative decoding (the decoding's speed only, never its samples)
-        s, formats, refs, grammar = problem_inputs(model, m, pb.op, pb.dtype, pb.n, samples=samples,
+        s, formats, refs, grammar = problem_inputs(model, m, pb.op, pb.dtype, pb.n, formats=samples == "formats",
                                                    entries=hint_entries, count=max(4, k) if samples == "hints" else 4,
                                                    fit_formats=fit_formats and constrained)
         from policy.retrieval import hint_name, nearest_hint, nearest_points, problem_for

@@ -372,15 +372,12 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                                               cfg.k if raft else 1, exclude=pb.label,
                                               problem=problem_for(pb.op, pb.dtype, pb.n, m))
                 if cfg.speculative:  # drafts: speed only, the samples' distribution is the model's
-                    from policy.retrieval import default_entries, draft_formats, reference_sources
+                    from policy.retrieval import default_entries, reference_sources
 
-                    # format candidates (--raft-explore formats|mixed) get a draft of their own format,
-                    # departures (branches) one of every format
+                    # a draft of every format too: format candidates and departures leave the greedy one's
                     refs[pi] = reference_sources(structs[pi].features, pb.op, pb.dtype, pb.n,
                                                  hint_entries or default_entries(), m,
-                                                 count=max(4, cfg.k) if raft else 4, exclude=pb.label,
-                                                 formats=draft_formats(cfg.raft_explore if raft else "temperature",
-                                                                       formats.get(pi, ())))
+                                                 count=max(4, cfg.k) if raft else 4, exclude=pb.label)
             sample_seed = cfg.seed * 7919 + step * 31 + g  # the same whatever the rank
             if raft:
                 if hint_entries is not None and not hints[pi]:

@@ -520,8 +520,8 @@ def test_branch_candidates_of_the_shipped_policy_are_other_launch_choices():
 
 def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_formats_draft():
     """A departure into another format than the nearest entries' drafts is written one token a
-    forward; with ``problem_inputs(samples="branches")``'s drafts (one of every format) the same
-    departures take far fewer forwards. Greedy decoding writes the same kernels either way."""
+    forward; with ``problem_inputs``'s drafts (one of every format) the same departures take far
+    fewer forwards. Greedy decoding writes the same kernels either way."""
     from policy.decode import branch_diverse, format_of
     from policy.model import load_policy
     from policy.provider import problem_inputs
@@ -531,9 +531,9 @@ def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_fo
     model, tok = load_policy(DEFAULT_CHECKPOINT, "cpu")
     counted = CountingPolicy(model)
     m = uniform_random(3000, 3000, 8, seed=1)
-    s, formats, every, grammar = problem_inputs(model, m, "spmm", "f32", 32, samples="branches")
-    assert formats == ()  # nothing forces a format here
-    nearest = reference_sources(s.features, "spmm", "f32", 32, default_entries(), m, count=4)
+    s, formats, every, grammar = problem_inputs(model, m, "spmm", "f32", 32)
+    assert formats == ()  # not asked for: nothing forces a format here
+    nearest = reference_sources(s.features, "spmm", "f32", 32, default_entries(), m, count=4, formats=())
     assert every[:len(nearest)] == nearest and {format_of(t) for t in every} == set(contract.FORMATS)
     cfg = DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=True)
     texts, calls = [], []

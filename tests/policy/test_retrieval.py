@@ -184,7 +184,7 @@ def test_reference_sources_add_a_draft_of_each_asked_format():
              entry("c", [1.4, 1.0], "ell", {"block": 128}),
              entry("d", [1.6, 1.0], "merge", {"block": 128, "items_per_part": 16}),
              entry("e", [1.8, 1.0], "ell", {"block": 256})]
-    first = retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1)
+    first = retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1, formats=())
     srcs = retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m, count=1,
                                        formats=("ell", "merge", "dia"))
     assert srcs[0] == first[0] and [format_of(s) for s in srcs] == ["csr", "ell", "merge"]  # no dia point
@@ -193,17 +193,22 @@ def test_reference_sources_add_a_draft_of_each_asked_format():
                                                               formats=("ell",), scan=2)] == ["csr"]
 
 
-def test_draft_formats_follow_how_the_candidates_leave_the_greedy_kernel():
-    """A departure may switch to any format, so "branches" drafts every contract format; forced
-    formats ("formats", RAFT's "mixed") draft the plausible ones they force; temperature samples
-    and hints draft none beyond the nearest entries'."""
-    from sparserl_compile import contract
+def test_reference_sources_draft_every_format_by_default():
+    """Without ``formats`` the drafts include the nearest proposal of every format the entries
+    have (a departure or a sample may leave the nearest winners' format); ``formats=()``: the
+    first ``count`` proposals alone."""
+    from policy.decode import format_of
+    from sparserl_compile.matrices import banded
 
-    assert retrieval.draft_formats("branches", ("csr",)) == tuple(contract.FORMATS)
-    assert retrieval.draft_formats("formats", ("csr", "ell")) == ("csr", "ell")
-    assert retrieval.draft_formats("mixed", ["dia"]) == ("dia",)
-    assert retrieval.draft_formats("temperature", ("csr", "ell")) == ()
-    assert retrieval.draft_formats("hints") == ()
+    m = banded(64, 2)
+    table = [entry("a", [1.0, 1.0], "csr_scalar", {"block": 64}),
+             entry("b", [1.2, 1.0], "csr_vector", {"block": 128, "tpr": 8}),
+             entry("c", [1.4, 1.0], "ell", {"block": 128}),
+             entry("d", [1.6, 1.0], "merge", {"block": 128, "items_per_part": 16})]
+    assert [format_of(s) for s in retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m,
+                                                              count=1)] == ["csr", "ell", "merge"]
+    assert [format_of(s) for s in retrieval.reference_sources([1.0, 1.0], "spmv", "f32", 1, table, m,
+                                                              count=1, formats=())] == ["csr"]
 
 
 def test_nearest_hints_are_the_nearest_entries_winners_in_order():
