@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] [DECODE="..."] [RAFT_DECODE="..."] [PROPOSE="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] [DECODE="..."] [RAFT_DECODE="..."] [PROPOSE="..."] [DRAFTS="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -119,6 +119,11 @@ run_hook raft_decode "${RAFT_DECODE:-}" "${RAFT_DECODE_TIMEOUT:-300}" 12 "Warnin
 # PROPOSE="args of benchmarks/propose_speed.py", e.g. "--device cuda"
 run_hook propose "${PROPOSE:-}" "${PROPOSE_TIMEOUT:-240}" 12 "Warning\|warn\|Loading weights\|forward_call" \
   python3 benchmarks/propose_speed.py --json "$BENCH_DIR/propose_speed.json"
+
+# Decoding with and without a draft of every format, on the held-out records:
+# DRAFTS="args of benchmarks/format_drafts.py", e.g. "--k 4 --device cuda"
+run_hook drafts "${DRAFTS:-}" "${DRAFTS_TIMEOUT:-240}" 8 "Warning\|warn\|Loading weights\|forward_call" \
+  python3 benchmarks/format_drafts.py --json "$BENCH_DIR/format_drafts.json"
 
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then
