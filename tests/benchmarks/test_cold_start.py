@@ -1,12 +1,10 @@
 """Cold start's provider specs (benchmarks/cold_start.py): the policy provider decodes its first k
 candidates in one batch by default; ``+one`` and ``+batch`` choose, and the sampling mode is kept."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 cold_start = pytest.importorskip("cold_start")
 
 RETRIEVAL = Path(__file__).resolve().parents[2] / "policy" / "checkpoints" / "retrieval"

@@ -3,12 +3,10 @@ departures are the same with either drafts, and a draft of every format saves fo
 SpMM record, whose departures leave the nearest entries' formats."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 format_drafts = pytest.importorskip("format_drafts")
 
 DEFAULT = Path(__file__).resolve().parents[2] / "policy" / "checkpoints" / "default"

@@ -1,12 +1,8 @@
 """The pre-generation benchmark's folder (benchmarks/pregen_set.py): formats pregen must read."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 pregen_set = pytest.importorskip("pregen_set")
 
 from sparserl_compile import matrices, pregen  # noqa: E402

@@ -1,12 +1,9 @@
 """The end-to-end benchmark's summary (the measurement itself needs a GPU: benchmarks/provider_e2e.py)."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 provider_e2e = pytest.importorskip("provider_e2e")
 
 

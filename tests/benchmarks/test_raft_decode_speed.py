@@ -3,12 +3,9 @@ candidates are the same kernels as plain ones (and as those of the batched-sampl
 the JSON says where the seconds went."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 raft_decode_speed = pytest.importorskip("raft_decode_speed")
 
 

@@ -2,12 +2,10 @@
 the same candidates, and the JSON holds each way's seconds, counts and restarts."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 screen_cost = pytest.importorskip("screen_cost")
 
 DEFAULT = Path(__file__).resolve().parents[2] / "policy" / "checkpoints" / "default"
