@@ -363,7 +363,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                 # the format candidates' formats (--raft-explore formats|mixed), once per problem
                 structs[pi], formats[pi] = structure_and_formats(
                     m.indptr, m.indices, m.shape, model.config.max_points,
-                    formats=raft and hint_entries is None and cfg.raft_explore != "temperature")
+                    formats=raft and hint_entries is None and cfg.raft_explore in ("formats", "mixed"))
                 if hint_entries is not None:  # from the other matrices, as in SFT
                     from policy.retrieval import nearest_hints, problem_for
 
@@ -480,10 +480,11 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
         rs = _tagged(generate(model, tok, structure, pb.op, pb.dtype, pb.n, k=1, config=greedy,
                               references=references), "greedy")
     if cfg.raft_explore == "branches":
+        bound = screen and screen.checker(pb.matrix.indptr, pb.matrix.indices, pb.matrix.shape, pb.op, pb.dtype, pb.n)
+
         def check(texts):
             with _timed(seconds, "screen"):
-                m = pb.matrix
-                return screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)(texts)
+                return bound(texts)
 
         before = seconds.get("screen", 0.0)
         with _timed(seconds, "branch"):
