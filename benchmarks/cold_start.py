@@ -54,6 +54,26 @@ MATRICES = (
 )
 
 
+def _parse_spec(spec: str) -> dict:
+    """A provider spec's parts: ``name[+MOD...][@CHECKPOINT]`` -> base name, checkpoint, the
+    policy's ``samples`` mode, the decoding order (``+batch``/``+one``), ``+screenN`` and ``+spareN``
+    (0 without). The one parser of a spec, for ``_make_provider`` and ``_spare``."""
+    name, _, arg = spec.partition("@")
+    base, *mods = name.split("+")
+
+    def counted(mod: str, prefix: str) -> bool:
+        return mod.startswith(prefix) and mod[len(prefix):].isdigit()
+
+    def count(prefix: str) -> int:
+        return next((int(m[len(prefix):]) for m in mods if counted(m, prefix)), 0)
+
+    screen, spare = count("screen"), count("spare")
+    rest = [m for m in mods if not (counted(m, "screen") or counted(m, "spare"))]
+    order = {"batch": True, "one": False}
+    return {"base": base, "checkpoint": arg, "samples": next((m for m in rest if m not in order), ""),
+            "order": [order[m] for m in rest if m in order], "policy_mods": bool(rest), "screen": screen, "spare": spare}
+
+
 def _make_provider(spec: str):
     """``name``, ``policy@CHECKPOINT`` or ``policy+MODE@CHECKPOINT`` (MODE: the provider's
     ``samples``, e.g. ``policy+hints@policy/checkpoints/retrieval``). The provider decodes its
@@ -61,31 +81,25 @@ def _make_provider(spec: str):
     ``+one`` decodes them one at a time, ``+batch`` names the default, e.g.
     ``policy+hints+one@policy/checkpoints/retrieval``; ``+screenN`` screens branch departures
     on N CPU workers (``PolicyProvider(screen_workers=N)``). ``+spareN`` (any provider) keeps N
-    spare sandbox workers (``configure(sandbox_spare=N)``; see ``_spare``)."""
-    name, _, arg = spec.partition("@")
-    base, *mods = name.split("+")
-    mods = [m for m in mods if not m.startswith("spare")]
-    order = {"batch": True, "one": False}
-    screen = next((int(m[len("screen"):]) for m in mods if m.startswith("screen")), 0)
-    mods = [m for m in mods if not m.startswith("screen")]
-    samples = next((m for m in mods if m not in order), "")
-    if base == "policy" and (arg or mods or screen):
+    spare sandbox workers (``configure(sandbox_spare=N)``; see ``_spare``) and leaves the
+    provider alone."""
+    parts = _parse_spec(spec)
+    if parts["base"] == "policy" and (parts["checkpoint"] or parts["policy_mods"] or parts["screen"]):
         from dataclasses import replace
 
         from policy.provider import PolicyProvider
 
-        prov = PolicyProvider(checkpoint=arg or None, samples=samples or None, screen_workers=screen)
-        for m in mods:
-            if m in order:
-                prov.decode = replace(prov.decode, batch_drafts=order[m])
+        prov = PolicyProvider(checkpoint=parts["checkpoint"] or None, samples=parts["samples"] or None,
+                              screen_workers=parts["screen"])
+        for batch in parts["order"]:
+            prov.decode = replace(prov.decode, batch_drafts=batch)
         return prov
-    return providers.resolve(name)
+    return providers.resolve(parts["base"])
 
 
 def _spare(spec: str) -> int:
     """The ``+spareN`` of a provider spec (0 without)."""
-    name = spec.partition("@")[0]
-    return next((int(m[len("spare"):]) for m in name.split("+")[1:] if m.startswith("spare")), 0)
+    return _parse_spec(spec)["spare"]
 
 
 def _breakdown(row: dict | None) -> dict:

@@ -40,3 +40,9 @@ def test_screen_and_spare_modifiers():
     assert cold_start._make_provider(f"policy@{DEFAULT}").screen is None
     with pytest.raises(ValueError, match="needs samples='branches'"):
         cold_start._make_provider(f"policy+temperature+screen1@{DEFAULT}")
+
+
+def test_spare_on_a_registered_provider_leaves_its_name():
+    """``nearest+spare1`` is the registered ``nearest`` provider with one spare sandbox worker."""
+    assert cold_start._make_provider("nearest+spare1").name == "nearest"
+    assert cold_start._spare("nearest+spare1") == 1
