@@ -94,6 +94,8 @@ def _make_provider(spec: str):
         for batch in parts["order"]:
             prov.decode = replace(prov.decode, batch_drafts=batch)
         return prov
+    if parts["policy_mods"] or parts["screen"]:
+        raise ValueError(f"provider spec {spec!r}: only the policy provider takes modifiers other than +spareN")
     return providers.resolve(parts["base"])
 
 

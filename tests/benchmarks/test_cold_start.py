@@ -46,3 +46,5 @@ def test_spare_on_a_registered_provider_leaves_its_name():
     """``nearest+spare1`` is the registered ``nearest`` provider with one spare sandbox worker."""
     assert cold_start._make_provider("nearest+spare1").name == "nearest"
     assert cold_start._spare("nearest+spare1") == 1
+    with pytest.raises(ValueError, match="only the policy provider takes modifiers"):
+        cold_start._make_provider("nearest+one")
