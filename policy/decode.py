@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -661,11 +662,62 @@ def branch_points(model, tokenizer, structure: PreparedStructure, op: str, dtype
     return out
 
 
+_INT_TOKEN = re.compile(r"(?<![\w.])\d+(?![\w.])")
+
+
+def stale_departure(greedy_text: str, text: str) -> str | None:
+    """Why a departure's body still computes with a header value of the greedy kernel, or None.
+
+    A departure changes one header token and lets the model write the rest; often the body
+    does not follow: a merge kernel departed to ``items_per_part=8`` keeps the greedy body's
+    ``min(p * 16, total)``, and its pieces then overrun ``part_row`` (a fault on the GPU, which
+    costs the sandbox worker). Checked on the text alone, in microseconds. The header numbers
+    the departure changed (a launch field, or a format parameter when the format is the greedy
+    one's; old -> new, both at least 2) are looked up in the greedy body: a field none of whose
+    lines writes ``old`` as a number tells nothing. The departure is stale when at least one
+    field tells, the body names none of them, and every greedy line that wrote an ``old`` is in
+    the body verbatim: one such line rewritten (the model followed the header there) and it is
+    not. Unparseable headers are left to the contract's own check (None). A verdict only ever
+    leaves a candidate out, never admits one; the GPU's verification stays the judge."""
+    from sparserl_compile import contract
+
+    try:
+        g, d = contract.parse_header(greedy_text), contract.parse_header(text)
+    except contract.ContractError:
+        return None
+    fields = [(k, gv, dv) for k in ("block", "per_block", "tile_n", "smem")
+              for gv, dv in [(getattr(g.launch, k), getattr(d.launch, k))]]
+    if g.format == d.format:
+        fields += [(k, gv, d.params[k]) for k, gv in g.format_params]
+    changed = [(k, old, new) for k, old, new in fields if old != new and min(old, new) >= 2]
+    if not changed:
+        return None
+
+    def body(src: str) -> list[str]:
+        lines = src.lstrip().splitlines()[2:]
+        return [ln.strip() for ln in lines if ln.strip() and contract.KERNEL_NAME not in ln]
+
+    g_lines, d_lines = body(greedy_text), set(body(text))
+    g_numbers = [set(_INT_TOKEN.findall(ln)) for ln in g_lines]
+    words = set(re.findall(r"\w+", "\n".join(d_lines)))
+    kept = []
+    for k, old, new in changed:
+        carried = [ln for ln, nums in zip(g_lines, g_numbers) if str(old) in nums]
+        if not carried:
+            continue  # the greedy body does not write this number: nothing to go by
+        if k in words or not all(ln in d_lines for ln in carried):
+            return None  # the body names the field, or rewrote a line that used it
+        kept.append(f"{k}={new} (the greedy kernel's {old}) in {carried[0]!r}")
+    if kept:
+        return "stale: the body keeps the greedy kernel's header values: " + "; ".join(kept)
+    return None
+
+
 def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int, k: int,
                    config: DecodeConfig = DecodeConfig(greedy=True), grammar_text: str | None = None,
                    hint: str | None = None, references: list[str] | None = None,
                    greedy: Rollout | None = None, scope: str = "header", screen=None,
-                   rounds: int | None = None) -> list[Rollout]:
+                   rounds: int | None = None, stale_check: bool = True) -> list[Rollout]:
     """k distinct kernels: the greedy one and the k - 1 most likely single departures from it
     (``branch_points``), each the greedy kernel's tokens up to a position, another token there,
     and the rest written by the model (greedy by default).
@@ -684,8 +736,10 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     to keep it or why it is left out (``policy.screen.Screen.check`` for the matrix: a departure
     that would fail the GPU's verification is replaced by the next most likely one, as a repeat
     is). The left-out departures are listed in the greedy rollout's ``extra["screened_out"]`` as
-    (position, token, reason). ``rounds``: how many times departures are drawn to fill the k
-    (default 2, 4 with a screen)."""
+    (position, token, reason). ``stale_check`` (default): a departure whose body still computes
+    with the greedy kernel's value of a header number it changed (``stale_departure``) is left
+    out and replaced the same way, before any screen and without one. ``rounds``: how many times
+    departures are drawn to fill the k (default 2, 4 with a screen)."""
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one candidate")
     greedy_cfg = replace(config, greedy=True)
@@ -712,13 +766,16 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
                 seen.add(r.text)
                 r.extra.update(branch=(p, a), branch_logprob=s)
                 new.append(r)
-        verdicts = screen([r.text for r in new]) if screen is not None and new else [None] * len(new)
-        for r, why in zip(new, verdicts):
+        stale = [stale_departure(greedy.text, r.text) if stale_check else None for r in new]
+        fresh = [r for r, why in zip(new, stale) if why is None]
+        screened = iter(screen([r.text for r in fresh]) if screen is not None and fresh else [None] * len(fresh))
+        for r, why in zip(new, stale):
+            why = why if why is not None else next(screened)
             if why is None:
                 out.append(r)
             else:
                 dropped.append((*r.extra["branch"], why))
-    if screen is not None:
+    if screen is not None or dropped:
         greedy.extra["screened_out"] = dropped
     return out[:k]
 

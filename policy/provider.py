@@ -48,7 +48,7 @@ class ProviderStats:
     unfinished: int = 0  # cut off by max_new_tokens
     unparseable: int = 0  # header rejected by contract.parse_header
     duplicates: int = 0  # the same kernel as an earlier sample of the request (dropped)
-    screened_out: int = 0  # departures the CPU screen left out (``screen_workers``), replaced by others
+    screened_out: int = 0  # departures left out (stale, ``decode.stale_departure``, or by the CPU screen), replaced by others
     returned: int = 0
 
 

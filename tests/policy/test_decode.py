@@ -545,3 +545,79 @@ def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_fo
     assert texts[0] == texts[1] and len(texts[0]) == 4
     assert {format_of(t) for t in texts[0][1:]} - {format_of(t) for t in nearest}  # a format no near draft has
     assert calls[1] * 3 < calls[0], calls
+
+
+def _swap_header(source: str, header_of: str) -> str:
+    """``source``'s body under ``header_of``'s two header lines: a departure whose body did not follow."""
+    return "\n".join(header_of.splitlines()[:2] + source.splitlines()[2:])
+
+
+def test_stale_departure_passes_every_consistent_pair_of_the_kernel_space():
+    """Two renderings of one template family with different parameters are what a departure
+    that follows its header looks like: the stale check passes every such pair, in both
+    directions, for SpMV and SpMM (f32; the space has no f32/f16 difference in its numbers)."""
+    import itertools
+
+    from policy.decode import stale_departure
+    from sparserl_compile import kernels
+
+    pairs = 0
+    for op, n in (("spmv", None), ("spmm", 32)):
+        by_family = {}
+        for c in kernels.space(op, "f32", n=n):
+            by_family.setdefault(c.family, []).append(c)
+        for cs in by_family.values():
+            for a, b in itertools.permutations(cs, 2):
+                assert stale_departure(a.source, b.source) is None, (a.source[:200], b.source[:200])
+                pairs += 1
+    assert pairs > 500
+
+
+def test_stale_departure_names_the_merge_body_that_kept_the_greedy_items_per_part():
+    """The R-MAT fault of the thirty-second session: a merge departure to another items_per_part
+    whose body still cuts pieces of the greedy kernel's size. Left out, with the line; the body
+    rewritten for the new header, or naming the field, passes; so does a header that does not parse."""
+    from policy.decode import stale_departure
+    from sparserl_compile import kernels
+
+    greedy = kernels.render("merge", "spmm", "f32", {"block": 128, "items_per_part": 64}).source
+    follows = kernels.render("merge", "spmm", "f32", {"block": 128, "items_per_part": 256}).source
+    stale = _swap_header(greedy, follows)
+    why = stale_departure(greedy, stale)
+    assert why is not None and "items_per_part=256 (the greedy kernel's 64)" in why and "p * 64" in why
+    assert stale_departure(greedy, follows) is None and stale_departure(greedy, greedy) is None
+    named = stale.replace("min(d0 + 64, total)", "min(d0 + items_per_part, total)")
+    assert stale_departure(greedy, named) is None
+    assert stale_departure(greedy, "not a kernel") is None and stale_departure("not a kernel", stale) is None
+    # a block departure that kept the greedy body's thread-to-part arithmetic
+    wide = kernels.render("merge", "spmv", "f32", {"block": 256, "items_per_part": 16}).source
+    narrow = kernels.render("merge", "spmv", "f32", {"block": 128, "items_per_part": 16}).source
+    assert stale_departure(narrow, wide) is None
+    assert "block=256" in stale_departure(narrow, _swap_header(narrow, wide))
+
+
+def test_branch_diverse_leaves_out_stale_departures_before_the_screen(tiny_model, tiny_tok, monkeypatch):
+    """A departure the stale check flags is replaced like a screened-out one, listed with its
+    reason, and never shown to the screen; ``stale_check=False`` keeps it."""
+    import policy.decode as decode
+
+    g = DecodeConfig(greedy=True, max_new_tokens=40)
+    plain = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 8, config=g, scope="all",
+                                  stale_check=False)
+    flagged = plain[2].text
+    monkeypatch.setattr(decode, "stale_departure", lambda greedy, text: "stale: test" if text == flagged else None)
+    seen = []
+
+    def screen(texts):
+        seen.extend(texts)
+        return [None] * len(texts)
+
+    rs = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all", screen=screen)
+    assert flagged not in seen and flagged not in [r.text for r in rs]
+    assert [r.text for r in rs[1:]] == [r.text for r in plain[1:] if r.text != flagged][:3]
+    assert [why for *_, why in rs[0].extra["screened_out"]] == ["stale: test"]
+    unscreened = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all")
+    assert flagged not in [r.text for r in unscreened] and unscreened[0].extra["screened_out"]
+    kept = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all",
+                                 stale_check=False)
+    assert [r.text for r in kept] == [r.text for r in plain[:4]]
