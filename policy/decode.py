@@ -739,7 +739,7 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     (position, token, reason). ``stale_check`` (default): a departure whose body still computes
     with the greedy kernel's value of a header number it changed (``stale_departure``) is left
     out and replaced the same way, before any screen and without one. ``rounds``: how many times
-    departures are drawn to fill the k (default 2, 4 with a screen)."""
+    departures are drawn to fill the k (default 4 with a screen or the stale check, else 2)."""
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one candidate")
     greedy_cfg = replace(config, greedy=True)
@@ -747,7 +747,7 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
         (greedy,) = generate(model, tokenizer, structure, op, dtype, n, k=1, config=greedy_cfg,
                              grammar_text=grammar_text, hint=hint, references=references)
     out, seen, tried, dropped = [greedy], {greedy.text}, set(), []
-    for _round in range(rounds if rounds is not None else (4 if screen is not None else 2)):
+    for _round in range(rounds if rounds is not None else (4 if screen is not None or stale_check else 2)):
         want = k - len(out)
         if want <= 0:
             break
