@@ -685,8 +685,7 @@ def stale_departure(greedy_text: str, text: str) -> str | None:
         g, d = contract.parse_header(greedy_text), contract.parse_header(text)
     except contract.ContractError:
         return None
-    fields = [(k, gv, dv) for k in ("block", "per_block", "tile_n", "smem")
-              for gv, dv in [(getattr(g.launch, k), getattr(d.launch, k))]]
+    fields = [(k, getattr(g.launch, k), getattr(d.launch, k)) for k in ("block", "per_block", "tile_n", "smem")]
     if g.format == d.format:
         fields += [(k, gv, d.params[k]) for k, gv in g.format_params]
     changed = [(k, old, new) for k, old, new in fields if old != new and min(old, new) >= 2]

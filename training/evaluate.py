@@ -180,8 +180,8 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     under ``policy.provider.grammar_for``'s grammar for each matrix (``EvalConfig.fit_formats``).
     ``branch_scope``: ``EvalConfig.branch_scope``. ``screen``: a ``policy.screen.Screen`` the
     departures of ``samples="branches"`` pass before they are scored (``EvalConfig.screen_workers``);
-    each record's row lists why the ones it left out were, and those ``decode.stale_departure``
-    left out with or without a screen (``screened_out``)."""
+    each record's row lists the departures left out and why (``screened_out``): the screen's,
+    and those ``decode.stale_departure`` leaves out with or without a screen."""
     from policy.decode import DecodeConfig, check_samples, generate
     from policy.provider import problem_inputs
     from training.sft import default_render

@@ -555,22 +555,23 @@ def _swap_header(source: str, header_of: str) -> str:
 def test_stale_departure_passes_every_consistent_pair_of_the_kernel_space():
     """Two renderings of one template family with different parameters are what a departure
     that follows its header looks like: the stale check passes every such pair, in both
-    directions, for SpMV and SpMM (f32; the space has no f32/f16 difference in its numbers)."""
+    directions, for SpMV and SpMM, f32 and f16 (bsr_wmma: a block size that is also a buffer
+    offset in the body)."""
     import itertools
 
     from policy.decode import stale_departure
     from sparserl_compile import kernels
 
     pairs = 0
-    for op, n in (("spmv", None), ("spmm", 32)):
+    for op, n, dtype in (("spmv", None, "f32"), ("spmm", 32, "f32"), ("spmv", None, "f16"), ("spmm", 32, "f16")):
         by_family = {}
-        for c in kernels.space(op, "f32", n=n):
+        for c in kernels.space(op, dtype, n=n):
             by_family.setdefault(c.family, []).append(c)
         for cs in by_family.values():
             for a, b in itertools.permutations(cs, 2):
                 assert stale_departure(a.source, b.source) is None, (a.source[:200], b.source[:200])
                 pairs += 1
-    assert pairs > 500
+    assert pairs > 1000
 
 
 def test_stale_departure_names_the_merge_body_that_kept_the_greedy_items_per_part():
