@@ -114,20 +114,23 @@ def grammar_for(op: str, dtype: str, indptr, indices, shape) -> str | None:
 
 
 def problem_inputs(model, matrix, op: str, dtype: str, n: int, *, formats: bool = False, entries=None,
-                   count: int = 4, fit_formats: bool = True):
+                   count: int = 4, fit_formats: bool = True, references: bool = True, exclude: str | None = None):
     """What decoding one problem outside the runtime takes, prepared as ``PolicyProvider``
-    prepares it (evaluation and the benchmarks): ``(structure, formats, references, grammar)``:
+    prepares it (evaluation, RL and the benchmarks): ``(structure, formats, references, grammar)``:
     the encoder's structure; the ``plausible_formats`` when ``formats`` (else ``()``);
     drafts for speculative decoding (``retrieval.reference_sources``: the first ``count``
-    proposals of ``entries``, default the shipped ``nearest`` table, and one of every format);
+    proposals of ``entries``, default the shipped ``nearest`` table, and one of every format,
+    leaving out the entries of the matrix ``exclude``; None without ``references``);
     and the grammar fitted to the matrix (``grammar_for``; None without ``fit_formats``).
     ``matrix``: anything with ``indptr``, ``indices`` and ``shape``."""
     from policy.retrieval import default_entries, reference_sources
 
     s, plausible = structure_and_formats(matrix.indptr, matrix.indices, matrix.shape, model.config.max_points,
                                          formats=formats)
-    refs = reference_sources(s.features, op, dtype, n, entries if entries is not None else default_entries(),
-                             matrix, count=count)
+    refs = None
+    if references:
+        refs = reference_sources(s.features, op, dtype, n, entries if entries is not None else default_entries(),
+                                 matrix, count=count, exclude=exclude)
     grammar = grammar_for(op, dtype, matrix.indptr, matrix.indices, matrix.shape) if fit_formats else None
     return s, plausible, refs, grammar
 

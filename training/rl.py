@@ -196,7 +196,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
 
     from policy.decode import DecodeConfig, generate
     from policy.model import load_policy
-    from policy.provider import structure_and_formats
+    from policy.provider import problem_inputs
     from training.checkpoint import TrainerState, has_state, load_state, save_state
     from training.data import load_supervision, split
     from training.ppo import PPOConfig, make_batch, ppo_update
@@ -361,9 +361,13 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
             if pi not in structs:
                 m = pb.matrix
                 # the format candidates' formats (--raft-explore formats|mixed), once per problem
-                structs[pi], formats[pi] = structure_and_formats(
-                    m.indptr, m.indices, m.shape, model.config.max_points,
-                    formats=raft and hint_entries is None and cfg.raft_explore in ("formats", "mixed"))
+                # drafts (cfg.speculative): speed only, the samples' distribution is the model's; a
+                # draft of every format too: format candidates and departures leave the greedy one's
+                structs[pi], formats[pi], refs[pi], _ = problem_inputs(
+                    model, m, pb.op, pb.dtype, pb.n,
+                    formats=raft and hint_entries is None and cfg.raft_explore in ("formats", "mixed"),
+                    entries=hint_entries or None, count=max(4, cfg.k) if raft else 4, fit_formats=False,
+                    references=cfg.speculative, exclude=pb.label)
                 if hint_entries is not None:  # from the other matrices, as in SFT
                     from policy.retrieval import nearest_hints, problem_for
 
@@ -371,13 +375,6 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                     hints[pi] = nearest_hints(structs[pi].features, pb.op, pb.dtype, pb.n, hint_entries,
                                               cfg.k if raft else 1, exclude=pb.label,
                                               problem=problem_for(pb.op, pb.dtype, pb.n, m))
-                if cfg.speculative:  # drafts: speed only, the samples' distribution is the model's
-                    from policy.retrieval import default_entries, reference_sources
-
-                    # a draft of every format too: format candidates and departures leave the greedy one's
-                    refs[pi] = reference_sources(structs[pi].features, pb.op, pb.dtype, pb.n,
-                                                 hint_entries or default_entries(), m,
-                                                 count=max(4, cfg.k) if raft else 4, exclude=pb.label)
             sample_seed = cfg.seed * 7919 + step * 31 + g  # the same whatever the rank
             if raft:
                 if hint_entries is not None and not hints[pi]:
