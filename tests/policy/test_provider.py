@@ -277,3 +277,23 @@ def test_batched_hint_candidates_decode_the_first_k_hints_in_one_call(tiny_model
     prov.decode = DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=False)
     assert [c.source for c in prov.candidates(_Problem(banded(32, 1)), k=3)] == [c.source for c in cands]
     assert groups == [["h0"], ["h1"], ["h2"], ["h3"], ["h4"]]
+
+
+def test_problem_inputs_leave_out_the_excluded_matrix_and_skip_drafts_when_asked(tiny_model):
+    """RL prepares its problems with ``problem_inputs`` as evaluation does: ``exclude`` leaves a
+    matrix's own table entries out of the drafts (the table without them gives the same drafts),
+    and ``references=False`` decodes without drafts (None)."""
+    from policy.provider import problem_inputs
+    from policy.retrieval import default_entries, reference_sources
+    from sparserl_compile.nearest import nearest_entries
+
+    entries = default_entries()
+    m = banded(400, 2)
+    s, _, refs, _ = problem_inputs(tiny_model, m, "spmv", "f32", 1)
+    label = nearest_entries(entries, s.features, "spmv", "f32", 1)[0].label  # its winner is the first draft
+    _, _, kept, _ = problem_inputs(tiny_model, m, "spmv", "f32", 1, exclude=label)
+    without = [e for e in entries if e.label != label]
+    assert len(without) < len(entries) and kept
+    assert kept == reference_sources(s.features, "spmv", "f32", 1, without, m, count=4)
+    assert refs == reference_sources(s.features, "spmv", "f32", 1, entries, m, count=4) != kept
+    assert problem_inputs(tiny_model, m, "spmv", "f32", 1, references=False)[2] is None
