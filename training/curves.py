@@ -36,8 +36,9 @@ def stages(log: dict, history: bool = False, prefix: str = "") -> list[tuple[str
     return out
 
 
-def plot(checkpoint: str | Path, out: str | Path, history: bool = False) -> Path:
-    """Draw the stages of ``checkpoint``'s ``training_log.json`` into ``out`` (PNG)."""
+def plot(checkpoint: str | Path, out: str | Path, history: bool = False, columns: int = 4) -> Path:
+    """Draw the stages of ``checkpoint``'s ``training_log.json`` into ``out`` (PNG), ``columns``
+    panels a row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,8 +50,14 @@ def plot(checkpoint: str | Path, out: str | Path, history: bool = False) -> Path
     found = stages(json.loads(path.read_text()), history)
     if not found:
         raise ValueError(f"{path}: no stage with logged loss or reward")
-    fig, axes = plt.subplots(1, len(found), figsize=(4.2 * len(found), 3.2), squeeze=False)
-    for ax, (name, points) in zip(axes[0], found):
+    if columns < 1:
+        raise ValueError(f"columns={columns}: at least one panel a row")
+    cols = min(columns, len(found))
+    rows = -(-len(found) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(found):]:
+        ax.set_visible(False)
+    for ax, (name, points) in zip(axes.flat, found):
         if any("mean_reward" in p for p in points):
             pts = [p for p in points if "mean_reward" in p]
             steps = [p["step"] for p in pts]
@@ -86,9 +93,10 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="a checkpoint folder holding training_log.json")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--history", action="store_true", help="also the stages of the versions it was fine-tuned from")
+    p.add_argument("--columns", type=int, default=4, help="panels a row")
     args = p.parse_args(argv)
     try:
-        print(plot(args.checkpoint, args.out, args.history))
+        print(plot(args.checkpoint, args.out, args.history, args.columns))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,3 +34,24 @@ def test_a_folder_without_a_log_or_stages_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "training_log.json").write_text(json.dumps({"notes": "nothing logged"}))
     with pytest.raises(ValueError, match="no stage with logged loss or reward"):
         curves.plot(tmp_path, tmp_path / "c.png")
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[16:24]
+    return int.from_bytes(head[:4], "big"), int.from_bytes(head[4:], "big")
+
+
+def test_many_stages_wrap_into_rows_of_columns_panels(tmp_path):
+    """Ten stages (SFT and nine RL runs, as version 5's log) draw four panels a row by default:
+    three rows, not one strip ten panels wide; ``--columns`` sets the width."""
+    pytest.importorskip("matplotlib")
+    log = {"sft": {"log": [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]}}
+    log.update({f"rl_{i}": {"log": [{"step": s, "mean_reward": 1.0 + s, "best_reward": 2.0 + s} for s in (1, 2)]}
+                for i in range(9)})
+    (tmp_path / "training_log.json").write_text(json.dumps(log))
+    w4, h4 = _png_size(curves.plot(tmp_path, tmp_path / "c4.png"))
+    assert curves.main([str(tmp_path), "--out", str(tmp_path / "c10.png"), "--columns", "10"]) == 0
+    w10, h10 = _png_size(tmp_path / "c10.png")
+    assert h4 > 2.5 * h10 and w10 > 2 * w4
+    with pytest.raises(ValueError, match="columns=0"):
+        curves.plot(tmp_path, tmp_path / "c0.png", columns=0)
