@@ -56,18 +56,18 @@ MATRICES = (
 
 def _parse_spec(spec: str) -> dict:
     """A provider spec's parts: ``name[+MOD...][@CHECKPOINT]`` -> base name, checkpoint, the
-    policy's ``samples`` mode, the decoding order (``+batch``/``+one``), ``+screenN`` and ``+spareN``
-    (0 without). The one parser of a spec, for ``_make_provider`` and ``_spare``."""
+    policy's ``samples`` mode, the decoding order (``+batch``/``+one``), ``+screenN`` (0 without) and
+    ``+spareN`` (None without: the provider's own). The one parser of a spec, for ``_make_provider`` and ``_spare``."""
     name, _, arg = spec.partition("@")
     base, *mods = name.split("+")
 
     def counted(mod: str, prefix: str) -> bool:
         return mod.startswith(prefix) and mod[len(prefix):].isdigit()
 
-    def count(prefix: str) -> int:
-        return next((int(m[len(prefix):]) for m in mods if counted(m, prefix)), 0)
+    def count(prefix: str, default=0):
+        return next((int(m[len(prefix):]) for m in mods if counted(m, prefix)), default)
 
-    screen, spare = count("screen"), count("spare")
+    screen, spare = count("screen"), count("spare", None)
     rest = [m for m in mods if not (counted(m, "screen") or counted(m, "spare"))]
     order = {"batch": True, "one": False}
     return {"base": base, "checkpoint": arg, "samples": next((m for m in rest if m not in order), ""),
@@ -99,8 +99,9 @@ def _make_provider(spec: str):
     return providers.resolve(parts["base"])
 
 
-def _spare(spec: str) -> int:
-    """The ``+spareN`` of a provider spec (0 without)."""
+def _spare(spec: str) -> int | None:
+    """The ``+spareN`` of a provider spec (None without: the runtime keeps what the provider asks
+    for, ``runtime.sandbox_spare``)."""
     return _parse_spec(spec)["spare"]
 
 
@@ -176,6 +177,7 @@ def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
                 plan = next(iter(runtime.plans().values()), None)
                 logged = runtime.first_uses()
                 row = {"provider": pspec, "k": int(k), "matrix": label, "nnz": int(m.nnz), "n": n,
+                       "sandbox_spare": runtime.sandbox_spare(prov),
                        "screened_out": getattr(stats, "screened_out", 0) - screened if stats is not None else None,
                        "first_call_s": first,
                        "steady_us": wall_median_us(lambda: a @ x, dev),

@@ -195,6 +195,11 @@ class PolicyProvider:
             from policy.screen import Screen
 
             self.screen = Screen(screen_workers)
+        #: idle sandbox workers this provider asks the runtime to keep (``RuntimeConfig.sandbox_spare``
+        #: None): departures and samples fail verification now and then (a fault or a wrong result
+        #: replaces the sandbox worker), and with a spare the next job need not wait seconds for the
+        #: replacement; hinted candidates are nearly always measured kernel-space points
+        self.sandbox_spare = 0 if samples == "hints" else 1
         self.stats = ProviderStats()
         #: sha256 of the weights file (None for an in-memory model); the runtime's cache key
         #: reads ``getattr(provider, "checkpoint_hash", None)`` so a new checkpoint misses the cache

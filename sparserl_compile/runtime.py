@@ -87,17 +87,20 @@ class RuntimeConfig:
     #: idle sandbox workers kept started beside the one that verifies (``SandboxPool.spare``): a
     #: candidate that fails replaces its worker, and without a spare the next job (the next
     #: candidate, or cuSPARSE timed again) waits for that start, seconds on a GPU. Each spare is a
-    #: process with its own CUDA context. Worth it where candidates often fail (a policy's
-    #: departures, ``PolicyProvider(samples="branches")``)
-    sandbox_spare: int = 0
+    #: process with its own CUDA context. None (default): what the active provider asks for, its
+    #: ``sandbox_spare`` attribute (0 without one): 1 for a policy whose candidates often fail
+    #: (departures from the greedy kernel or samples, ``PolicyProvider``), 0 for measured
+    #: kernel-space points (``"nearest"``, ``"search"``) and hinted policies
+    sandbox_spare: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_miss not in ON_MISS:
             raise ValueError(f"RuntimeConfig.on_miss={self.on_miss!r}: use one of {sorted(ON_MISS)} "
                              f"({'; '.join(f'{k}: {v}' for k, v in ON_MISS.items())})")
-        if not isinstance(self.sandbox_spare, int) or isinstance(self.sandbox_spare, bool) or self.sandbox_spare < 0:
-            raise ValueError(f"RuntimeConfig.sandbox_spare={self.sandbox_spare!r}: the number of idle sandbox "
-                             "workers kept ready must be an int >= 0")
+        spare = self.sandbox_spare
+        if spare is not None and (not isinstance(spare, int) or isinstance(spare, bool) or spare < 0):
+            raise ValueError(f"RuntimeConfig.sandbox_spare={spare!r}: the number of idle sandbox "
+                             "workers kept ready must be an int >= 0, or None for the provider's own")
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
             raise ValueError(f"RuntimeConfig.k={self.k!r}: the number of candidates must be an int >= 0 "
                              "(0 = the provider's default)")
@@ -556,7 +559,7 @@ def search_entry(problem: providers.Problem, key, *, candidates=None, executor: 
     if not candidates:
         record["why"] = f"provider {record['provider']!r} proposed no candidates"
         return CacheEntry(key=key, cubin=None, times={}, verification=record)
-    choice = select.choose(problem, candidates, executor=executor, pool=_sandbox_pool())
+    choice = select.choose(problem, candidates, executor=executor, pool=_sandbox_pool(provider))
     record.update(dict(choice.record or {}))
     cand = choice.candidate
     times = {k: v for k, v in (("kernel_us", choice.kernel_us), ("reference_us", choice.reference_us))
@@ -573,9 +576,18 @@ _pool = None
 _pool_lock = threading.Lock()
 
 
-def _sandbox_pool():
+def sandbox_spare(provider=None) -> int:
+    """The idle sandbox workers the runtime keeps for ``provider``: ``RuntimeConfig.sandbox_spare``
+    when set, else the provider's own ``sandbox_spare`` (0 without one, and for no provider)."""
+    if _config.sandbox_spare is not None:
+        return _config.sandbox_spare
+    wish = getattr(provider, "sandbox_spare", 0)
+    return wish if isinstance(wish, int) and not isinstance(wish, bool) and wish > 0 else 0
+
+
+def _sandbox_pool(provider=None):
     """The runtime's one sandbox worker for verification (started on the first search, or by
-    ``prewarm``), and ``RuntimeConfig.sandbox_spare`` idle ones."""
+    ``prewarm``), and ``sandbox_spare(provider)`` idle ones."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -585,7 +597,7 @@ def _sandbox_pool():
 
             _pool = SandboxPool(1)
             atexit.register(_pool.close)
-        _pool.spare = _config.sandbox_spare  # configure() may change it between products
+        _pool.spare = sandbox_spare(provider)  # configure() or the provider may change between products
     return _pool
 
 
@@ -609,7 +621,7 @@ def prewarm(*, provider: bool = True) -> threading.Thread:
             pool.start()
             formats.warm()
             if provider:
-                providers.get_provider()
+                _sandbox_pool(providers.get_provider())  # and the spare workers it asks for
             pool.start(wait=True)
         except Exception:  # noqa: BLE001 - best effort; the first product reports real errors
             pass

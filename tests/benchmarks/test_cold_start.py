@@ -36,7 +36,7 @@ def test_screen_and_spare_modifiers():
     finally:
         prov.screen.close()
     assert cold_start._spare(f"policy+branches+screen2+spare1@{DEFAULT}") == 1
-    assert cold_start._spare("nearest+spare2") == 2 and cold_start._spare("nearest") == 0
+    assert cold_start._spare("nearest+spare2") == 2 and cold_start._spare("nearest") is None  # the provider's own
     assert cold_start._make_provider(f"policy@{DEFAULT}").screen is None
     with pytest.raises(ValueError, match="needs samples='branches'"):
         cold_start._make_provider(f"policy+temperature+screen1@{DEFAULT}")

@@ -297,3 +297,20 @@ def test_problem_inputs_leave_out_the_excluded_matrix_and_skip_drafts_when_asked
     assert kept == reference_sources(s.features, "spmv", "f32", 1, without, m, count=4)
     assert refs == reference_sources(s.features, "spmv", "f32", 1, entries, m, count=4) != kept
     assert problem_inputs(tiny_model, m, "spmv", "f32", 1, references=False)[2] is None
+
+
+def test_the_provider_asks_for_a_spare_sandbox_worker_where_its_candidates_often_fail(tiny_model, tiny_tok):
+    """Departures and samples fail verification now and then, and each failure replaces the
+    sandbox worker: such a provider asks the runtime for one spare worker (its
+    ``sandbox_spare``, what ``runtime.sandbox_spare`` keeps unless configured); hinted
+    candidates, nearly always measured kernel-space points, ask for none."""
+    import copy
+
+    from sparserl_compile import runtime
+
+    hinted = copy.deepcopy(tiny_model)
+    hinted.config.retrieval, hinted.config.retrieval_hints = True, 8
+    for model, samples, spare in ((tiny_model, "branches", 1), (tiny_model, "temperature", 1), (hinted, None, 0)):
+        prov = PolicyProvider(model=model, tokenizer=tiny_tok, samples=samples, speculative=False)
+        assert prov.sandbox_spare == spare and runtime.sandbox_spare(prov) == spare
+    assert prov.samples == "hints"  # a hinted checkpoint's default

@@ -89,7 +89,9 @@ def test_configure_validates_and_clears_the_table():
 
 
 def test_the_sandbox_spare_setting_reaches_the_runtimes_pool(monkeypatch):
-    """configure(sandbox_spare=N) is the runtime pool's ``spare`` from the next product on."""
+    """configure(sandbox_spare=N) is the runtime pool's ``spare`` from the next product on;
+    unset (None, the default) the pool keeps what the provider asks for (its ``sandbox_spare``,
+    0 without one)."""
     monkeypatch.setattr(runtime, "_pool", None)
 
     class FakePool:  # no worker process started
@@ -99,15 +101,22 @@ def test_the_sandbox_spare_setting_reaches_the_runtimes_pool(monkeypatch):
         def close(self):
             pass
 
+    class Asks:  # a provider whose candidates often fail
+        sandbox_spare = 1
+
     import sparserl_compile.sandbox as sandbox
 
     monkeypatch.setattr(sandbox, "SandboxPool", FakePool)
+    assert runtime.get_config().sandbox_spare is None
     assert runtime._sandbox_pool().spare == 0
-    runtime.configure(sandbox_spare=1)
+    assert runtime._sandbox_pool(Asks()).spare == 1 and runtime._sandbox_pool(object()).spare == 0
+    runtime.configure(sandbox_spare=2)
     try:
-        assert runtime._sandbox_pool().spare == 1
+        assert runtime._sandbox_pool().spare == 2 and runtime._sandbox_pool(Asks()).spare == 2
+        runtime.configure(sandbox_spare=0)  # set: the provider's wish does not count
+        assert runtime._sandbox_pool(Asks()).spare == 0
     finally:
-        runtime.configure(sandbox_spare=0)
+        runtime.configure(sandbox_spare=None)
 
 
 def test_provider_resolution():
@@ -177,7 +186,7 @@ def test_failure_in_the_kernel_path_falls_back_and_logs_once(kernels_on_cpu, mon
         def choose(problem, candidates, **kw):
             raise RuntimeError("nvrtc exploded")
 
-    monkeypatch.setattr(runtime, "_sandbox_pool", lambda: None)
+    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: None)
     monkeypatch.setattr(pkg, "select", Boom, raising=False)
     monkeypatch.setitem(__import__("sys").modules, "sparserl_compile.select", Boom)
     m = matrix()
