@@ -84,7 +84,11 @@ def main(argv=None) -> int:
     stale_n = sum(r["stale"] is not None for r in rows)
     both = sum(r["stale"] is not None and r["screen"] is not None for r in rows)
     fails = sum(r["screen"] is not None for r in rows)
+    # which rule left a departure out: an SpMV body under an SpMM header, or header values kept
+    rules = collections.Counter(("spmv body" if "never reads n" in r["stale"] else "header values",
+                                 r["screen"] is not None) for r in rows if r["stale"] is not None)
     summary = {"departures": len(rows), "stale": stale_n, "stale_and_screen_fails": both,
+               "by_rule": {f"{rule}, screen {'fails' if f else 'passes'}": c for (rule, f), c in sorted(rules.items())},
                "stale_but_screen_passes": stale_n - both, "screen_fails": fails,
                "stale_s": stale_s, "screen_s": screen_s,
                "by_verdicts": {f"stale={s} screen={k}": c for (s, k), c in sorted(table.items(), key=str)},
@@ -92,6 +96,7 @@ def main(argv=None) -> int:
     print(f"[stale] {len(rows)} departures: the stale check leaves out {stale_n} ({both} of them fail the screen, "
           f"{stale_n - both} pass it); the screen fails {fails}. Stale check {stale_s * 1e3:.1f} ms in all, "
           f"screen {screen_s:.1f} s", flush=True)
+    print(f"[stale] by rule: {summary['by_rule']}")
     for f, c in summary["per_format"].items():
         print(f"[stale]   {f:9s} {c}")
     if a.json:

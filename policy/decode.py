@@ -678,24 +678,31 @@ def stale_departure(greedy_text: str, text: str) -> str | None:
     field tells, the body names none of them, and every greedy line that wrote an ``old`` is in
     the body verbatim: one such line rewritten (the model followed the header there) and it is
     not. Unparseable headers are left to the contract's own check (None). A verdict only ever
-    leaves a candidate out, never admits one; the GPU's verification stays the judge."""
+    leaves a candidate out, never admits one; the GPU's verification stays the judge.
+
+    Also stale: an SpMM departure whose body never reads ``n`` (the dense width; every SpMM
+    point of the kernel space reads it). That is an SpMV body under an SpMM header, as when a
+    departure to another format makes the model write that format's SpMV kernel: it fills one
+    output column (version 5's SELL departure on a uniform random SpMM, thirty-fourth session)."""
     from sparserl_compile import contract
 
     try:
         g, d = contract.parse_header(greedy_text), contract.parse_header(text)
     except contract.ContractError:
         return None
+
+    def body(src: str) -> list[str]:
+        lines = src.lstrip().splitlines()[2:]
+        return [ln.strip() for ln in lines if ln.strip() and contract.KERNEL_NAME not in ln]
+
+    if d.op == "spmm" and "n" not in re.findall(r"\w+", "\n".join(body(text))):
+        return "stale: an SpMM header over a body that never reads n (an SpMV body: one output column)"
     fields = [(k, getattr(g.launch, k), getattr(d.launch, k)) for k in ("block", "per_block", "tile_n", "smem")]
     if g.format == d.format:
         fields += [(k, gv, d.params[k]) for k, gv in g.format_params]
     changed = [(k, old, new) for k, old, new in fields if old != new and min(old, new) >= 2]
     if not changed:
         return None
-
-    def body(src: str) -> list[str]:
-        lines = src.lstrip().splitlines()[2:]
-        return [ln.strip() for ln in lines if ln.strip() and contract.KERNEL_NAME not in ln]
-
     g_lines, d_lines = body(greedy_text), set(body(text))
     g_numbers = [set(_INT_TOKEN.findall(ln)) for ln in g_lines]
     words = set(re.findall(r"\w+", "\n".join(d_lines)))

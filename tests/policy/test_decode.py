@@ -574,6 +574,25 @@ def test_stale_departure_passes_every_consistent_pair_of_the_kernel_space():
     assert pairs > 1000
 
 
+def test_stale_departure_names_an_spmv_body_under_an_spmm_header():
+    """Version 5's wrong departure of the thirty-fourth session's cold start: a departure from a
+    CSR SpMM kernel to SELL, whose body the model wrote as SELL's SpMV kernel (it never reads
+    the width n and fills one output column). Left out on the text; the SELL SpMM kernel of the
+    kernel space passes, and an SpMV departure is not asked about n."""
+    from policy.decode import stale_departure
+    from sparserl_compile import kernels
+
+    greedy = next(c for c in kernels.space("spmm", "f32", n=32) if c.family == "csr_rowgroup").source
+    sell_spmm = next(c for c in kernels.space("spmm", "f32", n=32) if c.family == "sell").source
+    sell_spmv = next(c for c in kernels.space("spmv", "f32") if c.family == "sell").source
+    spmv_body = _swap_header(sell_spmv, sell_spmm)
+    why = stale_departure(greedy, spmv_body)
+    assert why is not None and "never reads n" in why
+    assert stale_departure(greedy, sell_spmm) is None
+    spmv_greedy = next(c for c in kernels.space("spmv", "f32") if c.family == "csr_vector").source
+    assert stale_departure(spmv_greedy, sell_spmv) is None
+
+
 def test_stale_departure_names_the_merge_body_that_kept_the_greedy_items_per_part():
     """The R-MAT fault of the thirty-second session: a merge departure to another items_per_part
     whose body still cuts pieces of the greedy kernel's size. Left out, with the line; the body
