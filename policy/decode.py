@@ -695,7 +695,9 @@ def stale_departure(greedy_text: str, text: str) -> str | None:
         lines = src.lstrip().splitlines()[2:]
         return [ln.strip() for ln in lines if ln.strip() and contract.KERNEL_NAME not in ln]
 
-    if d.op == "spmm" and "n" not in re.findall(r"\w+", "\n".join(body(text))):
+    d_body = body(text)
+    words = set(re.findall(r"\w+", "\n".join(d_body)))
+    if d.op == "spmm" and "n" not in words:
         return "stale: an SpMM header over a body that never reads n (an SpMV body: one output column)"
     fields = [(k, getattr(g.launch, k), getattr(d.launch, k)) for k in ("block", "per_block", "tile_n", "smem")]
     if g.format == d.format:
@@ -703,9 +705,8 @@ def stale_departure(greedy_text: str, text: str) -> str | None:
     changed = [(k, old, new) for k, old, new in fields if old != new and min(old, new) >= 2]
     if not changed:
         return None
-    g_lines, d_lines = body(greedy_text), set(body(text))
+    g_lines, d_lines = body(greedy_text), set(d_body)
     g_numbers = [set(_INT_TOKEN.findall(ln)) for ln in g_lines]
-    words = set(re.findall(r"\w+", "\n".join(d_lines)))
     kept = []
     for k, old, new in changed:
         carried = [ln for ln, nums in zip(g_lines, g_numbers) if str(old) in nums]
