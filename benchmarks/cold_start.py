@@ -112,7 +112,8 @@ def _breakdown(row: dict | None) -> dict:
     cands = record.get("candidates")
     return {"propose_s": row.get("propose_s"), "problem_s": row.get("problem_s"), "select_s": row.get("select_s"),
             "plan_s": row.get("plan_s"), "reference_wall_s": record.get("reference_wall_s"),
-            "chosen": record.get("chosen"), "reference_us": record.get("reference_us"),
+            "chosen": record.get("chosen"), "rule": record.get("rule"), "reference_us": record.get("reference_us"),
+            "reference_graph_us": record.get("reference_graph_us"),
             "candidates": [{"name": c.get("name"), "family": c.get("family"), "params": c.get("params"),
                             "kind": c.get("kind"), "kernel_us": c.get("kernel_us"), "graph_us": c.get("graph_us"),
                             "wall_s": c.get("wall_s"),

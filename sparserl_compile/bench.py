@@ -277,9 +277,14 @@ def torch_sparse_fn(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, i
 
 
 def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = "f32",
-                   warmup: int = 5, reps: int = 30, seed: int = 0,
-                   hide_host_us: float = 0.0) -> dict[str, BenchResult]:
-    """torch.sparse CSR timings with int32 and int64 indices (L2 flushed), keyed by index type."""
+                   warmup: int = 5, reps: int = 30, seed: int = 0, hide_host_us: float = 0.0,
+                   graph_below_us: float | None = None) -> dict[str, BenchResult]:
+    """torch.sparse CSR timings with int32 and int64 indices (L2 flushed), keyed by index type.
+
+    ``graph_below_us``: when the first index type timed (int32, else int64) has a flushed median
+    below it, that index type is also timed by CUDA-graph replay (``time_graph``, hot L2; as many
+    launches as fill about 2 ms of replay, 20 to 100) under the key ``"<index type>_graph"``. The
+    key is absent where the graph capture fails (cuSPARSE's path is not always capturable)."""
     torch = _torch()
     from sparserl_compile.contract import TORCH_NAMES
 
@@ -292,8 +297,14 @@ def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = 
     out = {}
     for it in ("int32", "int64"):
         try:
-            out[it] = time_fn(torch_sparse_fn(indptr, indices, shape, vals, x, index_dtype=it),
-                              warmup=warmup, reps=reps, hide_host_us=hide_host_us)
+            fn = torch_sparse_fn(indptr, indices, shape, vals, x, index_dtype=it)
+            out[it] = time_fn(fn, warmup=warmup, reps=reps, hide_host_us=hide_host_us)
         except RuntimeError:  # dtype/index combination cuSPARSE does not support
             continue
+        if graph_below_us is not None and len(out) == 1 and out[it].median_us < graph_below_us:
+            try:
+                launches = max(20, min(100, int(2000 / max(out[it].median_us, 1e-3))))
+                out[f"{it}_graph"] = time_graph(fn, launches=launches)
+            except RuntimeError:  # not capturable here: no hot-L2 figure for this index type
+                torch.cuda.synchronize()
     return out

@@ -12,8 +12,9 @@ the same pattern (a search sends ~100 candidates for one matrix). The worker com
 verifies (``verify.verify``, every check) and, on the GPU and when asked, times the kernel
 (``bench.time_fn`` L2-flushed, the host path hidden behind a GPU sleep of
 ``bench.HIDE_HOST_US``, plus ``bench.time_graph`` for kernels under ``GRAPH_BELOW_US``) and
-flags impossible speed against the byte floor. A job without a candidate times the torch.sparse reference (int32 and int64 indices) in the same worker,
-side by side with the candidates.
+flags impossible speed against the byte floor. A job without a candidate times the torch.sparse
+reference (int32 and int64 indices, and graph replay under ``REFERENCE_GRAPH_BELOW_US``) in the
+same worker, side by side with the candidates.
 
 The parent waits at most ``timeout_s`` per job: a hang is killed (``timeout``); a worker that
 dies (segfault, abort, OOM kill) gives ``crash``; a CUDA error (illegal address, ...) gives
@@ -53,6 +54,9 @@ _CHECK_KIND = {"header": "contract", "language": "contract", "signature": "contr
                "format": "unsuitable", "compile": "compile_error", "launch": "fault"}
 #: kernels faster than this (flushed, us) are also timed by CUDA-graph replay
 GRAPH_BELOW_US = 50.0
+#: the reference is graph-timed below this: twice the candidates' bound, so every candidate
+#: with a graph figure that beats the reference by up to 2x flushed has one to compare with
+REFERENCE_GRAPH_BELOW_US = 2 * GRAPH_BELOW_US
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
 
         ref = bench.time_reference(pattern.indptr, pattern.indices, pattern.shape, op=job.op, n=job.n,
                                    dtype=job.dtype, warmup=job.warmup, reps=job.reps, seed=job.seed,
-                                   hide_host_us=_hide(job))
+                                   hide_host_us=_hide(job), graph_below_us=REFERENCE_GRAPH_BELOW_US)
         return SandboxResult("ok", reference={k: v.to_dict() for k, v in ref.items()},
                              floor_us=_floor(job, pattern), wall_s=time.perf_counter() - t0, worker_pid=os.getpid())
     from sparserl_compile import verify as V

@@ -12,6 +12,12 @@ indices) in the same worker so both are measured side by side, and returns a ``C
   them; the faster of its two medians counts. A reference timed while the GPU was slow (its
   clocks still rising, another process busy) would otherwise let a kernel through that only
   beat a bad measurement: the rule errs towards cuSPARSE.
+  Short products are also timed with a hot L2 (CUDA-graph replay of back-to-back calls: a
+  candidate under ``sandbox.GRAPH_BELOW_US`` flushed, the reference under
+  ``sandbox.REFERENCE_GRAPH_BELOW_US``). Where both have that figure, a candidate is kept only
+  if it is not slower there either: a kernel that wins with the L2 flushed but loses when its
+  operands stay cached (an eager loop over one small matrix) would be slower per call than
+  torch.sparse. Among the candidates that pass both, the fastest flushed is kept.
 * CPU executor (or ``time=False``): nothing can be timed, so the rule is "the first verified
   candidate in the provider's order" (providers list their best guess first); all times None.
 
@@ -71,18 +77,28 @@ class Evaluation:
                  if t is not None]
         return min(times) if times else None
 
+    def reference_graph_us(self) -> float | None:
+        """The reference's hot-L2 (graph replay) median for the index type ``reference_us``
+        uses: the faster of its timings, None where it was not graph-timed."""
+        times = [t for t in (_reference_median(self.reference, graph=True),
+                             _reference_median(self.reference_again, graph=True)) if t is not None]
+        return min(times) if times else None
+
     def reference_runs_us(self) -> list[float | None]:
         """Each timing of the reference, in order (one or two)."""
         runs = [self.reference] + ([self.reference_again] if self.reference_again is not None else [])
         return [_reference_median(r) for r in runs]
 
 
-def _reference_median(r: SandboxResult | None) -> float | None:
+def _reference_median(r: SandboxResult | None, *, graph: bool = False) -> float | None:
+    """The flushed median of the first index type timed (int32, else int64), or with ``graph``
+    that index type's graph-replay median (None where it has none)."""
     if r is None or not r.ok or not r.reference:
         return None
     for it in ("int32", "int64"):
         if it in r.reference:
-            return float(r.reference[it]["median_us"])
+            key = f"{it}_graph" if graph else it
+            return float(r.reference[key]["median_us"]) if key in r.reference else None
     return None
 
 
@@ -202,10 +218,11 @@ def _jsonable(x):
 
 def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAULT_MARGIN) -> Choice:
     """Apply the selection rule of the module docstring to an ``Evaluation``."""
-    ref_us = ev.reference_us()
+    ref_us, ref_graph = ev.reference_us(), ev.reference_graph_us()
     record = {"candidates": [outcome_record(c, r) for c, r in zip(candidates, ev.results)],
               "reference": ev.reference.reference if ev.reference else None,
               "reference_us": ref_us, "reference_runs_us": ev.reference_runs_us(),
+              "reference_graph_us": ref_graph,
               "margin": margin, "seconds": round(ev.seconds, 3),
               "reference_wall_s": round(ev.reference.wall_s, 4) if ev.reference else None}
     ok = [(c, r) for c, r in zip(candidates, ev.results) if r.ok]
@@ -222,8 +239,23 @@ def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAU
         record.update(chosen=None, best=c.name, best_us=r.kernel_us,
                       rule=f"reference wins: best {r.kernel_us:.2f} us not below (1-{margin}) x {ref_us:.2f} us")
         return Choice(None, None, r.kernel_us, ref_us, record)
+    if ref_us is not None:
+        timed = [(c2, r2) for c2, r2 in timed if r2.kernel_us < (1.0 - margin) * ref_us]
+    hot = [(c2, r2) for c2, r2 in timed if _hot_ok(r2, ref_graph)]
+    if not hot:
+        g = r.graph_bench["median_us"]
+        record.update(chosen=None, best=c.name, best_us=r.kernel_us, best_graph_us=g,
+                      rule=f"reference wins with a hot L2: every candidate that beats it flushed is slower "
+                           f"in graph replay (fastest flushed {g:.2f} us vs {ref_graph:.2f} us)")
+        return Choice(None, None, r.kernel_us, ref_us, record)
+    c, r = min(hot, key=lambda cr: cr[1].kernel_us)
     record.update(chosen=c.name, chosen_us=r.kernel_us, rule="fastest verified candidate beats the reference")
     return Choice(c, r.cubin, r.kernel_us, ref_us, record)
+
+
+def _hot_ok(r: SandboxResult, ref_graph_us: float | None) -> bool:
+    """Not slower than the reference with a hot L2, where both were graph-timed."""
+    return ref_graph_us is None or r.graph_bench is None or r.graph_bench["median_us"] <= ref_graph_us
 
 
 def choose(problem, candidates: list[Candidate], *, executor: str | None = None, time: bool = True,

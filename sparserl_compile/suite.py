@@ -331,6 +331,7 @@ def bench_matrix(spec: MatrixSpec, *, ops: list[tuple[str, int]], dtype: str, po
             ref = ev.reference.reference if ev.reference is not None and ev.reference.ok else {}
             row["torch_int32_us"] = (ref.get("int32") or {}).get("median_us")
             row["torch_int64_us"] = (ref.get("int64") or {}).get("median_us")
+            row["torch_int32_graph_us"] = (ref.get("int32_graph") or {}).get("median_us")
             if ev.reference is not None and not ev.reference.ok:
                 row["reference_error"] = ev.reference.error[:500]
             vb = 4 if dtype == "f32" else 2

@@ -85,6 +85,23 @@ def test_reference_timing_int32_and_int64():
 
 
 @pytest.mark.gpu
+def test_reference_graph_timing_is_a_hot_l2_figure_for_short_products():
+    """``graph_below_us`` adds a CUDA-graph (hot L2) timing of cuSPARSE for the first index
+    type, which the selection compares with the candidates' own graph figures."""
+    from sparserl_compile import matrices
+
+    m = matrices.stencil2d(300)  # 4.5e5 nonzeros: ~10-30 us flushed
+    ref = bench.time_reference(m.indptr, m.indices, m.shape, op="spmv", reps=10, graph_below_us=1e6)
+    assert set(ref) == {"int32", "int64", "int32_graph"}, set(ref)
+    assert ref["int32_graph"].method == "graph" and not ref["int32_graph"].l2_flushed
+    assert 0 < ref["int32_graph"].median_us < ref["int32"].median_us  # cached operands, no host gaps
+    none = bench.time_reference(m.indptr, m.indices, m.shape, op="spmv", reps=5, graph_below_us=0.0)
+    assert set(none) == {"int32", "int64"}
+    print(f"\ncuSPARSE SpMV 2D stencil 300^2: flushed {ref['int32'].median_us:.1f} us, "
+          f"graph {ref['int32_graph'].median_us:.1f} us")
+
+
+@pytest.mark.gpu
 def test_side_by_side_timing_orders_a_small_and_a_large_fill():
     import torch
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from faults import FAULTS, GOOD, candidate
@@ -48,6 +50,37 @@ def test_the_faster_of_the_two_reference_timings_counts():
     assert decide(CANDS, slower_again).candidate is CANDS[1] and slower_again.reference_us() == 10.0
     failed_again = Evaluation((_timed(7.0),), _ref(10.0), 1.0, reference_again=SandboxResult("timeout"))
     assert failed_again.reference_us() == 10.0 and failed_again.reference_runs_us() == [10.0, None]
+
+
+def _graphed(us, graph_us):
+    return replace(_timed(us), graph_bench={"median_us": graph_us, "method": "graph", "l2_flushed": False})
+
+
+def _ref_graphed(us, graph_us):
+    r = _ref(us)
+    return replace(r, reference={**r.reference, "int32_graph": {"median_us": graph_us, "method": "graph"}})
+
+
+def test_a_candidate_slower_than_the_reference_with_a_hot_l2_is_not_kept():
+    """Winning with the L2 flushed is not enough where both were graph-timed: a kernel slower
+    than cuSPARSE with cached operands would be slower per call in an eager loop."""
+    ev = Evaluation((_graphed(7.0, 5.0),), _ref_graphed(10.0, 4.0), 1.0)
+    c = decide(CANDS[:1], ev)
+    assert c.candidate is None and c.kernel_us == 7.0 and ev.reference_graph_us() == 4.0
+    assert "hot L2" in c.record["rule"] and c.record["best_graph_us"] == 5.0
+    assert c.record["reference_graph_us"] == 4.0
+    # a slower-flushed candidate that still beats the reference and also wins hot is kept instead
+    ev = Evaluation((_graphed(7.0, 5.0), _graphed(9.0, 3.5)), _ref_graphed(10.0, 4.0), 1.0)
+    assert decide(CANDS, ev).candidate is CANDS[1]
+    # ... but not one that does not beat the reference flushed by the margin
+    ev = Evaluation((_graphed(7.0, 5.0), _graphed(9.9, 3.5)), _ref_graphed(10.0, 4.0), 1.0)
+    assert decide(CANDS, ev).candidate is None
+    # the faster of the reference's two graph timings counts, as for its flushed timings
+    ev = Evaluation((_graphed(7.0, 4.5),), _ref_graphed(10.0, 5.0), 1.0, reference_again=_ref_graphed(10.0, 4.0))
+    assert ev.reference_graph_us() == 4.0 and decide(CANDS[:1], ev).candidate is None
+    # without a graph figure on either side the flushed rule alone decides
+    assert decide(CANDS[:1], Evaluation((_timed(7.0),), _ref_graphed(10.0, 4.0), 1.0)).candidate is CANDS[0]
+    assert decide(CANDS[:1], Evaluation((_graphed(7.0, 5.0),), _ref(10.0), 1.0)).candidate is CANDS[0]
 
 
 class _ScriptedPool:
