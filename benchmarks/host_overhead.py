@@ -22,6 +22,7 @@ import torch
 
 import sparserl_compile as S
 from sparserl_compile import formats, kernels, matrices, runtime
+from sparserl_compile.bench import wall_median_us
 
 
 def _per_call_us(fn, n: int = 20000, warmup: int = 200) -> float:
@@ -102,10 +103,18 @@ def cuda(side: int) -> None:
     plan = next(iter(runtime.plans().values()))
     native = torch.sparse_csr_tensor(a.crow, a.col, a.val, m.shape)
     print(f"stencil2d({side}), {m.nnz} nonzeros, {torch.cuda.get_device_name()}; plan: {plan!r}")
-    for name, fn in (("SparseRLTensor @ x", lambda: a @ x), ("torch.mv on CSR", lambda: torch.mv(native, x))):
+    rows = [("SparseRLTensor @ x", lambda: a @ x), ("torch.mv on CSR", lambda: torch.mv(native, x)),
+            ("CSR @ x", lambda: native @ x),
+            ("reference_product", lambda: runtime.reference_product(a.crow, a.col, a.val, x, *m.shape))]
+    for name, fn in rows:
         us = _per_call_us(fn, n=5000)
         torch.cuda.synchronize()
-        print(f"  {name:20s}: {us:7.1f} us host per call")
+        print(f"  {name:20s}: {us:7.1f} us host per call, {wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
+    for key in list(runtime._table):  # the same calls when the runtime falls back to torch.sparse
+        runtime._table[key] = runtime.ReferencePlan("forced by host_overhead.py")
+    fn = lambda: a @ x  # noqa: E731
+    print(f"  {'... reference plan':20s}: {_per_call_us(fn, n=5000):7.1f} us host per call, "
+          f"{wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
     print("pruned linear 1536 x 576, 90 % zeros per row:")
     linear_rows("cuda", noop=False)
 
