@@ -214,22 +214,26 @@ def _log_once(kind: str, fp: str, msg: str) -> None:
 
 
 _native_ok: dict[tuple, bool] = {}
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def reference_product(crow, col, val, x, n_rows: int, n_cols: int) -> torch.Tensor:
-    """``A @ x`` by torch.sparse (cuSPARSE on CUDA), x 1-D (SpMV) or 2-D (SpMM), int32 CSR."""
-    mv = x.dim() == 1
-    shape = (n_rows,) if mv else (n_rows, x.shape[1])
-    if n_rows == 0 or col.numel() == 0 or x.numel() == 0:
-        return x.new_zeros(shape)
-    key = (x.device.type, val.dtype, mv)
+    """``A @ x`` by torch.sparse (cuSPARSE on CUDA), x 1-D (SpMV) or 2-D (SpMM), int32 CSR.
+
+    The path of every product the runtime does not run a kernel for, so it is kept short (a
+    few hundred nanoseconds of Python over torch's own ``mv``/``mm``): float32 and float64 go
+    straight to torch; half types first learn once per device type whether torch has a
+    native kernel for them (else they accumulate in float32)."""
+    if n_rows == 0 or x.numel() == 0 or col.numel() == 0:
+        return x.new_zeros((n_rows,) if x.dim() == 1 else (n_rows, x.shape[1]))
+    if val.dtype not in _HALF:
+        return _native_mm(_csr(crow, col, val, n_rows, n_cols), x)
+    key = (x.device.type, val.dtype, x.dim() == 1)
     ok = _native_ok.get(key)
     if ok is not False:
         try:
             y = _native_mm(_csr(crow, col, val, n_rows, n_cols), x)
         except (RuntimeError, NotImplementedError):
-            if val.dtype not in (torch.float16, torch.bfloat16):
-                raise
             _native_ok[key] = False  # no half kernel here: accumulate in float32 from now on
         else:
             if ok is None:
@@ -239,14 +243,18 @@ def reference_product(crow, col, val, x, n_rows: int, n_cols: int) -> torch.Tens
     return y.to(val.dtype)
 
 
+_mode_on = torch._C._is_torch_function_mode_enabled
+
+
 def _native_mm(a_csr, x):
-    """``a_csr @ x`` by torch, out of reach of torch function modes: a product of sparserl's
-    own must not be seen (and routed a second time) by ``dispatch.enable()``'s mode when the
-    runtime is called directly from Python, as the eager fast paths do."""
-    if torch._C._is_torch_function_mode_enabled():
+    """``a_csr @ x`` by torch (``torch.mv``/``torch.mm``), out of reach of torch function
+    modes: a product of sparserl's own must not be seen (and routed a second time) by
+    ``dispatch.enable()``'s mode when the runtime is called directly from Python, as the eager
+    fast paths do."""
+    if _mode_on():
         with torch._C.DisableTorchFunction():
-            return a_csr @ x
-    return a_csr @ x
+            return torch.mv(a_csr, x) if x.dim() == 1 else torch.mm(a_csr, x)
+    return torch.mv(a_csr, x) if x.dim() == 1 else torch.mm(a_csr, x)
 
 
 #: the last torch CSR tensors built, keyed by the identity of their member tensors: a torch
@@ -256,10 +264,10 @@ CSR_MEMO_SIZE = 16
 
 
 def _csr(crow, col, val, n_rows, n_cols):
-    key = (id(crow), id(col), id(val))
-    hit = _csr_memo.get(key)
-    if hit is not None and hit[0]() is crow and hit[1]() is col and hit[2]() is val:
+    hit = _csr_memo.get((id(crow), id(col), id(val)))
+    if hit is not None and hit[2]() is val and hit[0]() is crow and hit[1]() is col:
         return hit[3]
+    key = (id(crow), id(col), id(val))
     t = _new_csr(crow, col, val, n_rows, n_cols)
     _csr_memo[key] = (weakref.ref(crow), weakref.ref(col), weakref.ref(val), t)
     while len(_csr_memo) > CSR_MEMO_SIZE:
@@ -394,6 +402,9 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> to
                 _table[key] = plan
     else:
         _counts["hits"] += 1
+        if plan.kind == "reference":  # the hot path of a product the runtime does not run a kernel for
+            _counts["reference_calls"] += 1
+            return reference_product(crow, col, val, x, n_rows, n_cols)
     if plan.kind == "pending" and plan.future.done():
         with _lock:
             cur = _table.get(key)

@@ -158,6 +158,8 @@ class SparseRLTensor(torch.Tensor):
         if (not isinstance(other, torch.Tensor) or torch._C._is_torch_function_mode_enabled()
                 or torch.compiler.is_compiling()):
             return super().__matmul__(other)
+        if type(other) is torch.Tensor and 1 <= other.dim() <= 2:  # the common case: straight to the product
+            return _product(self, other, False)
         return _dispatch_pair(torch.matmul, self, other)
 
     def __repr__(self) -> str:
@@ -418,16 +420,19 @@ def sparsify_(module: torch.nn.Module, min_sparsity: float = 0.5) -> torch.nn.Mo
 
 
 def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """op(A) @ X with op(A) = A, or A^T when ``transpose`` (on top of A's own flag); X 1/2-D."""
-    if not isinstance(X, torch.Tensor) or isinstance(X, SparseRLTensor) or X.layout != torch.strided:
+    """op(A) @ X with op(A) = A, or A^T when ``transpose`` (on top of A's own flag); X 1/2-D.
+
+    Every eager product passes here, so the checks are ordered and written for a plain
+    tensor's fast path (identity tests of types and dtypes, the runtime called directly)."""
+    if (type(X) is not torch.Tensor and (not isinstance(X, torch.Tensor) or isinstance(X, SparseRLTensor))
+            or X.layout is not torch.strided):
         raise NotImplementedError(
             "sparserl multiplies a SparseRLTensor by a dense strided tensor only; "
             f"got {type(X).__name__} (layout {getattr(X, 'layout', None)}): call .to_dense() on one operand"
         )
     t = A.transposed != transpose
-    m, k = (A.n_cols, A.n_rows) if t else (A.n_rows, A.n_cols)
     val = A.val  # a plain tensor: its dtype/device reads skip the subclass's __torch_function__
-    if X.dtype != val.dtype:
+    if X.dtype is not val.dtype:
         raise ValueError(
             f"dtype mismatch: the sparse matrix is {val.dtype} but the dense operand is {X.dtype}; "
             f"convert one of them (e.g. x.to({val.dtype}))"
@@ -437,20 +442,27 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
             f"device mismatch: the sparse matrix is on {val.device} but the dense operand on "
             f"{X.device}; move one with .to(device)"
         )
+    k = A.n_rows if t else A.n_cols
     if X.shape[0] != k:
+        m = A.n_cols if t else A.n_rows
         raise ValueError(
             f"shape mismatch: sparse ({m} x {k}) @ dense {tuple(X.shape)}: the dense operand "
             f"needs {k} rows"
         )
     X = X.contiguous()
-    args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
+    mv = X.dim() == 1
     if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
-        rt = _runtime
-        fn = (rt.spmv_t if t else rt.spmv) if X.dim() == 1 else (rt.spmm_t if t else rt.spmm)
-        return fn(*args)
-    if X.dim() == 1:
+        if t:
+            return (_runtime.spmv_t if mv else _runtime.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols,
+                                                                A.fingerprint)
+        return _runtime.product("spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
+    args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
+    if mv:
         return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)
     return torch.ops.sparserl.spmm_t(*args) if t else torch.ops.sparserl.spmm(*args)
+
+
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
 def _eager_plain(val: torch.Tensor, X: torch.Tensor) -> bool:
@@ -459,7 +471,7 @@ def _eager_plain(val: torch.Tensor, X: torch.Tensor) -> bool:
     result is the same as through ``torch.ops.sparserl.*``, which tracing and autograd need."""
     return (
         type(X) is torch.Tensor and type(val) is torch.Tensor
-        and torch._C._len_torch_dispatch_stack() == 0
+        and not _dispatch_depth()
         and not (torch.is_grad_enabled() and (X.requires_grad or val.requires_grad))
     )
 
