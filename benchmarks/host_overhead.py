@@ -4,8 +4,10 @@
     python benchmarks/host_overhead.py --cuda     # GPU: search a kernel, then time eager calls
 
 On the CPU it installs a kernel plan whose launch does nothing, so the figure is the Python
-path alone (SparseRLTensor.__torch_function__ -> tensor._product -> runtime.product ->
-KernelPlan.run -> bound launch), next to torch's own CSR ``mv`` for scale. On a GPU it lets the
+path alone (SparseRLTensor.__matmul__ -> tensor._product -> runtime.product ->
+KernelPlan.run -> bound launch), next to torch's own CSR ``mv`` for scale, and times the
+reference plan's path (a CPU product, which the runtime leaves to torch) on a tiny matrix
+against ``torch.mv`` itself. On a GPU it lets the
 runtime find a real kernel for a 2D stencil and reports host microseconds per call (no sync
 inside the timed loop) for sparserl and for torch.sparse. Both also time ``F.linear`` with a
 pruned weight (1536 x 576, 90 % zeros in every row, the shape of a SmolLM2-135M MLP
@@ -90,6 +92,11 @@ def cpu(side: int) -> None:
     print(f"stencil2d({side}), {m.nnz} nonzeros, CPU, one thread")
     print(f"  SparseRLTensor @ x, no-op kernel : {_per_call_us(lambda: a @ x):7.1f} us (Python path only)")
     print(f"  torch.mv on CSR (computes)       : {_per_call_us(lambda: torch.mv(native, x)):7.1f} us")
+    t = S.sparsify(matrices.stencil2d(8))  # CPU tensors: the reference plan (torch's CSR product)
+    tx, tn = torch.randn(t.n_cols), torch.sparse_csr_tensor(t.crow, t.col, t.val, (t.n_rows, t.n_cols))
+    print(f"stencil2d(8), {t.nnz} nonzeros: the reference plan's path over torch's own product")
+    print(f"  SparseRLTensor @ x, reference    : {_per_call_us(lambda: t @ tx):7.1f} us")
+    print(f"  torch.mv on CSR                  : {_per_call_us(lambda: torch.mv(tn, tx)):7.1f} us")
     print("pruned linear 1536 x 576, 90 % zeros per row, no-op kernel (sparserl) vs dense (computes):")
     linear_rows("cpu", noop=True)
 
