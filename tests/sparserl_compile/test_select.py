@@ -78,6 +78,11 @@ def test_a_candidate_slower_than_the_reference_with_a_hot_l2_is_not_kept():
     # the faster of the reference's two graph timings counts, as for its flushed timings
     ev = Evaluation((_graphed(7.0, 4.5),), _ref_graphed(10.0, 5.0), 1.0, reference_again=_ref_graphed(10.0, 4.0))
     assert ev.reference_graph_us() == 4.0 and decide(CANDS[:1], ev).candidate is None
+    # a reference cuSPARSE times with int64 indices only: its int64 graph figure counts
+    int64_only = SandboxResult("ok", reference={"int64": {"median_us": 10.0},
+                                                "int64_graph": {"median_us": 4.0, "method": "graph"}})
+    ev = Evaluation((_graphed(7.0, 5.0),), int64_only, 1.0)
+    assert ev.reference_us() == 10.0 and ev.reference_graph_us() == 4.0 and decide(CANDS[:1], ev).candidate is None
     # without a graph figure on either side the flushed rule alone decides
     assert decide(CANDS[:1], Evaluation((_timed(7.0),), _ref_graphed(10.0, 4.0), 1.0)).candidate is CANDS[0]
     assert decide(CANDS[:1], Evaluation((_graphed(7.0, 5.0),), _ref(10.0), 1.0)).candidate is CANDS[0]
