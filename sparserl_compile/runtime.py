@@ -176,7 +176,8 @@ def first_uses() -> list[dict]:
 
     * ``fingerprint``, ``op``, ``n``, ``dtype``, ``nnz``; ``source``: ``"search"`` (the provider
       was asked), ``"cache"`` (served by the disk cache) or ``"cache+timing"`` (a pre-generated
-      entry never timed on this GPU, timed now);
+      entry never timed on this GPU, or one timed before the hot-L2 rule, ``timed_before_hot_rule``,
+      timed now);
     * seconds: ``problem_s`` (the pattern copied to the host), ``cache_s`` (disk-cache lookup),
       ``propose_s`` (the provider's ``candidates``), ``select_s`` (compile, sandboxed
       verification and timing, ``select.choose``, and the disk-cache write), ``plan_s``
@@ -576,7 +577,7 @@ def search_entry(problem: providers.Problem, key, *, candidates=None, executor: 
     times = {k: v for k, v in (("kernel_us", choice.kernel_us), ("reference_us", choice.reference_us))
              if v is not None}
     if cand is None:
-        record.setdefault("why", "no verified candidate beat the reference")
+        record.setdefault("why", record.get("rule") or "no verified candidate beat the reference")
         return CacheEntry(key=key, cubin=None, times=times, verification=record)
     record["winner_family"] = cand.name
     return CacheEntry(key=key, cubin=choice.cubin, source=cand.source, header=cand.header.render(),
@@ -673,12 +674,13 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
         _counts["cache_hits"] += 1
         if entry.reference_wins:
             return ReferencePlan("cached verdict: " + entry.verification.get("why", "the reference wins"))
-        if "kernel_us" in entry.times:
+        if "kernel_us" in entry.times and not timed_before_hot_rule(entry):
             plan = _entry_plan(entry, problem, x.device, entry.key)  # its own key: dropped if the re-check fails
             _log_first_use(problem, "cache", plan, None, t0, t_problem, t_cache, t_cache)
             return plan
-        # pre-generated without a GPU: verified on the CPU, never timed on this GPU; it is
-        # timed against cuSPARSE in the sandbox (one candidate) before it is trusted
+        # pre-generated without a GPU (verified on the CPU, never timed on this GPU), or timed
+        # before the selection compared short products with a hot L2: the kernel is timed
+        # against cuSPARSE in the sandbox (one candidate) before it is trusted
         candidates = [contract.Candidate(entry.source, contract.parse_header(entry.header or entry.source))]
         source = "cache+timing"
     elif _config.on_miss == "reference":
@@ -691,6 +693,17 @@ def _search(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
     plan = _entry_plan(entry, problem, x.device, key)
     _log_first_use(problem, source, plan, entry.verification, t0, t_problem, t_cache, t_selected)
     return plan
+
+
+def timed_before_hot_rule(entry) -> bool:
+    """Whether a cached kernel verdict for a short product (under ``sandbox.GRAPH_BELOW_US``
+    flushed) was chosen before ``select.decide`` also compared short products with a hot L2:
+    its record has no ``reference_graph_us``. Such an entry is timed again, once, under the
+    current rule; longer products are decided alike by both rules."""
+    from sparserl_compile.sandbox import GRAPH_BELOW_US
+
+    us = entry.times.get("kernel_us")
+    return us is not None and us < GRAPH_BELOW_US and "reference_graph_us" not in entry.verification
 
 
 def _log_first_use(problem, source: str, plan, record, t0, t_problem, t_cache, t_selected) -> None:

@@ -259,6 +259,50 @@ def test_cached_reference_verdict_is_used_without_a_search(kernels_on_cpu, monke
     assert rec.problems == [] and runtime.stats().cache_hits == 1
 
 
+@pytest.mark.parametrize("record, kernel_us, retimed", [
+    ({}, 5.0, True), ({"reference_graph_us": 4.0}, 5.0, False), ({"reference_graph_us": None}, 5.0, False),
+    ({}, 80.0, False)])  # a long product: both rules decide it alike
+def test_a_cached_short_kernel_chosen_before_the_hot_l2_rule_is_timed_again(kernels_on_cpu, monkeypatch,
+                                                                           record, kernel_us, retimed):
+    """A kernel verdict for a short product whose record has no ``reference_graph_us`` was chosen
+    on flushed time alone: it is timed again against cuSPARSE (one candidate, the cached kernel)
+    under the current rule, and the new verdict replaces it; a verdict of the current rule is served."""
+    from sparserl_compile import cache
+
+    def key_for(problem, device):
+        return cache.CacheKey(problem.fingerprint, problem.op, problem.dtype, cache.width_bucket(problem.n),
+                              problem.arch, "test-gpu", "0", "0")
+
+    monkeypatch.setattr(runtime, "_cache_key", key_for)
+    a = S.sparsify(matrix())
+    p = runtime._problem("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
+    cand = a_candidate()
+    old = cache.CacheEntry(key=key_for(p, None), cubin=b"cubin", source=cand.source, header=cand.header.render(),
+                           times={"kernel_us": kernel_us, "reference_us": 99.0}, verification=dict(record))
+    cache.KernelCache.default().put(old)
+    asked = []
+
+    def search_entry(problem, key, *, candidates=None, executor=None):
+        asked.append(candidates)
+        return cache.CacheEntry(key=key, cubin=None, times={"kernel_us": 5.0, "reference_us": 9.0},
+                                verification={"why": "reference wins with a hot L2: ...", "reference_graph_us": 4.0})
+
+    monkeypatch.setattr(runtime, "search_entry", search_entry)
+    monkeypatch.setattr(runtime, "_kernel_plan", lambda *args: runtime.ReferencePlan("the cached kernel, served"))
+    rec = RecordingProvider([a_candidate()])
+    runtime.configure(provider=rec)
+    a @ torch.randn(20, 4)
+    (plan,) = runtime.plans().values()
+    assert rec.problems == []  # the provider is never asked
+    if retimed:
+        assert [c.source for c in asked[0]] == [cand.source] and "hot L2" in plan.reason
+        assert runtime.first_uses()[-1]["source"] == "cache+timing"
+        assert cache.KernelCache.default().get(old.key).reference_wins  # the new verdict replaced it
+    else:
+        assert asked == [] and plan.reason == "the cached kernel, served"
+    assert runtime.timed_before_hot_rule(old) is retimed
+
+
 class FakeKernel:
     """Stands in for launcher.LoadedKernel: computes CSR SpMM on the CPU, or fails."""
 
