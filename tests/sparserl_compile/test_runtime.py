@@ -240,7 +240,9 @@ def test_float64_and_disabled_kernels_skip_the_search(kernels_on_cpu):
     assert any("kernels disabled" in r for r in reasons)
 
 
-def test_cached_reference_verdict_is_used_without_a_search(kernels_on_cpu, monkeypatch):
+def _cached_problem(monkeypatch):
+    """A matrix and the disk-cache key of its width-4 SpMM, with the runtime's cache key made
+    device-free (a test GPU name, driver and NVRTC "0") so entries can be planted on the CPU."""
     from sparserl_compile import cache
 
     def key_for(problem, device):
@@ -249,8 +251,14 @@ def test_cached_reference_verdict_is_used_without_a_search(kernels_on_cpu, monke
 
     monkeypatch.setattr(runtime, "_cache_key", key_for)
     a = S.sparsify(matrix())
-    p = runtime._problem("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
-    cache.KernelCache.default().put(cache.CacheEntry(key=key_for(p, None), cubin=None))
+    return a, key_for(runtime._problem("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint), None)
+
+
+def test_cached_reference_verdict_is_used_without_a_search(kernels_on_cpu, monkeypatch):
+    from sparserl_compile import cache
+
+    a, key = _cached_problem(monkeypatch)
+    cache.KernelCache.default().put(cache.CacheEntry(key=key, cubin=None))
     rec = RecordingProvider([a_candidate()])
     runtime.configure(provider=rec)
     a @ torch.randn(20, 4)
@@ -269,15 +277,9 @@ def test_a_cached_short_kernel_chosen_before_the_hot_l2_rule_is_timed_again(kern
     under the current rule, and the new verdict replaces it; a verdict of the current rule is served."""
     from sparserl_compile import cache
 
-    def key_for(problem, device):
-        return cache.CacheKey(problem.fingerprint, problem.op, problem.dtype, cache.width_bucket(problem.n),
-                              problem.arch, "test-gpu", "0", "0")
-
-    monkeypatch.setattr(runtime, "_cache_key", key_for)
-    a = S.sparsify(matrix())
-    p = runtime._problem("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
+    a, key = _cached_problem(monkeypatch)
     cand = a_candidate()
-    old = cache.CacheEntry(key=key_for(p, None), cubin=b"cubin", source=cand.source, header=cand.header.render(),
+    old = cache.CacheEntry(key=key, cubin=b"cubin", source=cand.source, header=cand.header.render(),
                            times={"kernel_us": kernel_us, "reference_us": 99.0}, verification=dict(record))
     cache.KernelCache.default().put(old)
     asked = []
