@@ -265,10 +265,10 @@ CSR_MEMO_SIZE = 16
 
 
 def _csr(crow, col, val, n_rows, n_cols):
-    hit = _csr_memo.get((id(crow), id(col), id(val)))
-    if hit is not None and hit[2]() is val and hit[0]() is crow and hit[1]() is col:
-        return hit[3]
     key = (id(crow), id(col), id(val))
+    hit = _csr_memo.get(key)
+    if hit is not None and hit[0]() is crow and hit[1]() is col and hit[2]() is val:
+        return hit[3]
     t = _new_csr(crow, col, val, n_rows, n_cols)
     _csr_memo[key] = (weakref.ref(crow), weakref.ref(col), weakref.ref(val), t)
     while len(_csr_memo) > CSR_MEMO_SIZE:

@@ -451,12 +451,11 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
         )
     X = X.contiguous()
     mv = X.dim() == 1
+    args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
     if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
         if t:
-            return (_runtime.spmv_t if mv else _runtime.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols,
-                                                                A.fingerprint)
-        return _runtime.product("spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
-    args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
+            return (_runtime.spmv_t if mv else _runtime.spmm_t)(*args)
+        return _runtime.product("spmv" if mv else "spmm", *args)
     if mv:
         return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)
     return torch.ops.sparserl.spmm_t(*args) if t else torch.ops.sparserl.spmm(*args)
