@@ -7,7 +7,8 @@ On the CPU it installs a kernel plan whose launch does nothing, so the figure is
 path alone (SparseRLTensor.__matmul__ -> tensor._product -> runtime.product ->
 KernelPlan.run -> bound launch), next to torch's own CSR ``mv`` for scale, and times the
 reference plan's path (a CPU product, which the runtime leaves to torch) on a tiny matrix
-against ``torch.mv`` itself. On a GPU it lets the
+against ``torch.mv`` itself, with and without the tensor's route past the plan table
+(``runtime.Routes``), alternated. On a GPU it lets the
 runtime find a real kernel for a 2D stencil and reports host microseconds per call (no sync
 inside the timed loop) for sparserl and for torch.sparse. Both also time ``F.linear`` with a
 pruned weight (1536 x 576, 90 % zeros in every row, the shape of a SmolLM2-135M MLP
@@ -39,6 +40,24 @@ def _per_call_us(fn, n: int = 20000, warmup: int = 200) -> float:
 class _NoopKernel:
     def bind(self, fixed, grid, block=None, smem=None):
         return lambda x, y: None
+
+
+class _NoRoute(runtime.Routes):
+    """Routes that never serve: every product of a tensor holding them takes the plan table's
+    path (the runtime before ``runtime.Routes``), for the side-by-side rows."""
+
+    def get(self, n):
+        return None
+
+    def store(self, generation, n, native):
+        pass
+
+
+def _without_route(a):
+    """``a``'s arrays in a second tensor whose products never take a route."""
+    b = S.SparseRLTensor(a.crow, a.col, a.val, a.n_rows, a.n_cols, a.fingerprint)
+    b._routes = _NoRoute()
+    return b
 
 
 def pruned_weight(rows: int = 1536, cols: int = 576, sparsity: float = 0.9, seed: int = 0) -> torch.Tensor:
@@ -94,8 +113,11 @@ def cpu(side: int) -> None:
     print(f"  torch.mv on CSR (computes)       : {_per_call_us(lambda: torch.mv(native, x)):7.1f} us")
     t = S.sparsify(matrices.stencil2d(8))  # CPU tensors: the reference plan (torch's CSR product)
     tx, tn = torch.randn(t.n_cols), torch.sparse_csr_tensor(t.crow, t.col, t.val, (t.n_rows, t.n_cols))
+    tw = _without_route(t)
     print(f"stencil2d(8), {t.nnz} nonzeros: the reference plan's path over torch's own product")
-    print(f"  SparseRLTensor @ x, reference    : {_per_call_us(lambda: t @ tx):7.1f} us")
+    for _ in range(2):  # alternated: the route and the table's path side by side
+        print(f"  SparseRLTensor @ x, reference    : {_per_call_us(lambda: t @ tx):7.1f} us")
+        print(f"  ... without the tensor's route   : {_per_call_us(lambda: tw @ tx):7.1f} us")
     print(f"  torch.mv on CSR                  : {_per_call_us(lambda: torch.mv(tn, tx)):7.1f} us")
     print("pruned linear 1536 x 576, 90 % zeros per row, no-op kernel (sparserl) vs dense (computes):")
     linear_rows("cpu", noop=True)
@@ -119,9 +141,12 @@ def cuda(side: int) -> None:
         print(f"  {name:20s}: {us:7.1f} us host per call, {wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
     for key in list(runtime._table):  # the same calls when the runtime falls back to torch.sparse
         runtime._table[key] = runtime.ReferencePlan("forced by host_overhead.py")
-    fn = lambda: a @ x  # noqa: E731
-    print(f"  {'... reference plan':20s}: {_per_call_us(fn, n=5000):7.1f} us host per call, "
-          f"{wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
+    aw = _without_route(a)
+    for _ in range(2):  # alternated: the tensor's route to cuSPARSE and the table's path side by side
+        for name, fn in (("... reference plan", lambda: a @ x), ("... without route", lambda: aw @ x),
+                         ("torch.mv again", lambda: torch.mv(native, x))):
+            print(f"  {name:20s}: {_per_call_us(fn, n=5000):7.1f} us host per call, "
+                  f"{wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
     print("pruned linear 1536 x 576, 90 % zeros per row:")
     linear_rows("cuda", noop=False)
 

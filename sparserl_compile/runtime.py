@@ -34,6 +34,11 @@ the CPU (where torch has no half CSR kernel) accumulate in float32 and round onc
 reference keeps the torch CSR tensors of the last ``CSR_MEMO_SIZE`` (crow, col, val) triples
 it was given (by object identity; the CSR tensor aliases them, so in-place value updates are
 seen), which saves rebuilding one per call and keeps those arrays alive until ``clear()``.
+A ``SparseRLTensor`` goes one step further on its eager path: once its product at a width hits
+a reference plan, it keeps that torch CSR tensor (``Routes``) and its next products at that
+width call torch directly, without building the plan key; the plan table counts every change
+(``_PlanTable.generation``) and a route is used only in the generation it was made in, so
+configuring, clearing or any new plan sends every tensor back through the table once.
 
 What it does not do: validate CSR invariants (``tensor.py``/``dispatch.py`` do that once per
 tensor), compute fingerprints of user tensors (callers pass them), or compile/verify kernels.
@@ -126,9 +131,82 @@ class RuntimeStats:
     background: int = 0  # searches queued on the background thread (on_miss="background")
 
 
+class _PlanTable(dict):
+    """The plan table: a dict whose every change (a plan set, replaced or removed, the table
+    cleared) bumps ``generation``. A ``Routes`` entry is valid only in the generation it was
+    made in, so no change of plans, however made, leaves a tensor on a stale shortcut."""
+
+    def __init__(self):
+        super().__init__()
+        self.generation = 0
+
+    def __setitem__(self, key, plan):
+        self.generation += 1
+        super().__setitem__(key, plan)
+
+    def __delitem__(self, key):
+        self.generation += 1
+        super().__delitem__(key)
+
+    def clear(self):
+        self.generation += 1
+        super().clear()
+
+    def pop(self, *args):
+        self.generation += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.generation += 1
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.generation += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kw):
+        self.generation += 1
+        super().update(*args, **kw)
+
+
+class Routes:
+    """One sparse tensor's shortcuts past the plan table to the reference: dense width -> the
+    torch CSR tensor to multiply by, for products whose plan is the reference (float32/64, a
+    non-empty matrix), valid while the plan table's ``generation`` is the one they were made
+    in. ``tensor.SparseRLTensor`` keeps one (its ``_routes``); ``product(routes=)`` fills it on
+    a reference hit and ``run_route`` serves the next such product without building the plan
+    key. Never copied (a copy would alias the original's values): ``copy``/``deepcopy`` give
+    an empty one."""
+
+    __slots__ = ("generation", "native")
+    MAX = 8  # widths kept per tensor (a model calling one weight at many widths starts again)
+
+    def __init__(self):
+        self.generation = -1
+        self.native: dict[int, torch.Tensor] = {}
+
+    def get(self, n: int):
+        return self.native.get(n) if self.generation == _table.generation else None
+
+    def store(self, generation: int, n: int, native) -> None:
+        if self.generation != generation or len(self.native) >= self.MAX:
+            self.native = {}
+            self.generation = generation
+        self.native[n] = native
+
+    def __copy__(self):
+        return Routes()
+
+    def __deepcopy__(self, memo):
+        return Routes()
+
+    def __reduce__(self):
+        return (Routes, ())
+
+
 _config = RuntimeConfig()
 _counts: dict[str, int] = {f.name: 0 for f in fields(RuntimeStats)}
-_table: dict[tuple, "Plan"] = {}
+_table: _PlanTable = _PlanTable()
 _lock = threading.RLock()
 _logged: set[tuple] = set()
 _first_uses: deque = deque(maxlen=FIRST_USE_LOG_SIZE)
@@ -385,14 +463,19 @@ def kernels_possible(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
-    """``A @ x`` for ``op`` in ("spmv", "spmm"), through the plan table (see module doc)."""
+def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
+            routes: Routes | None = None) -> torch.Tensor:
+    """``A @ x`` for ``op`` in ("spmv", "spmm"), through the plan table (see module doc).
+
+    ``routes``: the sparse tensor's ``Routes``; on a reference hit the torch CSR tensor is
+    stored there, so that tensor's next product at this width skips the table (``run_route``)."""
     _counts["calls"] += 1
     if x.numel() == 0:  # an empty dense operand (e.g. a batch of none): zeros, and no plan
         _counts["reference_calls"] += 1  # for the width bucket it shares with real calls
         return reference_product(crow, col, val, x, n_rows, n_cols)
     n = 1 if x.dim() == 1 else int(x.shape[1])
     key = (fp, op, width_bucket(n), val.dtype, device_arch(x.device))
+    generation = _table.generation  # before the lookup: a change after it voids what is stored below
     plan = _table.get(key)
     if plan is None:
         _counts["misses"] += 1
@@ -405,6 +488,10 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> to
         _counts["hits"] += 1
         if plan.kind == "reference":  # the hot path of a product the runtime does not run a kernel for
             _counts["reference_calls"] += 1
+            if routes is not None and val.dtype not in _HALF and n_rows and col.numel():
+                native = _csr(crow, col, val, n_rows, n_cols)
+                routes.store(generation, n, native)
+                return _native_mm(native, x)
             return reference_product(crow, col, val, x, n_rows, n_cols)
     if plan.kind == "pending" and plan.future.done():
         with _lock:
@@ -435,6 +522,15 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> to
             return y
     _counts["reference_calls"] += 1
     return reference_product(crow, col, val, x, n_rows, n_cols)
+
+
+def run_route(native, x) -> torch.Tensor:
+    """A product served by a tensor's ``Routes`` (a reference plan found earlier in this
+    generation of the table): counted as the table hit it stands for, then torch's product."""
+    _counts["calls"] += 1
+    _counts["hits"] += 1
+    _counts["reference_calls"] += 1
+    return _native_mm(native, x)
 
 
 def _plan_for(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
@@ -954,6 +1050,6 @@ def spmm_t(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor
 __all__ = [
     "RuntimeConfig", "RuntimeStats", "ReferencePlan", "KernelPlan", "TransposedPattern",
     "configure", "get_config", "stats", "reset_stats", "clear", "plans", "reference_product",
-    "product", "spmv", "spmm", "spmv_t", "spmm_t", "transpose_pattern", "device_arch",
+    "product", "run_route", "Routes", "spmv", "spmm", "spmv_t", "spmm_t", "transpose_pattern", "device_arch",
     "width_bucket", "kernels_possible", "PendingPlan", "wait_for_searches", "ON_MISS",
 ]

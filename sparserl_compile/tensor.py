@@ -90,6 +90,7 @@ class SparseRLTensor(torch.Tensor):
         self.n_cols = n_cols
         self.fingerprint = fingerprint
         self.transposed = transposed
+        self._routes = _runtime.Routes()  # eager shortcuts to the reference (runtime.Routes)
 
     # ------------------------------------------------------------------ subclass protocol
 
@@ -451,11 +452,17 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
         )
     X = X.contiguous()
     mv = X.dim() == 1
-    args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
     if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
         if t:
-            return (_runtime.spmv_t if mv else _runtime.spmm_t)(*args)
-        return _runtime.product("spmv" if mv else "spmm", *args)
+            return (_runtime.spmv_t if mv else _runtime.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols,
+                                                               A.fingerprint)
+        routes = A._routes
+        native = routes.get(1 if mv else X.shape[1])
+        if native is not None:  # the plan is the reference: straight to torch (runtime.Routes)
+            return _runtime.run_route(native, X)
+        return _runtime.product("spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows, A.n_cols,
+                                A.fingerprint, routes)
+    args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
     if mv:
         return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)
     return torch.ops.sparserl.spmm_t(*args) if t else torch.ops.sparserl.spmm(*args)
@@ -593,7 +600,10 @@ def _linear(func, types, args, kwargs):
             and x.dtype == val.dtype and x.device == val.device and _eager_plain(val, x)):
         # the eager hot path of a sparsified model (a decoder runs hundreds of these per token):
         # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do
-        y = _runtime.spmm(w.crow, w.col, val, x.reshape(-1, k).t().contiguous(), w.n_rows, k, w.fingerprint)
+        xt = x.reshape(-1, k).t().contiguous()
+        native = w._routes.get(xt.shape[1])
+        y = (_runtime.run_route(native, xt) if native is not None  # a reference plan: straight to torch
+             else _runtime.product("spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint, w._routes))
         y = y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
         y = _right(x, w, transpose=True)

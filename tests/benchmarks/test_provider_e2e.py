@@ -41,3 +41,16 @@ def test_summary_without_a_search_run_has_no_search_ratio_and_counts_wrong_resul
     s = provider_e2e.summarize([_row("nearest", "a", 2.0, err=0.5), _row("nearest", "b", 2.0)])
     assert s["nearest"]["wrong"] == 1 and s["nearest"]["max_rel_err"] == 0.5
     assert "ratio_to_search" not in s["nearest"]
+
+
+def test_summary_counts_slow_first_calls_on_products_of_up_to_a_million_nonzeros():
+    rows = [_row("policy", "a", 2.0, first=0.4), _row("policy", "b", 2.0, first=1.5),
+            _row("policy", "c", 2.0, first=3.0), _row("policy", "d", 2.0, first=0.5)]
+    for r, nnz, split in zip(rows, (10**5, 10**6, 2 * 10**6, 10**4),
+                             ({"propose_s": 0.2, "select_s": 0.1}, {"propose_s": 0.9, "select_s": 0.5},
+                              {"propose_s": 0.4, "select_s": 2.5}, None)):
+        r["nnz"], r["first_use"] = nnz, split
+    s = provider_e2e.summarize(rows)["policy"]
+    assert s["first_calls_upto_1e6_nnz"] == 3  # the 2e6-nonzero product is outside the target
+    assert s["first_calls_over_1s_upto_1e6_nnz"] == 1
+    assert s["propose_median_s"] == pytest.approx(0.4) and s["select_median_s"] == pytest.approx(0.5)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+import torch.nn.functional as F
 
 import sparserl_compile as S
 from sparserl_compile import contract, providers, runtime
@@ -344,6 +345,70 @@ def test_kernel_plan_runs_the_kernel(kernels_on_cpu):
 
 
 
+# ------------------------------------------------------------- a tensor's routes to the reference
+
+
+def test_a_reference_plan_is_served_by_the_tensors_route_with_the_same_results_and_counts(monkeypatch):
+    m = matrix()
+    a = S.sparsify(m)
+    x, x1 = torch.randn(20, 4), torch.randn(20)
+    first = (a @ x, a @ x1)  # misses: plans made, no route yet
+    second = (a @ x, a @ x1)  # hits: the routes are stored
+    monkeypatch.setattr(runtime, "product", lambda *args, **kw: pytest.fail("the route was not taken"))
+    third = (a @ x, a @ x1, F.linear(x.t(), a).t())  # served by the routes (F.linear: y^T = A x^T, width 4)
+    for y in first + second + third:
+        np.testing.assert_allclose(y.numpy(), m @ (x if y.dim() == 2 else x1).numpy(), rtol=1e-5, atol=1e-6)
+    st = runtime.stats()
+    assert (st.calls, st.misses, st.hits, st.reference_calls) == (7, 2, 5, 7)
+
+
+def test_a_route_sees_in_place_value_updates_and_is_never_copied():
+    import copy
+
+    m = matrix()
+    a = S.sparsify(m)
+    x = torch.randn(20, 3)
+    a @ x, a @ x  # the route is stored
+    a.val.mul_(2)  # the torch CSR tensor behind the route aliases the values
+    np.testing.assert_allclose((a @ x).numpy(), 2 * (m @ x.numpy()), rtol=1e-5, atol=1e-6)
+    b = copy.deepcopy(a)
+    assert b._routes.native == {}  # a copied route would alias a's values, not b's
+    b.val.mul_(3)
+    np.testing.assert_allclose((b @ x).numpy(), 6 * (m @ x.numpy()), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose((a @ x).numpy(), 2 * (m @ x.numpy()), rtol=1e-5, atol=1e-6)
+
+
+def test_no_route_outlives_a_change_of_plans(kernels_on_cpu):
+    m = matrix()
+    a = S.sparsify(m)
+    x = torch.randn(20, 4)
+    a @ x, a @ x  # the reference (the provider proposes nothing), then its route
+    assert a._routes.get(4) is not None
+    k = FakeKernel()
+    install_kernel_plan(a, 4, k)  # any change of the table voids every route
+    assert a._routes.get(4) is None
+    y = a @ x
+    assert k.launches == 1
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-6)
+    runtime.clear()
+    a @ x, a @ x
+    assert a._routes.get(4) is not None
+    runtime.configure(k=2)
+    assert a._routes.get(4) is None
+
+
+def test_half_and_empty_products_take_no_route():
+    a = S.sparsify(matrix()).to(torch.float16)
+    x = torch.randn(20, 4, dtype=torch.float16)
+    for _ in range(2):
+        y = a @ x  # half on the CPU accumulates in float32 in the reference: no shortcut past it
+    assert a._routes.native == {} and y.dtype == torch.float16
+    e = S.sparsify(sp.csr_matrix((30, 20), dtype=np.float32))
+    for _ in range(2):
+        assert (e @ torch.randn(20, 4)).abs().sum() == 0
+    assert e._routes.native == {}
+
+
 # ------------------------------------------------------------- on_miss: reference, background
 
 
@@ -453,6 +518,11 @@ def test_cuda_reference_and_plan_key():
     (key,) = runtime.plans()
     assert key[4].startswith("sm_")
     assert runtime.stats().fallbacks == 0 or runtime.stats().reference_calls == 1
+    if isinstance(runtime.plans()[key], runtime.ReferencePlan):  # (the reference provider: it is)
+        a @ x  # a hit: the tensor's route to cuSPARSE is stored
+        assert a._routes.get(16) is not None
+        np.testing.assert_allclose((a @ x).cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
+        assert runtime.stats().reference_calls == 3
 
 
 @pytest.mark.gpu
