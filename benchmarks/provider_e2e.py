@@ -19,7 +19,9 @@ process, and keeps the fastest verified one or cuSPARSE. Per product:
   path hidden, in turn: how much of its host path the flush alone lets into a timing (the
   selection hides it since the ninth session, ``bench.HIDE_HOST_US``);
 * ``rel_err``: the product against torch.sparse on the same tensors (max abs difference over
-  max abs value), ``first_call_s`` and ``plan`` (the format kept, or the reference).
+  max abs value), ``first_call_s`` and ``plan`` (the format kept, or the reference);
+* ``first_use``: that first call's split from the runtime's ``first_uses()`` log (proposal,
+  selection, every candidate's outcome and phases), as ``cold_start.py`` rows have it.
 
 The summary gives the geometric means (of both speedups), the ratio of the provider's to the
 space's, how often cuSPARSE was kept, and how many results were wrong (``rel_err`` above
@@ -46,7 +48,7 @@ import sys
 import torch
 
 import sparserl_compile as sr
-from cold_start import _make_provider, first_product, native_csr
+from cold_start import _breakdown, _make_provider, first_product, native_csr
 from sparserl_compile import bench, matrices, runtime
 from sparserl_compile.fileio import write_json
 from training.evaluate import geomean
@@ -108,7 +110,8 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
                    "space_speedup": (r.reference_us / best.us) if (best and r.reference_us) else None,
                    "chosen": rec.get("chosen"), "rule": rec.get("rule"),
                    "plan": getattr(getattr(plan, "header", None), "format", None) or type(plan).__name__,
-                   "rel_err": err, "wrong": err > wrong_tol}
+                   "rel_err": err, "wrong": err > wrong_tol,
+                   "first_use": _breakdown(logged[-1] if logged else None)}
             rows.append(row)
             print(f"  {pspec:10s} {r.matrix.label[:44]:44s} {r.op} n={r.n:<3d} first {first:5.2f}s  "
                   f"x{row['speedup']:5.2f} (space x{row['space_speedup'] or 0:5.2f}, delivered "
@@ -117,6 +120,14 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
             if on_row is not None:
                 on_row(rows)
     return rows, summarize(rows)
+
+
+COLD_NNZ = 10**6
+
+
+def _median(values) -> float | None:
+    v = sorted(x for x in values if x is not None)
+    return v[len(v) // 2] if v else None
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -134,7 +145,13 @@ def summarize(rows: list[dict]) -> dict:
                   "ratio_to_space": (sp / space) if (sp and space) else None,
                   "reference_kept": sum(r["chosen"] is None for r in rs),
                   "wrong": sum(r["wrong"] for r in rs), "max_rel_err": max(r["rel_err"] for r in rs),
-                  "first_call_median_s": firsts[len(firsts) // 2], "first_call_max_s": firsts[-1]}
+                  "first_call_median_s": firsts[len(firsts) // 2], "first_call_max_s": firsts[-1],
+                  # the policy issue's cold-start target: a new structure of <= 10^6 nonzeros in under 1 s
+                  "first_calls_upto_1e6_nnz": sum(r.get("nnz", 0) <= COLD_NNZ for r in rs),
+                  "first_calls_over_1s_upto_1e6_nnz": sum(r.get("nnz", 0) <= COLD_NNZ and r["first_call_s"] > 1.0
+                                                          for r in rs),
+                  "propose_median_s": _median([(r.get("first_use") or {}).get("propose_s") for r in rs]),
+                  "select_median_s": _median([(r.get("first_use") or {}).get("select_s") for r in rs])}
         both = [r for r in rs if product(r) in search]
         if search and p != "search" and both:
             mine = geomean([r["speedup"] for r in both])
@@ -191,7 +208,10 @@ def main(argv=None) -> int:
         print(f"[e2e] {prov}: geomean x{s['speedup_geomean']:.2f} over cuSPARSE, kernel space x"
               f"{s['space_speedup_geomean']:.2f} (ratio {s['ratio_to_space']:.3f}); cuSPARSE kept "
               f"{s['reference_kept']}/{s['products']}; wrong {s['wrong']}; first call median "
-              f"{s['first_call_median_s']:.2f} s, max {s['first_call_max_s']:.2f} s", flush=True)
+              f"{s['first_call_median_s']:.2f} s, max {s['first_call_max_s']:.2f} s; over 1 s: "
+              f"{s['first_calls_over_1s_upto_1e6_nnz']} of {s['first_calls_upto_1e6_nnz']} products of <= 1e6 "
+              f"nonzeros; proposal median {s['propose_median_s'] or 0:.2f} s, selection "
+              f"{s['select_median_s'] or 0:.2f} s", flush=True)
         if s.get("delivered_speedup_geomean"):
             print(f"[e2e] {prov}: delivered x{s['delivered_speedup_geomean']:.2f} (re-timed side by side after "
                   f"the selection)", flush=True)
