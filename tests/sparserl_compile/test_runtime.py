@@ -549,6 +549,43 @@ def test_cuda_search_end_to_end_is_correct_and_cached():
 
 
 @pytest.mark.gpu
+def test_cuda_a_cached_kernel_chosen_before_the_hot_l2_rule_is_timed_again_once():
+    """A real short-product kernel verdict, aged to what the cache held before the hot-L2 rule
+    (no ``reference_graph_us`` in its record), is timed again on its first use in a process:
+    the new verdict carries the reference's graph figure, the product is right, and the next
+    process serves it without timing."""
+    import dataclasses
+
+    from sparserl_compile import cache
+    from sparserl_compile.sandbox import GRAPH_BELOW_US
+
+    runtime.configure(provider="search", k=2)
+    m = matrix(500, 500, seed=6)
+    a = S.sparsify(m, device="cuda")
+    x = torch.randn(500, 8, device="cuda")
+    a @ x
+    (first,) = runtime.first_uses()
+    key = runtime._cache_key(runtime._problem("spmm", a.crow, a.col, a.val, x, 500, 500, a.fingerprint), x.device)
+    store = cache.KernelCache.default()
+    entry = store.get(key)
+    if entry is None or entry.reference_wins or entry.times.get("kernel_us", GRAPH_BELOW_US) >= GRAPH_BELOW_US:
+        pytest.skip("no short kernel verdict for this product on this GPU")
+    aged = {k: v for k, v in entry.verification.items() if k not in ("reference_graph_us", "best_graph_us")}
+    store.put(dataclasses.replace(entry, verification=aged))
+    for again in (True, False):
+        runtime.clear()
+        runtime.reset_stats()
+        y = a @ x
+        np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
+        logged = [r["source"] for r in runtime.first_uses()]
+        if again:  # timed against cuSPARSE under the current rule, whatever it then decides
+            assert logged == ["cache+timing"]
+            assert "reference_graph_us" in store.get(key).verification
+        else:  # the new verdict is served as it is (a reference verdict logs no first use)
+            assert logged in (["cache"], []) and runtime.stats().cache_hits == 1
+
+
+@pytest.mark.gpu
 def test_cuda_background_search_then_kernel_and_nearest_provider():
     """on_miss="background" on the GPU: the first products run cuSPARSE while the search runs;
     after it, the verdict (here from the "nearest" provider's few candidates) serves the
