@@ -170,8 +170,8 @@ class _PlanTable(dict):
 
 
 class Routes:
-    """One sparse tensor's shortcuts past the plan table to the reference: dense width -> the
-    torch CSR tensor to multiply by, for products whose plan is the reference (float32/64, a
+    """One sparse tensor's shortcuts past the plan table to the reference: dense width (SpMM)
+    or ``SPMV`` -> the torch CSR tensor to multiply by, for products whose plan is the reference (float32/64, a
     non-empty matrix), valid while the plan table's ``generation`` is the one they were made
     in. ``tensor.SparseRLTensor`` keeps one (its ``_routes``); ``product(routes=)`` fills it on
     a reference hit and ``run_route`` serves the next such product without building the plan
@@ -180,6 +180,7 @@ class Routes:
 
     __slots__ = ("generation", "native")
     MAX = 8  # widths kept per tensor (a model calling one weight at many widths starts again)
+    SPMV = -1  # the key of the SpMV route (an SpMM of width 1 has a plan of its own)
 
     def __init__(self):
         self.generation = -1
@@ -490,7 +491,7 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
             _counts["reference_calls"] += 1
             if routes is not None and val.dtype not in _HALF and n_rows and col.numel():
                 native = _csr(crow, col, val, n_rows, n_cols)
-                routes.store(generation, n, native)
+                routes.store(generation, n if op == "spmm" else Routes.SPMV, native)
                 return _native_mm(native, x)
             return reference_product(crow, col, val, x, n_rows, n_cols)
     if plan.kind == "pending" and plan.future.done():

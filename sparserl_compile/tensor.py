@@ -457,7 +457,7 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
             return (_runtime.spmv_t if mv else _runtime.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols,
                                                                A.fingerprint)
         routes = A._routes
-        native = routes.get(1 if mv else X.shape[1])
+        native = routes.get(_runtime.Routes.SPMV if mv else X.shape[1])
         if native is not None:  # the plan is the reference: straight to torch (runtime.Routes)
             return _runtime.run_route(native, X)
         return _runtime.product("spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows, A.n_cols,

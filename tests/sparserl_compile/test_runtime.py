@@ -397,6 +397,19 @@ def test_no_route_outlives_a_change_of_plans(kernels_on_cpu):
     assert a._routes.get(4) is None
 
 
+def test_an_spmv_route_never_serves_an_spmm_of_width_one(kernels_on_cpu):
+    m = matrix()
+    a = S.sparsify(m)
+    k = FakeKernel()
+    install_kernel_plan(a, 1, k)  # SpMM of width 1: a kernel
+    x1 = torch.randn(20)
+    a @ x1, a @ x1  # SpMV: the reference (the provider proposes nothing), then its route
+    assert a._routes.get(runtime.Routes.SPMV) is not None and a._routes.get(1) is None
+    y = a @ x1[:, None]
+    assert k.launches == 1
+    np.testing.assert_allclose(y.numpy()[:, 0], m @ x1.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_half_and_empty_products_take_no_route():
     a = S.sparsify(matrix()).to(torch.float16)
     x = torch.randn(20, 4, dtype=torch.float16)
