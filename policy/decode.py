@@ -249,6 +249,47 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     return rollouts
 
 
+#: a header is two comment lines of well under this many tokens; past it a sample's header is
+#: no longer looked for (``_speculate``)
+_HEADER_TOKENS = 256
+
+
+class Drafts(list):
+    """Reference kernels for speculative decoding (a list of sources, as ``references`` takes),
+    and the kernel space's sources by their two header lines (``for_header``): once a sample
+    has written its header, the space's kernels with exactly that header draft its body first.
+    A greedy kernel or departure whose header no nearby winner shares (another ``tile_n``, a
+    departure's block size: the body spells those numbers out) otherwise leaves every draft
+    after the header and is decoded one token a forward. ``index``: builds the map (header ->
+    sources) on first use, so a proposal whose samples all follow a draft never renders it.
+    Drafts change how fast a sample is decoded, never which sample comes out."""
+
+    def __init__(self, sources=(), index=None):
+        super().__init__(sources)
+        self._index, self._built = index, None
+
+    def for_header(self, header: str) -> list[str]:
+        """The space's kernels with exactly this header; else those of its format (a header no
+        point of the space has, e.g. a departure to ``nnz_per_part=4``: their bodies still share
+        most lines, and the lookup finds its place again after each number that differs)."""
+        if self._index is None:
+            return []
+        if self._built is None:
+            self._built = self._index()
+        return self._built.get(header) or self._built.get(format_key(header), [])
+
+
+def format_key(text: str) -> str:
+    """The key under which ``Drafts`` files a kernel by its format alone."""
+    return f"format={format_of(text) or ''}"
+
+
+def header_of(text: str) -> str | None:
+    """The two header lines of a generated kernel once both are written, else None."""
+    lines = text.split("\n", 2)
+    return "\n".join(lines[:2]) if len(lines) == 3 else None
+
+
 def draft_tokens(generated: list[int], refs: list[list[int]], length: int, max_ngram: int = 4) -> list[int]:
     """Prompt-lookup drafting: the tokens that follow the longest suffix of ``generated``
     (up to ``max_ngram`` tokens) where it occurs in a reference, at most ``length``; the
@@ -321,12 +362,13 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     eos = tokenizer.eos_token_id
     prompts = [tokenizer.encode(prompt_text(op, dtype, n, h)) for h in (hints if hints is not None else [hint] * k)]
     refs = [tokenizer.encode(r) + [eos] for r in references]
+    for_header = getattr(references, "for_header", None)  # Drafts: the space's kernel of a sample's header
     gen = _generator(config, device)
     prefixes = forced if forced is not None else [[] for _ in range(k)]
     if config.batch_drafts and k > 1:
         past, pending, valid = _prompt_forward(model, structure, prompts, eos)
         rolls = _speculate(model, tokenizer, past, pending, valid, prefixes, refs, config, gen, grammar_text,
-                           op, dtype)
+                           op, dtype, for_header)
     else:
         rolls, firsts = [], {}
         for s_i in range(k):
@@ -336,7 +378,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
             past, pending, valid = firsts[key]
             past = copy.deepcopy(past) if k > 1 else past  # each sample crops its own copy
             (r,) = _speculate(model, tokenizer, past, pending, valid, prefixes[s_i:s_i + 1], refs, config, gen,
-                              grammar_text, op, dtype)
+                              grammar_text, op, dtype, for_header)
             rolls.append(r)
             refs.insert(0, r.tokens)  # samples of one problem are often alike: the last one drafts first
     for r, prompt in zip(rolls, prompts):
@@ -368,12 +410,14 @@ def _prompt_forward(model, structure: PreparedStructure, prompts: list[list[int]
 
 
 def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tensor, prefixes: list[list[int]],
-               refs: list[list[int]], config: DecodeConfig, gen, grammar_text, op: str, dtype: str) -> list[Rollout]:
+               refs: list[list[int]], config: DecodeConfig, gen, grammar_text, op: str, dtype: str,
+               for_header=None) -> list[Rollout]:
     """``generate_speculative``'s decoding of ``len(prefixes)`` samples in one batch, continuing the
     prompts' forward (``_prompt_forward``: ``past``, ``pending``, ``valid``). One sample is the
     sequential case: its cache has no holes, so the model is called without
     ``past_mask``/``position_ids`` and a step's rejected draft is cropped off, as before
-    batching."""
+    batching. ``for_header`` (``Drafts.for_header``): once a sample's two header lines are
+    written, the space's kernels with that header become its first drafts."""
     n_rows = len(prefixes)
     device = pending.device
     vocab = model.config.vocab_size
@@ -400,6 +444,8 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
     masks: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
     errors: list[str | None] = [None] * n_rows
     done = [False] * n_rows
+    own: list[list[list[int]]] = [[] for _ in range(n_rows)]  # each sample's drafts of its own header
+    header_open = [for_header is not None] * n_rows
     live = list(range(n_rows)) if config.max_new_tokens > 0 else []  # the unfinished samples, in row order
     step = 0
     while live:
@@ -410,9 +456,14 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
             prefix = prefixes[i]
             if p0 < len(prefix):  # the rest of the forced prefix
                 drafts[i] = prefix[p0:p0 + max(0, room)]
-            else:  # the other samples' tokens so far first (as one at a time, the finished ones)
+            else:  # its header's kernel, the other samples' tokens so far (as one at a time, the finished ones)
+                if header_open[i] and tokens[i]:
+                    header = header_of(tokenizer.decode(tokens[i]))
+                    if header is not None or len(tokens[i]) > _HEADER_TOKENS:
+                        header_open[i] = False
+                        own[i] = [tokenizer.encode(src) + [eos] for src in (for_header(header) if header else ())]
                 others = [tokens[j] for j in range(n_rows) if j != i and tokens[j]]
-                drafts[i] = draft_tokens(tokens[i], others + refs, min(config.draft_len, room))
+                drafts[i] = draft_tokens(tokens[i], own[i] + others + refs, min(config.draft_len, room))
             # fed to the model: the last chosen token (not yet in the cache; none before the first,
             # whose logits the prompt gave) and the draft, scored in one forward
             fed[i] = tokens[i][-1:] + drafts[i]

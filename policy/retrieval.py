@@ -81,8 +81,12 @@ def reference_sources(features, op: str, dtype: str, n: int, entries, structure,
     nearest winners' formats. On the 42 held-out records at k = 4 (2-core CPU, version 4) the
     departures took 4518 forwards with the nearest proposals' drafts alone and 719 with a draft
     of every format, the same kernels (``benchmarks/format_drafts.py``; rendering the extra
-    drafts costs a few milliseconds)."""
-    from policy.decode import format_of
+    drafts costs a few milliseconds).
+
+    Returned as a ``decode.Drafts``: with these, the kernels of the whole space for this product
+    by their header lines, rendered when a sample first asks (60 points of an SpMM, about 3 ms),
+    so that a sample whose header no draft has is drafted from the space's kernel of its header."""
+    from policy.decode import Drafts, format_key, format_of, header_of
     from sparserl_compile import contract, kernels
     from sparserl_compile.nearest import proposals
 
@@ -105,7 +109,16 @@ def reference_sources(features, op: str, dtype: str, n: int, entries, structure,
         if len(out) < count or (fmt in wanted and fmt not in have):
             out.append(src)
             have.add(fmt)
-    return out
+
+    def by_header() -> dict[str, list[str]]:  # the whole space of this product, rendered when first asked
+        index: dict[str, list[str]] = {}
+        for c in kernels.space(op, dtype, n=None if op == "spmv" else int(n), structure=structure):
+            header = header_of(c.source) or ""
+            index.setdefault(header, []).append(c.source)
+            index.setdefault(format_key(c.source), []).append(c.source)  # by format alone (Drafts.for_header)
+        return index
+
+    return Drafts(out, index=by_header)
 
 
 _default_entries = None
