@@ -18,12 +18,17 @@ nearest proposals' drafts alone; ``every_format``: the default drafts):
 - ``samples``: k temperature samples at T = 0.8 in one batch (seeded per record), as
   ``sparserl eval --samples temperature --untraced-samples`` and the provider draw them.
 
+Both as plain lists of sources, without the header index below (as before it existed).
+``--compare header`` compares instead the default drafts without and with the kernels of the
+sample's own header (``plain``: the drafts as a plain list; ``header``: ``decode.Drafts``, which
+adds, once a sample has written its two header lines, the space's kernels with that header).
+
 Per way: model calls (forwards) and seconds. Greedy decoding writes the same tokens whatever the
 drafts, so the script exits 1 if a greedy kernel or a departure differs; the samples are
 reported, not checked (the same seed, but another way through the random stream is allowed).
 
     python benchmarks/format_drafts.py [--checkpoint policy/checkpoints/default] [--records 42] [--k 4]
-        [--device cpu|cuda] --json benchmarks/results/cpu_format_drafts_<date>.json
+        [--device cpu|cuda] [--compare formats|header] --json benchmarks/results/cpu_format_drafts_<date>.json
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import sys
 import time
 
 PARTS = ("greedy", "departures", "samples")
-WAYS = ("nearest", "every_format")
+WAYS = {"formats": ("nearest", "every_format"), "header": ("plain", "header")}
 
 
 def main(argv=None) -> int:
@@ -45,8 +50,13 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4, help="candidates: the greedy kernel and k - 1 departures; k samples")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-new-tokens", type=int, default=1200)
+    p.add_argument("--compare", choices=tuple(WAYS), default="formats",
+                   help="formats: the nearest proposals' drafts alone vs a draft of every format; header: "
+                        "the default drafts without vs with the kernels of each sample's own header")
     p.add_argument("--json", help="write the summary and the per-record rows here")
     a = p.parse_args(argv)
+    ways = WAYS[a.compare]
+    base, new = ways
 
     from policy.decode import DecodeConfig, branch_diverse, format_of, generate
     from policy.model import CountingPolicy, load_policy
@@ -68,8 +78,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         s, _, every, gram = problem_inputs(model, m, pb.op, pb.dtype, pb.n)
         inputs_s = time.perf_counter() - t0
-        nearest = reference_sources(s.features, pb.op, pb.dtype, pb.n, default_entries(), m, count=4, formats=())
-        refs = {"nearest": nearest, "every_format": every}
+        if a.compare == "formats":  # both as plain lists: no header index (decode.Drafts.for_header)
+            refs = {"nearest": list(reference_sources(s.features, pb.op, pb.dtype, pb.n, default_entries(), m,
+                                                      count=4, formats=())), "every_format": list(every)}
+        else:
+            refs = {"plain": list(every), "header": every}
         sample_cfg = DecodeConfig(temperature=0.8, seed=i, max_new_tokens=a.max_new_tokens, trace=False,
                                   batch_drafts=True)
 
@@ -85,14 +98,14 @@ def main(argv=None) -> int:
                             references=r)
 
         if i == 0:  # warm-up, untimed: the grammar compiled, the first forwards' set-up paid
-            (g,) = decode("greedy", "nearest", model=model)
-            decode("departures", "nearest", greedy=g, model=model)
+            (g,) = decode("greedy", base, model=model)
+            decode("departures", base, greedy=g, model=model)
         row = {"label": pb.label, "op": pb.op, "n": pb.n, "drafts": {w: len(r) for w, r in refs.items()},
                "inputs_s": inputs_s}
         texts = {}
         for part in PARTS:
             row[part] = {}
-            for way in (WAYS if i % 2 == 0 else WAYS[::-1]):
+            for way in (ways if i % 2 == 0 else ways[::-1]):
                 counted.calls = 0
                 sync(a.device)
                 t0 = time.perf_counter()
@@ -102,33 +115,32 @@ def main(argv=None) -> int:
                 texts[(part, way)] = [r.text for r in rolls]
                 if part == "greedy":
                     texts[("greedy_rollout", way)] = rolls[0]
-            row[part]["same"] = texts[(part, "nearest")] == texts[(part, "every_format")]
-        row["formats"] = [format_of(t) for t in texts[("greedy", "nearest")] + texts[("departures", "nearest")]]
+            row[part]["same"] = texts[(part, base)] == texts[(part, new)]
+        row["formats"] = [format_of(t) for t in texts[("greedy", base)] + texts[("departures", base)]]
         bad = not (row["greedy"]["same"] and row["departures"]["same"])
         differ += bad
         rows.append(row)
         print(f"[drafts] {pb.label[:36]:36s} {pb.op} n={pb.n:<4d} "
-              + "  ".join(f"{part} {row[part]['nearest']['calls']:3d} -> {row[part]['every_format']['calls']:3d}"
+              + "  ".join(f"{part} {row[part][base]['calls']:3d} -> {row[part][new]['calls']:3d}"
                           for part in PARTS)
               + ("  DIFFERENT KERNELS" if bad else ""), flush=True)
     summary = {}
     for part in PARTS:
         summary[part] = {way: {"calls": sum(r[part][way]["calls"] for r in rows),
-                               "s": sum(r[part][way]["s"] for r in rows)} for way in WAYS}
-        summary[part]["records_fewer_calls"] = sum(r[part]["every_format"]["calls"] < r[part]["nearest"]["calls"]
-                                                   for r in rows)
-        summary[part]["records_more_calls"] = sum(r[part]["every_format"]["calls"] > r[part]["nearest"]["calls"]
-                                                  for r in rows)
-        summary[part]["slowest_s"] = {way: max(r[part][way]["s"] for r in rows) for way in WAYS}
+                               "s": sum(r[part][way]["s"] for r in rows)} for way in ways}
+        summary[part]["records_fewer_calls"] = sum(r[part][new]["calls"] < r[part][base]["calls"] for r in rows)
+        summary[part]["records_more_calls"] = sum(r[part][new]["calls"] > r[part][base]["calls"] for r in rows)
+        summary[part]["slowest_s"] = {way: max(r[part][way]["s"] for r in rows) for way in ways}
         summary[part]["same"] = sum(r[part]["same"] for r in rows)
         sm = summary[part]
-        print(f"[drafts] {part:10s} {len(rows)} records, k = {a.k}: model calls {sm['nearest']['calls']} -> "
-              f"{sm['every_format']['calls']}, {sm['nearest']['s']:.1f} s -> {sm['every_format']['s']:.1f} s; "
+        print(f"[drafts] {part:10s} {len(rows)} records, k = {a.k}: model calls {sm[base]['calls']} -> "
+              f"{sm[new]['calls']}, {sm[base]['s']:.1f} s -> {sm[new]['s']:.1f} s; "
               f"fewer calls on {sm['records_fewer_calls']}, more on {sm['records_more_calls']}; "
               f"the same text on {sm['same']}")
     summary["max_inputs_s"] = max(r["inputs_s"] for r in rows)
     if a.json:
         write_json(a.json, {**run_stamp(), "checkpoint": a.checkpoint, "device": a.device, "k": a.k,
+                            "compare": a.compare, "ways": list(ways),
                             "records": len(rows), "summary": summary, "rows": rows})
     return 1 if differ else 0
 

@@ -537,13 +537,44 @@ def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_fo
     assert every[:len(nearest)] == nearest and {format_of(t) for t in every} == set(contract.FORMATS)
     cfg = DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=True)
     texts, calls = [], []
-    for refs in (nearest, every):
+    for refs in (list(nearest), list(every)):  # plain lists: no drafts from the samples' own headers (below)
         counted.calls = 0
         texts.append([r.text for r in branch_diverse(counted, tok, s, "spmm", "f32", 32, 4, cfg,
                                                      grammar_text=grammar, references=refs)])
         calls.append(counted.calls)
     assert texts[0] == texts[1] and len(texts[0]) == 4
     assert {format_of(t) for t in texts[0][1:]} - {format_of(t) for t in nearest}  # a format no near draft has
+    assert calls[1] * 3 < calls[0], calls
+
+
+def test_a_kernel_whose_header_no_draft_has_is_drafted_from_the_space_kernel_of_its_header():
+    """On a width-128 SpMM the shipped policy's greedy kernel and departures choose launch
+    numbers (``tile_n=128``, ``per_block=8``) none of the nearest winners' drafts has, and the
+    body spells them out, so after the header every draft is left and the kernel was written one
+    token a forward. ``reference_sources`` returns a ``Drafts``: once a sample's header is
+    written, the space's kernel with that header drafts its body. The same kernels, far fewer
+    forwards."""
+    from policy.decode import Drafts, branch_diverse, header_of
+    from policy.model import load_policy
+    from policy.provider import problem_inputs
+    from sparserl_compile.matrices import uniform_random
+
+    assert header_of("// a\n// b\n__global__") == "// a\n// b" and header_of("// a\n// b") is None
+    assert Drafts(["x"]).for_header("// a\n// b") == [] and Drafts(["x"]) == ["x"]
+    model, tok = load_policy(DEFAULT_CHECKPOINT, "cpu")
+    counted = CountingPolicy(model)
+    m = uniform_random(10000, 10000, 8, seed=0)
+    s, _, drafts, grammar = problem_inputs(model, m, "spmm", "f32", 128)
+    assert isinstance(drafts, Drafts)
+    cfg = DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=True)
+    texts, calls = [], []
+    for refs in (list(drafts), drafts):
+        counted.calls = 0
+        texts.append([r.text for r in branch_diverse(counted, tok, s, "spmm", "f32", 128, 4, cfg,
+                                                     grammar_text=grammar, references=refs)])
+        calls.append(counted.calls)
+    assert texts[0] == texts[1] and len(texts[0]) == 4
+    assert all(drafts.for_header(header_of(t)) for t in texts[1])  # every one is a point of the space
     assert calls[1] * 3 < calls[0], calls
 
 
