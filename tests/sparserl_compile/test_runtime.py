@@ -344,7 +344,6 @@ def test_kernel_plan_runs_the_kernel(kernels_on_cpu):
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
 
 
-
 # ------------------------------------------------------------- a tensor's routes to the reference
 
 
