@@ -174,7 +174,7 @@ class Routes:
     or ``SPMV`` -> the torch CSR tensor to multiply by, for products whose plan is the reference (float32/64, a
     non-empty matrix), valid while the plan table's ``generation`` is the one they were made
     in. ``tensor.SparseRLTensor`` keeps one (its ``_routes``); ``product(routes=)`` fills it on
-    a reference hit and ``run_route`` serves the next such product without building the plan
+    a reference hit and ``routed_product`` serves the next such product without building the plan
     key. Never copied (a copy would alias the original's values): ``copy``/``deepcopy`` give
     an empty one."""
 
@@ -469,7 +469,7 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
     """``A @ x`` for ``op`` in ("spmv", "spmm"), through the plan table (see module doc).
 
     ``routes``: the sparse tensor's ``Routes``; on a reference hit the torch CSR tensor is
-    stored there, so that tensor's next product at this width skips the table (``run_route``)."""
+    stored there, so that tensor's next product at this width skips the table (``routed_product``)."""
     _counts["calls"] += 1
     if x.numel() == 0:  # an empty dense operand (e.g. a batch of none): zeros, and no plan
         _counts["reference_calls"] += 1  # for the width bucket it shares with real calls
@@ -525,9 +525,14 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
     return reference_product(crow, col, val, x, n_rows, n_cols)
 
 
-def run_route(native, x) -> torch.Tensor:
-    """A product served by a tensor's ``Routes`` (a reference plan found earlier in this
-    generation of the table): counted as the table hit it stands for, then torch's product."""
+def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
+    """``product`` for a sparse tensor holding ``routes``: where it has a route for this op and
+    width (a reference plan found earlier in this generation of the table), torch's product at
+    once, counted as the table hit it stands for; else ``product``, which stores one on a
+    reference hit."""
+    native = routes.get(Routes.SPMV if op == "spmv" else x.shape[1])
+    if native is None:
+        return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
     _counts["calls"] += 1
     _counts["hits"] += 1
     _counts["reference_calls"] += 1
@@ -1051,6 +1056,6 @@ def spmm_t(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor
 __all__ = [
     "RuntimeConfig", "RuntimeStats", "ReferencePlan", "KernelPlan", "TransposedPattern",
     "configure", "get_config", "stats", "reset_stats", "clear", "plans", "reference_product",
-    "product", "run_route", "Routes", "spmv", "spmm", "spmv_t", "spmm_t", "transpose_pattern", "device_arch",
+    "product", "routed_product", "Routes", "spmv", "spmm", "spmv_t", "spmm_t", "transpose_pattern", "device_arch",
     "width_bucket", "kernels_possible", "PendingPlan", "wait_for_searches", "ON_MISS",
 ]

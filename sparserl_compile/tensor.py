@@ -456,12 +456,8 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
         if t:
             return (_runtime.spmv_t if mv else _runtime.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols,
                                                                A.fingerprint)
-        routes = A._routes
-        native = routes.get(_runtime.Routes.SPMV if mv else X.shape[1])
-        if native is not None:  # the plan is the reference: straight to torch (runtime.Routes)
-            return _runtime.run_route(native, X)
-        return _runtime.product("spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows, A.n_cols,
-                                A.fingerprint, routes)
+        return _runtime.routed_product(A._routes, "spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows,
+                                       A.n_cols, A.fingerprint)
     args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
     if mv:
         return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)
@@ -600,10 +596,8 @@ def _linear(func, types, args, kwargs):
             and x.dtype == val.dtype and x.device == val.device and _eager_plain(val, x)):
         # the eager hot path of a sparsified model (a decoder runs hundreds of these per token):
         # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do
-        xt = x.reshape(-1, k).t().contiguous()
-        native = w._routes.get(xt.shape[1])
-        y = (_runtime.run_route(native, xt) if native is not None  # a reference plan: straight to torch
-             else _runtime.product("spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint, w._routes))
+        y = _runtime.routed_product(w._routes, "spmm", w.crow, w.col, val, x.reshape(-1, k).t().contiguous(),
+                                    w.n_rows, k, w.fingerprint)
         y = y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
         y = _right(x, w, transpose=True)
