@@ -235,13 +235,12 @@ def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAU
         record.update(chosen=c.name, rule="untimed: first verified candidate in provider order")
         return Choice(c, r.cubin, None, ref_us, record)
     c, r = min(timed, key=lambda cr: cr[1].kernel_us)
-    if ref_us is not None and not (r.kernel_us < (1.0 - margin) * ref_us):
+    beats = timed if ref_us is None else [(c2, r2) for c2, r2 in timed if r2.kernel_us < (1.0 - margin) * ref_us]
+    if not beats:
         record.update(chosen=None, best=c.name, best_us=r.kernel_us,
                       rule=f"reference wins: best {r.kernel_us:.2f} us not below (1-{margin}) x {ref_us:.2f} us")
         return Choice(None, None, r.kernel_us, ref_us, record)
-    if ref_us is not None:
-        timed = [(c2, r2) for c2, r2 in timed if r2.kernel_us < (1.0 - margin) * ref_us]
-    hot = [(c2, r2) for c2, r2 in timed if _hot_ok(r2, ref_graph)]
+    hot = [(c2, r2) for c2, r2 in beats if _hot_ok(r2, ref_graph)]
     if not hot:
         g = r.graph_bench["median_us"]
         record.update(chosen=None, best=c.name, best_us=r.kernel_us, best_graph_us=g,
