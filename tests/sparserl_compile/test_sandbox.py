@@ -133,6 +133,35 @@ def test_a_spare_worker_takes_the_job_after_a_failure():
     assert bad.worker_pid in ready and good.worker_pid in ready and good.worker_pid != bad.worker_pid
 
 
+@needs_simt
+def test_a_failed_worker_stops_off_the_jobs_path_and_close_waits_for_it(monkeypatch):
+    """The worker of a wrong kernel is stopped on a background thread: ``run`` returns its
+    result while that stop is still under way (a GPU worker's exit is about a second), and
+    ``close`` waits for the stop, leaving no worker behind."""
+    from sparserl_compile import sandbox
+
+    release, stopping = threading.Event(), threading.Event()
+    stop = sandbox._Worker.stop
+
+    def slow_stop(w):
+        stopping.set()
+        release.wait(60)
+        stop(w)
+
+    monkeypatch.setattr(sandbox._Worker, "stop", slow_stop)
+    pool = SandboxPool(1, timeout_s=60)
+    try:
+        bad = pool.run(_job(FAULTS["wrong_answer"].source), M)
+        assert bad.kind == "wrong" and pool.restarts == 1
+        assert stopping.wait(60) and not release.is_set()  # run returned, the stop still waits
+        retired = [w for w in sandbox._LIVE if w.proc.pid == bad.worker_pid]
+        assert retired and retired[0].alive()
+    finally:
+        release.set()
+        pool.close()
+    assert not retired[0].alive() and not pool._retiring
+
+
 def test_start_readies_one_worker_and_close_stops_it():
     pool = SandboxPool(1)
     pool.start()
