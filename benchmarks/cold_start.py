@@ -112,6 +112,7 @@ def _breakdown(row: dict | None) -> dict:
     cands = record.get("candidates")
     return {"propose_s": row.get("propose_s"), "problem_s": row.get("problem_s"), "select_s": row.get("select_s"),
             "plan_s": row.get("plan_s"), "reference_wall_s": record.get("reference_wall_s"),
+            "evaluate_s": record.get("seconds"), "evaluate_parts": record.get("parts"),
             "chosen": record.get("chosen"), "rule": record.get("rule"), "reference_us": record.get("reference_us"),
             "reference_graph_us": record.get("reference_graph_us"),
             "candidates": [{"name": c.get("name"), "family": c.get("family"), "params": c.get("params"),

@@ -195,22 +195,63 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _warm_up(gpu: bool) -> None:
+def _warm_up(gpu: bool, conn=None) -> dict:
     """What a worker does while it waits for its first job: load the format converters
-    (numba) and, for GPU work, torch and the CUDA context, so the first job does not pay them.
-    Best effort: a failure here surfaces in the job that needs the piece."""
+    (numba) and, for GPU work, torch and the CUDA context, then run a small product through
+    the whole job path (``_warm_jobs``), so the first job does not pay those loads. Best
+    effort: a failure here surfaces in the job that needs the piece. Returns what was done
+    ("formats", "cuda": seconds; "jobs": ``_warm_jobs``'s kinds), for tests."""
+    done: dict = {}
     try:
         from sparserl_compile import formats, verify  # noqa: F401 - verify: its imports
 
-        formats.warm()
+        done["formats"] = formats.warm()
         if gpu:
             import torch
 
             from sparserl_compile import bench, launcher  # noqa: F401
 
+            t0 = time.perf_counter()
             torch.zeros(1, device="cuda")
+            done["cuda"] = time.perf_counter() - t0
+            done["jobs"] = _warm_jobs(conn)
     except Exception:  # noqa: BLE001
         pass
+    return done
+
+
+#: the warm-up product's rows (and columns): small enough to take milliseconds, big enough to
+#: launch every piece the jobs use
+WARM_ROWS = 256
+
+
+def _warm_jobs(conn=None) -> dict:
+    """Time the reference and verify and time one built-in CSR kernel, SpMV and SpMM, on a small
+    pattern in this worker, so the first real job finds the lazily loaded pieces loaded: torch's
+    CUDA kernels for the random operands and the comparisons, cuSPARSE's handle and SpMV/SpMM,
+    the launcher's module loading, the L2 flush and CUDA-graph capture. Stops early when a job
+    arrives on ``conn``. Returns {"<op> reference" | "<op> kernel": result kind}."""
+    from sparserl_compile import kernels
+    from sparserl_compile import verify as V
+
+    n = WARM_ROWS
+    rows = np.repeat(np.arange(n), 3)
+    cols = (rows + np.tile(np.arange(3), n)) % n
+    indptr = np.searchsorted(rows, np.arange(n + 1)).astype(np.int32)
+    indices = np.sort(cols.reshape(n, 3), axis=1).reshape(-1).astype(np.int32)
+    pattern = Pattern(indptr, indices, (n, n))
+    kinds: dict = {}
+    try:
+        for op, width in (("spmv", 1), ("spmm", 8)):
+            kernel = next(c for c in kernels.space(op, "f32", n=width) if c.header.format == "csr")
+            for name, cand in (("reference", None), ("kernel", kernel)):
+                if conn is not None and conn.poll(0):
+                    return kinds
+                job = SandboxJob(cand, op, n=width, executor="gpu", time=True, value_sets=1, warmup=1, reps=3)
+                kinds[f"{op} {name}"] = run_job(job, pattern).kind
+    finally:
+        V.clear_value_sets()
+    return kinds
 
 
 def _worker_main(conn, device: int | None = None, warm: str | None = None) -> None:
@@ -221,7 +262,7 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
     pattern: Pattern | None = None
     conn.send(("ready", os.getpid()))
     if warm and not conn.poll(0):
-        _warm_up(gpu=warm == "gpu")
+        _warm_up(gpu=warm == "gpu", conn=conn)
     while True:
         try:
             msg = conn.recv()

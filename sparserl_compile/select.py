@@ -224,6 +224,7 @@ def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAU
               "reference_us": ref_us, "reference_runs_us": ev.reference_runs_us(),
               "reference_graph_us": ref_graph,
               "margin": margin, "seconds": round(ev.seconds, 3),
+              "parts": {k: round(v, 4) for k, v in ev.parts.items()},
               "reference_wall_s": round(ev.reference.wall_s, 4) if ev.reference else None}
     ok = [(c, r) for c, r in zip(candidates, ev.results) if r.ok]
     if not ok:

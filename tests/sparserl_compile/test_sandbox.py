@@ -294,3 +294,16 @@ def test_a_worker_in_a_hung_kernel_ends_when_its_parent_is_killed(tmp_path):
         parent.kill()
         if not _gone(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+def test_a_gpu_worker_warms_up_by_running_a_small_product_of_each_op():
+    """The warm-up a GPU worker runs while it waits: the reference and a built-in CSR kernel,
+    SpMV and SpMM, through the whole job path (verified and timed), leaving no operands cached."""
+    from sparserl_compile import sandbox, verify
+
+    done = sandbox._warm_up(gpu=True)
+    assert done["jobs"] == {"spmv reference": "ok", "spmv kernel": "ok", "spmm reference": "ok",
+                            "spmm kernel": "ok"}
+    assert done["formats"] >= 0 and done["cuda"] >= 0
+    assert verify._VALUE_SETS["key"] is None and not verify._VALUE_SETS["sets"]
