@@ -56,8 +56,9 @@ MATRICES = (
 
 def _parse_spec(spec: str) -> dict:
     """A provider spec's parts: ``name[+MOD...][@CHECKPOINT]`` -> base name, checkpoint, the
-    policy's ``samples`` mode, the decoding order (``+batch``/``+one``), ``+screenN`` (0 without) and
-    ``+spareN`` (None without: the provider's own). The one parser of a spec, for ``_make_provider`` and ``_spare``."""
+    policy's ``samples`` mode, the decoding order (``+batch``/``+one``), ``+screenN`` (0 without),
+    ``+spareN`` (None without: the provider's own), ``+aheadN`` and ``+stepsN`` (None without: the
+    provider's defaults; ``+steps0``: no limit). The one parser of a spec, for ``_make_provider`` and ``_spare``."""
     name, _, arg = spec.partition("@")
     base, *mods = name.split("+")
 
@@ -68,10 +69,12 @@ def _parse_spec(spec: str) -> dict:
         return next((int(m[len(prefix):]) for m in mods if counted(m, prefix)), default)
 
     screen, spare = count("screen"), count("spare", None)
-    rest = [m for m in mods if not (counted(m, "screen") or counted(m, "spare"))]
+    ahead, steps = count("ahead", None), count("steps", None)
+    rest = [m for m in mods if not any(counted(m, p) for p in ("screen", "spare", "ahead", "steps"))]
     order = {"batch": True, "one": False}
     return {"base": base, "checkpoint": arg, "samples": next((m for m in rest if m not in order), ""),
-            "order": [order[m] for m in rest if m in order], "policy_mods": bool(rest), "screen": screen, "spare": spare}
+            "order": [order[m] for m in rest if m in order], "policy_mods": bool(rest) or ahead is not None
+            or steps is not None, "screen": screen, "spare": spare, "ahead": ahead, "steps": steps}
 
 
 def _make_provider(spec: str):
@@ -80,7 +83,10 @@ def _make_provider(spec: str):
     first k candidates speculatively in one batch (``DecodeConfig.batch_drafts``, its default);
     ``+one`` decodes them one at a time, ``+batch`` names the default, e.g.
     ``policy+hints+one@policy/checkpoints/retrieval``; ``+screenN`` screens branch departures
-    on N CPU workers (``PolicyProvider(screen_workers=N)``). ``+spareN`` (any provider) keeps N
+    on N CPU workers (``PolicyProvider(screen_workers=N)``); ``+aheadN`` draws N departures ahead
+    (``departures_ahead``), ``+stepsN`` cuts a departure after N forwards (``departure_steps``;
+    ``+steps0``: never), e.g. ``policy+branches+ahead0+steps0@policy/checkpoints/default`` as
+    before the thirty-seventh session. ``+spareN`` (any provider) keeps N
     spare sandbox workers (``configure(sandbox_spare=N)``; see ``_spare``) and leaves the
     provider alone."""
     parts = _parse_spec(spec)
@@ -89,8 +95,11 @@ def _make_provider(spec: str):
 
         from policy.provider import PolicyProvider
 
+        kw = {} if parts["ahead"] is None else {"departures_ahead": parts["ahead"]}
+        if parts["steps"] is not None:
+            kw["departure_steps"] = parts["steps"] or None
         prov = PolicyProvider(checkpoint=parts["checkpoint"] or None, samples=parts["samples"] or None,
-                              screen_workers=parts["screen"])
+                              screen_workers=parts["screen"], **kw)
         for batch in parts["order"]:
             prov.decode = replace(prov.decode, batch_drafts=batch)
         return prov

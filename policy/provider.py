@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.decode import DecodeConfig, check_samples, branch_diverse, format_diverse, generate, hint_diverse
+from policy.decode import (DEPARTURE_STEPS, DecodeConfig, branch_diverse, check_samples, format_diverse, generate,
+                           hint_diverse)
 from policy.encoder import prepare_structure
 from sparserl_compile import contract
 
@@ -143,7 +144,8 @@ class PolicyProvider:
     def __init__(self, checkpoint: str | Path | None = None, device: str | None = None,
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=True),
                  model=None, tokenizer=None, samples: str | None = None, speculative: bool = True,
-                 fill_budget_s: float = FILL_BUDGET_S, fit_formats: bool = True, screen_workers: int = 0):
+                 fill_budget_s: float = FILL_BUDGET_S, fit_formats: bool = True, screen_workers: int = 0,
+                 departure_steps: int | None = DEPARTURE_STEPS, departures_ahead: int | None = None):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -182,6 +184,21 @@ class PolicyProvider:
         self.fit_formats = fit_formats
         #: hints mode: seconds of proposal after which no hint past the k-th is decoded
         self.fill_budget_s = fill_budget_s
+        #: branches mode: a departure still unfinished after this many forwards is cut off and
+        #: replaced by the next most likely one (``decode.DEPARTURE_STEPS``; None: no limit). A
+        #: departure no draft predicts is written a token or two a forward and holds up the
+        #: proposal's batch; those the held-out records gave failed verification
+        if departure_steps is not None and (isinstance(departure_steps, bool) or not isinstance(departure_steps, int)
+                                            or departure_steps < 1):
+            raise ValueError(f"departure_steps={departure_steps!r}: a number of forwards >= 1, or None for no limit")
+        self.departure_steps = departure_steps
+        #: branches mode: departures decoded beyond those needed, in the same batch, to replace
+        #: a repeat or a stale one without another round (``branch_diverse(ahead=)``; None: as
+        #: many again; 0: one round per replacement, as before the thirty-seventh session)
+        if departures_ahead is not None and (isinstance(departures_ahead, bool) or not isinstance(departures_ahead, int)
+                                             or departures_ahead < 0):
+            raise ValueError(f"departures_ahead={departures_ahead!r}: a number of departures >= 0, or None")
+        self.departures_ahead = departures_ahead
         #: branches mode with ``screen_workers``: a ``policy.screen.Screen`` (that many sandboxed CPU
         #: workers) every departure passes before it is a candidate; one that fails (its format does
         #: not fit the matrix, or it fails verification on the CPU executor on the matrix's first
@@ -269,7 +286,8 @@ class PolicyProvider:
                 cfg = replace(self.decode, greedy=True, trace=False)  # no PPO bookkeeping
                 check = self.screen and self.screen.checker(indptr, indices, shape, problem.op, dtype, n)
                 rolls = branch_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, config=cfg,
-                                       hint=hint, references=refs, grammar_text=grammar, screen=check)
+                                       hint=hint, references=refs, grammar_text=grammar, screen=check,
+                                       step_budget=self.departure_steps, ahead=self.departures_ahead)
                 self.stats.screened_out += len(rolls[0].extra.get("screened_out", ())) if rolls else 0
             else:
                 rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,

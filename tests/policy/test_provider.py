@@ -149,6 +149,29 @@ def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model,
         PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="temperature", screen_workers=1)
 
 
+def test_departures_are_cut_at_the_providers_budget_and_drawn_ahead(tiny_model, tiny_tok, monkeypatch):
+    """Branches mode hands ``branch_diverse`` the provider's forward budget per departure
+    (``decode.DEPARTURE_STEPS`` by default) and how many departures it draws ahead; nonsense
+    values are refused with what to give."""
+    from policy import provider as prov_mod
+    from policy.decode import DEPARTURE_STEPS
+
+    asked = []
+
+    def fake_branches(*args, step_budget=None, ahead=None, **kw):
+        asked.append((step_budget, ahead))
+        return []
+
+    monkeypatch.setattr(prov_mod, "branch_diverse", fake_branches)
+    for kw in ({}, {"departure_steps": None, "departures_ahead": 0}):
+        PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", **kw).candidates(
+            _Problem(banded(32, 1)), k=4)
+    assert asked == [(DEPARTURE_STEPS, None), (None, 0)]
+    for bad in ({"departure_steps": 0}, {"departure_steps": 2.5}, {"departures_ahead": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", **bad)
+
+
 def test_missing_checkpoint_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="sparserl train"):
         PolicyProvider(checkpoint=tmp_path)
