@@ -57,8 +57,8 @@ MATRICES = (
 def _parse_spec(spec: str) -> dict:
     """A provider spec's parts: ``name[+MOD...][@CHECKPOINT]`` -> base name, checkpoint, the
     policy's ``samples`` mode, the decoding order (``+batch``/``+one``), ``+screenN`` (0 without),
-    ``+spareN`` (None without: the provider's own), ``+aheadN`` and ``+stepsN`` (None without: the
-    provider's defaults; ``+steps0``: no limit). The one parser of a spec, for ``_make_provider`` and ``_spare``."""
+    ``+spareN`` (None without: the provider's own), ``+stepsN`` (None without: the provider's
+    default; ``+steps0``: no limit). The one parser of a spec, for ``_make_provider`` and ``_spare``."""
     name, _, arg = spec.partition("@")
     base, *mods = name.split("+")
 
@@ -69,12 +69,12 @@ def _parse_spec(spec: str) -> dict:
         return next((int(m[len(prefix):]) for m in mods if counted(m, prefix)), default)
 
     screen, spare = count("screen"), count("spare", None)
-    ahead, steps = count("ahead", None), count("steps", None)
-    rest = [m for m in mods if not any(counted(m, p) for p in ("screen", "spare", "ahead", "steps"))]
+    steps = count("steps", None)
+    rest = [m for m in mods if not any(counted(m, p) for p in ("screen", "spare", "steps"))]
     order = {"batch": True, "one": False}
     return {"base": base, "checkpoint": arg, "samples": next((m for m in rest if m not in order), ""),
-            "order": [order[m] for m in rest if m in order], "policy_mods": bool(rest) or ahead is not None
-            or steps is not None, "screen": screen, "spare": spare, "ahead": ahead, "steps": steps}
+            "order": [order[m] for m in rest if m in order], "policy_mods": bool(rest) or steps is not None,
+            "screen": screen, "spare": spare, "steps": steps}
 
 
 def _make_provider(spec: str):
@@ -83,10 +83,9 @@ def _make_provider(spec: str):
     first k candidates speculatively in one batch (``DecodeConfig.batch_drafts``, its default);
     ``+one`` decodes them one at a time, ``+batch`` names the default, e.g.
     ``policy+hints+one@policy/checkpoints/retrieval``; ``+screenN`` screens branch departures
-    on N CPU workers (``PolicyProvider(screen_workers=N)``); ``+aheadN`` draws N departures ahead
-    (``departures_ahead``), ``+stepsN`` cuts a departure after N forwards (``departure_steps``;
-    ``+steps0``: never), e.g. ``policy+branches+ahead0+steps0@policy/checkpoints/default`` as
-    before the thirty-seventh session. ``+spareN`` (any provider) keeps N
+    on N CPU workers (``PolicyProvider(screen_workers=N)``); ``+stepsN`` cuts a departure after
+    N forwards (``departure_steps``; ``+steps0``: never, as before the thirty-seventh session).
+    ``+spareN`` (any provider) keeps N
     spare sandbox workers (``configure(sandbox_spare=N)``; see ``_spare``) and leaves the
     provider alone."""
     parts = _parse_spec(spec)
@@ -95,9 +94,7 @@ def _make_provider(spec: str):
 
         from policy.provider import PolicyProvider
 
-        kw = {} if parts["ahead"] is None else {"departures_ahead": parts["ahead"]}
-        if parts["steps"] is not None:
-            kw["departure_steps"] = parts["steps"] or None
+        kw = {} if parts["steps"] is None else {"departure_steps": parts["steps"] or None}
         prov = PolicyProvider(checkpoint=parts["checkpoint"] or None, samples=parts["samples"] or None,
                               screen_workers=parts["screen"], **kw)
         for batch in parts["order"]:

@@ -166,7 +166,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
              k: int = 1, config: DecodeConfig = DecodeConfig(),
              grammar_text: str | None = None, forced: list[list[int]] | None = None,
              hint: str | None = None, references: list[str] | None = None,
-             step_budget: int | None = None, stop=None) -> list[Rollout]:
+             step_budget: int | None = None) -> list[Rollout]:
     """k completions for one matrix (see the module docstring).
 
     ``forced``: per sample, completion tokens to write first whatever the model prefers
@@ -177,8 +177,8 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     ``references``: kernel sources the samples are likely to resemble (the hinted kernel and
     its neighbours, ``retrieval.reference_sources``): decoding is then speculative
     (``generate_speculative``), same distribution, far fewer model calls when the policy
-    writes what a reference says; ``forced`` prefixes too. ``step_budget`` and ``stop``: see
-    ``generate_speculative``; they count model calls, so they apply to speculative decoding only
+    writes what a reference says; ``forced`` prefixes too. ``step_budget``: see
+    ``generate_speculative``; it counts model calls, so it applies to speculative decoding only
     (without references every sample is decoded to its end).
     """
     if forced is not None and len(forced) != k:
@@ -186,7 +186,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     if references:
         return generate_speculative(model, tokenizer, structure, op, dtype, n, references, k=k,
                                     config=config, grammar_text=grammar_text, hint=hint, forced=forced,
-                                    step_budget=step_budget, stop=stop)
+                                    step_budget=step_budget)
     import llguidance.torch as llt
 
     if k < 1:
@@ -321,7 +321,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
                          references: list[str], k: int = 1, config: DecodeConfig = DecodeConfig(),
                          grammar_text: str | None = None, hint: str | None = None,
                          forced: list[list[int]] | None = None, hints: list[str] | None = None,
-                         step_budget: int | None = None, stop=None) -> list[Rollout]:
+                         step_budget: int | None = None) -> list[Rollout]:
     """``generate``'s samples, decoded speculatively against reference kernels.
 
     A draft of up to ``config.draft_len`` tokens is looked up in the tokenized ``references``
@@ -356,10 +356,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
 
     ``step_budget``: a sample still unfinished after taking part in this many forwards is cut
     there (``finished=False``, ``extra["cut"] = "budget"``): one that no draft predicts, written
-    a token or two a forward, would hold up its whole batch. ``stop`` (batched samples): called
-    with ``{row: tokens}`` of the samples ended so far whenever one ends; when it returns True
-    the unfinished ones are cut there (``extra["cut"] = "stopped"``): the caller has what it
-    needs. Neither changes a sample that is not cut.
+    a token or two a forward, would hold up its whole batch. It changes no sample it does not cut.
     """
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one sample")
@@ -382,7 +379,7 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     if config.batch_drafts and k > 1:
         past, pending, valid = _prompt_forward(model, structure, prompts, eos)
         rolls = _speculate(model, tokenizer, past, pending, valid, prefixes, refs, config, gen, grammar_text,
-                           op, dtype, for_header, step_budget, stop)
+                           op, dtype, for_header, step_budget)
     else:
         rolls, firsts = [], {}
         for s_i in range(k):
@@ -425,14 +422,14 @@ def _prompt_forward(model, structure: PreparedStructure, prompts: list[list[int]
 
 def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tensor, prefixes: list[list[int]],
                refs: list[list[int]], config: DecodeConfig, gen, grammar_text, op: str, dtype: str,
-               for_header=None, step_budget: int | None = None, stop=None) -> list[Rollout]:
+               for_header=None, step_budget: int | None = None) -> list[Rollout]:
     """``generate_speculative``'s decoding of ``len(prefixes)`` samples in one batch, continuing the
     prompts' forward (``_prompt_forward``: ``past``, ``pending``, ``valid``). One sample is the
     sequential case: its cache has no holes, so the model is called without
     ``past_mask``/``position_ids`` and a step's rejected draft is cropped off, as before
     batching. ``for_header`` (``Drafts.for_header``): once a sample's two header lines are
-    written, the space's kernels with that header become its first drafts. ``step_budget``,
-    ``stop``: see ``generate_speculative``."""
+    written, the space's kernels with that header become its first drafts. ``step_budget``: see
+    ``generate_speculative``."""
     n_rows = len(prefixes)
     device = pending.device
     vocab = model.config.vocab_size
@@ -459,7 +456,7 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
     masks: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
     errors: list[str | None] = [None] * n_rows
     done = [False] * n_rows
-    cut: list[str | None] = [None] * n_rows  # why a sample was ended before its end ("budget", "stopped")
+    cut: list[str | None] = [None] * n_rows  # "budget": a sample ended at the step budget
     steps = [0] * n_rows  # the forwards each sample took part in
     own: list[list[list[int]]] = [[] for _ in range(n_rows)]  # each sample's drafts of its own header
     header_open = [for_header is not None] * n_rows
@@ -561,11 +558,6 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
             steps[i] += 1
             if not done[i] and step_budget is not None and steps[i] >= step_budget:
                 done[i], cut[i] = True, "budget"
-        if stop is not None and any(done[i] for i in live) and not all(done[i] for i in live):
-            if stop({i: tokens[i] for i in range(n_rows) if done[i]}):
-                for i in live:
-                    if not done[i]:
-                        done[i], cut[i] = True, "stopped"
         # finished samples leave the batch; the cache is cut back to the last position one attends
         keep = [b for b, i in enumerate(live) if not done[i]]
         if keep and len(keep) < len(live):
@@ -801,13 +793,18 @@ def stale_departure(greedy_text: str, text: str) -> str | None:
 #: that took more than 24 all failed the CPU executor's verification (two did not compile, two
 #: computed wrong results), and one of the two that took 17-24 passed; the passing ones took 4-17
 DEPARTURE_STEPS = 24
+#: the policy provider's rounds of departures (``branch_diverse(rounds=)``): replacements drawn in
+#: a third or fourth round passed the CPU executor's verification 0 times in 9 on the same
+#: records (8 of 15 in the second round, 102 of 126 in the first), and each round is a batch of
+#: sequential forwards (8-14) before the selection can start
+DEPARTURE_ROUNDS = 2
 
 
 def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtype: str, n: int, k: int,
                    config: DecodeConfig = DecodeConfig(greedy=True), grammar_text: str | None = None,
                    hint: str | None = None, references: list[str] | None = None,
                    greedy: Rollout | None = None, scope: str = "header", screen=None,
-                   rounds: int | None = None, stale_check: bool = True, ahead: int | None = None,
+                   rounds: int | None = None, stale_check: bool = True,
                    step_budget: int | None = None) -> list[Rollout]:
     """k distinct kernels: the greedy one and the k - 1 most likely single departures from it
     (``branch_points``), each the greedy kernel's tokens up to a position, another token there,
@@ -819,7 +816,7 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     header (the format, its parameters, the launch configuration) where the model's second
     choice still has some mass; this spends the k - 1 other candidates on the most likely of
     those second choices, ranked by the model, each completed as the model would. A departure
-    that ends in a kernel already among the candidates is replaced by the next one.
+    that ends in a kernel already among the candidates is replaced by the next one (two rounds).
     ``greedy``: the greedy rollout when the caller has it (its ``tokens`` are used); each other
     rollout's ``extra`` holds its ``branch`` (position, token) and log-probability.
 
@@ -832,69 +829,32 @@ def branch_diverse(model, tokenizer, structure: PreparedStructure, op: str, dtyp
     out and replaced the same way, before any screen and without one. ``rounds``: how many times
     departures are drawn to fill the k (default 4 with a screen or the stale check, else 2).
 
-    With speculative decoding (``references``), each round decodes the departures it needs and
-    ``ahead`` more (default: as many again) in one batch, taken in rank order: a repeat or a
-    stale departure is replaced by the next one of the same batch, not by another round of
-    sequential forwards, and the batch stops once the departures it needs are written
-    (``generate_speculative(stop=)``); the departures are those the rounds would draw one
-    replacement at a time. ``step_budget`` (speculative decoding): a departure unfinished after
-    this many forwards is cut off and replaced like a repeat (the policy provider passes
+    ``step_budget`` (speculative decoding): a departure unfinished after this many forwards is
+    cut off, listed in ``screened_out`` and replaced like a repeat (the policy provider passes
     ``DEPARTURE_STEPS``); None (default: evaluation and RL see every departure the policy
     writes, the failing ones included): no limit."""
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one candidate")
-    if ahead is not None and ahead < 0:
-        raise ValueError(f"ahead={ahead}: decode at least the departures needed (ahead >= 0)")
     greedy_cfg = replace(config, greedy=True)
     if greedy is None:
         (greedy,) = generate(model, tokenizer, structure, op, dtype, n, k=1, config=greedy_cfg,
                              grammar_text=grammar_text, hint=hint, references=references)
     out, seen, tried, dropped = [greedy], {greedy.text}, set(), []
-    speculative = bool(references)
-
-    def why_not(text: str) -> str | None:
-        """Why a departure's kernel is not taken before any screen (a repeat, stale), else None."""
-        if text in seen:
-            return "repeat"
-        return stale_departure(greedy.text, text) if stale_check else None
-
     for _round in range(rounds if rounds is not None else (4 if screen is not None or stale_check else 2)):
         want = k - len(out)
         if want <= 0:
             break
-        extra = (want if ahead is None else ahead) if speculative else 0
-        points = branch_points(model, tokenizer, structure, op, dtype, n, greedy.tokens, want + extra,
+        points = branch_points(model, tokenizer, structure, op, dtype, n, greedy.tokens, want,
                                grammar_text=grammar_text, hint=hint, constrained=config.constrained,
                                scope=scope, skip=tried)
         if not points:
             break
-
-        def enough(ended: dict, want=want) -> bool:
-            """The first ``want`` departures that would be taken, in rank order, are written."""
-            taken, texts = 0, set()
-            for row in range(len(points)):
-                if row not in ended:
-                    return False
-                tokens = ended[row]
-                if not tokens or tokens[-1] != tokenizer.eos_token_id:
-                    continue  # cut: replaced
-                text = tokenizer.decode(tokens[:-1])
-                if text not in texts and why_not(text) is None:
-                    texts.add(text)
-                    taken += 1
-                    if taken == want:
-                        return True
-            return False
-
+        tried.update((p, a) for p, a, _ in points)
         rolls = generate(model, tokenizer, structure, op, dtype, n, k=len(points), config=greedy_cfg,
                          grammar_text=grammar_text, hint=hint, references=references,
-                         forced=[greedy.tokens[:p] + [a] for p, a, _ in points],
-                         step_budget=step_budget if speculative else None, stop=enough if extra else None)
+                         forced=[greedy.tokens[:p] + [a] for p, a, _ in points], step_budget=step_budget)
         new = []
         for r, (p, a, s) in zip(rolls, points):
-            if r.extra.get("cut") == "stopped":
-                break  # this one and those ranked below it were not needed: a later round may draw them
-            tried.add((p, a))
             if r.extra.get("cut") == "budget":
                 dropped.append((p, a, f"cut: unfinished after {step_budget} forwards"))
                 continue

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.decode import (DEPARTURE_STEPS, DecodeConfig, branch_diverse, check_samples, format_diverse, generate,
-                           hint_diverse)
+from policy.decode import (DEPARTURE_ROUNDS, DEPARTURE_STEPS, DecodeConfig, branch_diverse, check_samples,
+                           format_diverse, generate, hint_diverse)
 from policy.encoder import prepare_structure
 from sparserl_compile import contract
 
@@ -145,7 +145,7 @@ class PolicyProvider:
                  decode: DecodeConfig = DecodeConfig(temperature=0.8, max_new_tokens=1536, batch_drafts=True),
                  model=None, tokenizer=None, samples: str | None = None, speculative: bool = True,
                  fill_budget_s: float = FILL_BUDGET_S, fit_formats: bool = True, screen_workers: int = 0,
-                 departure_steps: int | None = DEPARTURE_STEPS, departures_ahead: int | None = None):
+                 departure_steps: int | None = DEPARTURE_STEPS, departure_rounds: int | None = DEPARTURE_ROUNDS):
         checkpoint_path = None
         if model is None:
             from policy.model import load_policy
@@ -192,13 +192,12 @@ class PolicyProvider:
                                             or departure_steps < 1):
             raise ValueError(f"departure_steps={departure_steps!r}: a number of forwards >= 1, or None for no limit")
         self.departure_steps = departure_steps
-        #: branches mode: departures decoded beyond those needed, in the same batch, to replace
-        #: a repeat or a stale one without another round (``branch_diverse(ahead=)``; None: as
-        #: many again; 0: one round per replacement, as before the thirty-seventh session)
-        if departures_ahead is not None and (isinstance(departures_ahead, bool) or not isinstance(departures_ahead, int)
-                                             or departures_ahead < 0):
-            raise ValueError(f"departures_ahead={departures_ahead!r}: a number of departures >= 0, or None")
-        self.departures_ahead = departures_ahead
+        #: branches mode: how many times departures are drawn to replace repeats, stale and cut
+        #: ones (``branch_diverse(rounds=)``; ``decode.DEPARTURE_ROUNDS``; None: its default, 4)
+        if departure_rounds is not None and (isinstance(departure_rounds, bool) or not isinstance(departure_rounds, int)
+                                             or departure_rounds < 1):
+            raise ValueError(f"departure_rounds={departure_rounds!r}: a number of rounds >= 1, or None")
+        self.departure_rounds = departure_rounds
         #: branches mode with ``screen_workers``: a ``policy.screen.Screen`` (that many sandboxed CPU
         #: workers) every departure passes before it is a candidate; one that fails (its format does
         #: not fit the matrix, or it fails verification on the CPU executor on the matrix's first
@@ -287,7 +286,7 @@ class PolicyProvider:
                 check = self.screen and self.screen.checker(indptr, indices, shape, problem.op, dtype, n)
                 rolls = branch_diverse(self.model, self.tokenizer, s, problem.op, dtype, n, k, config=cfg,
                                        hint=hint, references=refs, grammar_text=grammar, screen=check,
-                                       step_budget=self.departure_steps, ahead=self.departures_ahead)
+                                       step_budget=self.departure_steps, rounds=self.departure_rounds)
                 self.stats.screened_out += len(rolls[0].extra.get("screened_out", ())) if rolls else 0
             else:
                 rolls = generate(self.model, self.tokenizer, s, problem.op, dtype, n, k=k, config=self.decode,

@@ -51,16 +51,13 @@ def test_spare_on_a_registered_provider_leaves_its_name():
 
 
 @pytest.mark.skipif(not (DEFAULT / "model.safetensors").is_file(), reason="no default checkpoint in this checkout")
-def test_ahead_and_steps_modifiers():
-    """``+aheadN`` and ``+stepsN`` set the branch provider's departures drawn ahead and its forward
-    budget per departure (``+steps0``: none); without them the provider's defaults stand."""
+def test_steps_modifier():
+    """``+stepsN`` sets the branch provider's forward budget per departure (``+steps0``: none);
+    without it the provider's default stands."""
     from policy.decode import DEPARTURE_STEPS
 
-    before = cold_start._make_provider(f"policy+branches+ahead0+steps0@{DEFAULT}")
-    assert (before.departures_ahead, before.departure_steps) == (0, None)
-    tight = cold_start._make_provider(f"policy+branches+steps12@{DEFAULT}")
-    assert (tight.departures_ahead, tight.departure_steps) == (None, 12)
-    plain = cold_start._make_provider(f"policy+branches@{DEFAULT}")
-    assert (plain.departures_ahead, plain.departure_steps) == (None, DEPARTURE_STEPS)
+    assert cold_start._make_provider(f"policy+branches+steps0@{DEFAULT}").departure_steps is None
+    assert cold_start._make_provider(f"policy+branches+steps12@{DEFAULT}").departure_steps == 12
+    assert cold_start._make_provider(f"policy+branches@{DEFAULT}").departure_steps == DEPARTURE_STEPS
     with pytest.raises(ValueError, match="only the policy provider takes modifiers"):
-        cold_start._make_provider("nearest+ahead1")
+        cold_start._make_provider("nearest+steps1")

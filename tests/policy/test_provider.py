@@ -149,27 +149,28 @@ def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model,
         PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="temperature", screen_workers=1)
 
 
-def test_departures_are_cut_at_the_providers_budget_and_drawn_ahead(tiny_model, tiny_tok, monkeypatch):
+def test_departures_are_cut_at_the_providers_budget_in_its_rounds(tiny_model, tiny_tok, monkeypatch):
     """Branches mode hands ``branch_diverse`` the provider's forward budget per departure
-    (``decode.DEPARTURE_STEPS`` by default) and how many departures it draws ahead; nonsense
-    values are refused with what to give."""
+    (``decode.DEPARTURE_STEPS`` by default; None: no limit) and its rounds of replacements
+    (``decode.DEPARTURE_ROUNDS``; None: branch_diverse's own); nonsense values are refused."""
     from policy import provider as prov_mod
-    from policy.decode import DEPARTURE_STEPS
+    from policy.decode import DEPARTURE_ROUNDS, DEPARTURE_STEPS
 
     asked = []
 
-    def fake_branches(*args, step_budget=None, ahead=None, **kw):
-        asked.append((step_budget, ahead))
+    def fake_branches(*args, step_budget="missing", rounds="missing", **kw):
+        asked.append((step_budget, rounds))
         return []
 
     monkeypatch.setattr(prov_mod, "branch_diverse", fake_branches)
-    for kw in ({}, {"departure_steps": None, "departures_ahead": 0}):
+    for kw in ({}, {"departure_steps": None, "departure_rounds": None}, {"departure_steps": 8, "departure_rounds": 3}):
         PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", **kw).candidates(
             _Problem(banded(32, 1)), k=4)
-    assert asked == [(DEPARTURE_STEPS, None), (None, 0)]
-    for bad in ({"departure_steps": 0}, {"departure_steps": 2.5}, {"departures_ahead": -1}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", **bad)
+    assert asked == [(DEPARTURE_STEPS, DEPARTURE_ROUNDS), (None, None), (8, 3)]
+    for name in ("departure_steps", "departure_rounds"):
+        for bad in (0, 2.5, True):
+            with pytest.raises(ValueError, match=name):
+                PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", **{name: bad})
 
 
 def test_missing_checkpoint_says_what_to_do(tmp_path):

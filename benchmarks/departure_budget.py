@@ -1,23 +1,27 @@
-"""The policy provider's proposal with departures drawn ahead and cut at a forward budget, vs before.
+"""The policy provider's proposal with its departures cut at a forward budget and two rounds, vs before.
 
 ``PolicyProvider(samples="branches")`` proposes the greedy kernel and its k - 1 most likely
-departures (``decode.branch_diverse``). Before the thirty-seventh session a departure that came
-out a repeat or stale was replaced by the next most likely one in another round (up to four,
-each a batch of sequential forwards), and a departure that no draft predicted was decoded to its
-end however many forwards it took. Now each round decodes as many departures again in the same
-batch, takes them in rank order, and stops once those it needs are written
-(``departures_ahead``); and a departure unfinished after ``decode.DEPARTURE_STEPS`` forwards is
-cut off and replaced (``departure_steps``).
+departures (``decode.branch_diverse``), decoded speculatively in one batch. Before the
+thirty-seventh session a departure that no draft predicted was decoded to its end however many
+forwards it took, and its batch with it (136 forwards for one SpMV proposal where the others
+took 10-54), and repeats, stale and failed departures were replaced in up to four rounds, each a
+batch of sequential forwards. Now a departure unfinished after ``decode.DEPARTURE_STEPS`` forwards
+is cut off and replaced by the next most likely one (``PolicyProvider(departure_steps=)``), in at
+most ``decode.DEPARTURE_ROUNDS`` rounds (``departure_rounds=``).
 
 For every held-out record (``training.data`` split; the shared matrices named by
 ``SPARSERL_SHARED_MATRICES`` or ``../shared/matrices``), the provider's ``candidates(problem, k)``
-both ways (``before``: ``departures_ahead=0, departure_steps=None``; ``now``: the defaults),
+both ways (``before``: ``departure_steps=None, departure_rounds=None``; ``now``: the defaults),
 alternating which goes first: model calls (forwards, counted on the model) and seconds, and
-whether the candidates are the same. Drawing ahead never changes them; a cut can (the departure
-cut is replaced by the next one): those records are listed with the cut departure's header.
+whether the candidates are the same. Where a departure was cut (the next one replaces it) or a
+third round is no longer drawn they are not: those records list the headers only one way
+proposed. (Session 37 also tried drawing the replacements ahead in the
+first batch, ``--ahead`` at commit 125bb18: fewer forwards, slower proposals on the CPU and the
+H100, since every extra row costs host work each forward; not kept. Results:
+``*_departures_ahead_2026-12-06.json``.)
 
-    python benchmarks/departures_ahead.py [--checkpoint policy/checkpoints/default] [--k 4]
-        [--device cpu|cuda] [--json benchmarks/results/cpu_departures_ahead_<date>.json]
+    python benchmarks/departure_budget.py [--checkpoint policy/checkpoints/default] [--k 4]
+        [--device cpu|cuda] [--steps 24] [--rounds 2] [--json benchmarks/results/cpu_departure_budget_<date>.json]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import argparse
 import sys
 import time
 
-WAYS = {"before": {"departures_ahead": 0, "departure_steps": None}, "now": {}}
+WAYS = {"before": {"departure_steps": None, "departure_rounds": None}, "now": {}}
 
 
 def main(argv=None) -> int:
@@ -46,11 +50,15 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--records", type=int, default=0, help="the first this many held-out records (0: all)")
-    p.add_argument("--ahead", type=int, default=None,
-                   help="the `now` way's departures_ahead (default: the provider's default)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the `now` way's departure_steps (default: the provider's, decode.DEPARTURE_STEPS)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="the `now` way's departure_rounds (default: the provider's, decode.DEPARTURE_ROUNDS)")
     p.add_argument("--json", help="write the summary and the per-record rows here")
     a = p.parse_args(argv)
-    ways = {**WAYS, "now": {**WAYS["now"], **({} if a.ahead is None else {"departures_ahead": a.ahead})}}
+    now = {**({} if a.steps is None else {"departure_steps": a.steps}),
+           **({} if a.rounds is None else {"departure_rounds": a.rounds})}
+    ways = {**WAYS, "now": {**WAYS["now"], **now}}
 
     provs = {}
     for way, kw in ways.items():
@@ -99,7 +107,7 @@ def main(argv=None) -> int:
     summary["speedup_geomean"] = geomean([row["before"]["seconds"] / row["now"]["seconds"] for row in rows])
     summary["same_candidates"] = sum(row["same_candidates"] for row in rows)
     summary["records"], summary["skipped_records"] = len(rows), missing
-    print(f"[ahead] {len(rows)} records ({missing} skipped): forwards {summary['before']['forwards']} -> "
+    print(f"[budget] {len(rows)} records ({missing} skipped): forwards {summary['before']['forwards']} -> "
           f"{summary['now']['forwards']} (max {summary['before']['max_forwards']} -> {summary['now']['max_forwards']}), "
           f"median {summary['before']['median_s']:.3f} -> {summary['now']['median_s']:.3f} s, max "
           f"{summary['before']['max_s']:.3f} -> {summary['now']['max_s']:.3f} s; same candidates "
