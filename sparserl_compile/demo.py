@@ -52,8 +52,8 @@ class DemoRow:
 def _provider(name: str | None):
     """The named provider, else the runtime's default (the nearest-neighbour proposals).
 
-    ``--provider policy`` uses the policy provider's default checkpoint (the retrieval policy,
-    ``policy/checkpoints/retrieval``; its held-out figures are in docs/training.md).
+    ``--provider policy`` uses the policy provider's default checkpoint (version 5,
+    ``policy/checkpoints/default``; its held-out figures are in docs/training.md).
     """
     from sparserl_compile import providers
 
