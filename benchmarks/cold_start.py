@@ -124,7 +124,8 @@ def _breakdown(row: dict | None) -> dict:
             "candidates": [{"name": c.get("name"), "family": c.get("family"), "params": c.get("params"),
                             "kind": c.get("kind"), "kernel_us": c.get("kernel_us"), "graph_us": c.get("graph_us"),
                             "wall_s": c.get("wall_s"),
-                            "phases": c.get("phases")} for c in cands] if isinstance(cands, list) else []}
+                            "phases": c.get("phases"), "overhead": c.get("overhead")}
+                           for c in cands] if isinstance(cands, list) else []}
 
 
 def native_csr(m, dev):

@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -97,6 +97,11 @@ class SandboxResult:
     #: seconds per phase in the worker: verify's phases (``VerifyResult.phases``) plus "time"
     #: (the L2-flushed timing) and "graph" (the CUDA-graph timing)
     phases: dict = field(default_factory=dict)
+    #: seconds around the job, not in ``wall_s``: "pattern" (the worker taking in a new pattern
+    #: before it: ``_release_memory`` and the arrays), "take" (the parent waiting for an idle
+    #: worker) and "outside" (the rest of the parent's round trip: the messages, a worker still
+    #: warming up). Where a first call's time goes when the jobs' own walls do not add up to it
+    overhead: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -114,7 +119,8 @@ class SandboxResult:
         return {"kind": self.kind, "error": self.error[:2000],
                 "verify": self.verify.to_dict() if self.verify else None,
                 "bench": self.bench, "graph_bench": self.graph_bench, "reference": self.reference,
-                "floor_us": self.floor_us, "wall_s": self.wall_s, "phases": dict(self.phases)}
+                "floor_us": self.floor_us, "wall_s": self.wall_s, "phases": dict(self.phases),
+                "overhead": dict(self.overhead)}
 
 
 # ------------------------------------------------------------------ worker side
@@ -270,6 +276,7 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
 
         torch.cuda.set_device(device)
     pattern: Pattern | None = None
+    taking_in: float | None = None  # seconds the last new pattern took to take in (reported once)
     conn.send(("ready", os.getpid()))
     if warm and not conn.poll(0):
         _warm_up(gpu=warm == "gpu", conn=conn)
@@ -282,9 +289,11 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
             return
         if msg[0] == "pattern":
             _, key, indptr, indices, shape = msg
+            t0 = time.perf_counter()
             pattern = None
             _release_memory()
             pattern = Pattern(indptr, indices, tuple(shape))
+            taking_in = time.perf_counter() - t0
             continue
         job = msg[1]
         try:
@@ -292,6 +301,8 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
         except Exception as e:  # noqa: BLE001 - report, never die on our own bug
             res = SandboxResult("internal", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}",
                                 worker_pid=os.getpid())
+        if taking_in is not None:
+            res, taking_in = replace(res, overhead={**res.overhead, "pattern": taking_in}), None
         conn.send(("result", res))
 
 
@@ -588,7 +599,9 @@ class SandboxPool:
         t0 = time.perf_counter()
         if self.spare:  # the worker this job takes, and the spares, started or starting
             self.start(count=1)
+        t_take = time.perf_counter()
         w = self._take(key)
+        t_sent = time.perf_counter()
         try:
             if w.pattern_key != key:
                 w.parent.send(("pattern", key, pattern.indptr, pattern.indices, pattern.shape))
@@ -602,6 +615,9 @@ class SandboxPool:
                                                 "slow; the worker was killed", wall_s=time.perf_counter() - t0,
                                      worker_pid=w.proc.pid)
             _, res = w.parent.recv()
+            trip = time.perf_counter() - t_sent
+            res = replace(res, overhead={**res.overhead, "take": t_sent - t_take,
+                                         "outside": max(0.0, trip - res.wall_s - res.overhead.get("pattern", 0.0))})
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
             w.join(5)
             code = w.exitcode

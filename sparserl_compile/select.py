@@ -209,7 +209,8 @@ def outcome_record(c: Candidate, r: SandboxResult) -> dict:
             "p90_us": r.bench["p90_us"] if r.bench else None,
             "graph_us": r.graph_bench["median_us"] if r.graph_bench else None,
             "floor_us": r.floor_us, "wall_s": round(r.wall_s, 4),
-            "phases": {k: round(v, 4) for k, v in r.phases.items()}}
+            "phases": {k: round(v, 4) for k, v in r.phases.items()},
+            "overhead": {k: round(v, 4) for k, v in r.overhead.items()}}
 
 
 def _jsonable(x):

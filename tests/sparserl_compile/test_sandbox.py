@@ -327,3 +327,18 @@ def test_a_workers_warm_up_freezes_what_it_loaded():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_a_results_overhead_says_where_time_outside_its_job_went():
+    """Each result carries the seconds around its job: "take" (waiting for a worker) and
+    "outside" (the rest of the round trip) always, and "pattern" on the first job after the
+    worker took in a new pattern; none of it is in ``wall_s`` or ``phases``."""
+    other = matrices.stencil2d(12)
+    with SandboxPool(1, timeout_s=60) as pool:
+        first = pool.run(_job(FAULTS["compile_error"].source), M)
+        again = pool.run(_job(FAULTS["compile_error"].source), M)
+        moved = pool.run(_job(FAULTS["compile_error"].source), other)
+    for r in (first, again, moved):
+        assert r.overhead["take"] >= 0 and r.overhead["outside"] >= 0
+        assert not set(r.overhead) & set(r.phases) and r.to_dict()["overhead"] == r.overhead
+    assert first.overhead["pattern"] >= 0 and moved.overhead["pattern"] >= 0 and "pattern" not in again.overhead
