@@ -145,7 +145,7 @@ def summarize(rows: list[dict]) -> dict:
                   "ratio_to_space": (sp / space) if (sp and space) else None,
                   "reference_kept": sum(r["chosen"] is None for r in rs),
                   "wrong": sum(r["wrong"] for r in rs), "max_rel_err": max(r["rel_err"] for r in rs),
-                  "first_call_median_s": firsts[len(firsts) // 2], "first_call_max_s": firsts[-1],
+                  "first_call_median_s": _median(firsts), "first_call_max_s": firsts[-1],
                   # the policy issue's cold-start target: a new structure of <= 10^6 nonzeros in under 1 s
                   "first_calls_upto_1e6_nnz": sum(r.get("nnz", 0) <= COLD_NNZ for r in rs),
                   "first_calls_over_1s_upto_1e6_nnz": sum(r.get("nnz", 0) <= COLD_NNZ and r["first_call_s"] > 1.0

@@ -137,6 +137,13 @@ def problem_inputs(model, matrix, op: str, dtype: str, n: int, *, formats: bool 
     return s, plausible, refs, grammar
 
 
+def _count_or_none(name: str, value, unit: str, none: str = "") -> int | None:
+    """``value`` when it is None or an int >= 1 (not a bool); else a ValueError naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r}: a number of {unit} >= 1, or None{none}")
+    return value
+
+
 class PolicyProvider:
     """Kernel candidates sampled from a policy checkpoint."""
 
@@ -189,16 +196,10 @@ class PolicyProvider:
         #: replaced by the next most likely one (``decode.DEPARTURE_STEPS``; None: no limit). A
         #: departure no draft predicts is written a token or two a forward and holds up the
         #: proposal's batch; those the held-out records gave failed verification
-        if departure_steps is not None and (isinstance(departure_steps, bool) or not isinstance(departure_steps, int)
-                                            or departure_steps < 1):
-            raise ValueError(f"departure_steps={departure_steps!r}: a number of forwards >= 1, or None for no limit")
-        self.departure_steps = departure_steps
+        self.departure_steps = _count_or_none("departure_steps", departure_steps, "forwards", " for no limit")
         #: branches mode: how many times departures are drawn to replace repeats, stale and cut
         #: ones (``branch_diverse(rounds=)``; ``decode.DEPARTURE_ROUNDS``; None: its default, 4)
-        if departure_rounds is not None and (isinstance(departure_rounds, bool) or not isinstance(departure_rounds, int)
-                                             or departure_rounds < 1):
-            raise ValueError(f"departure_rounds={departure_rounds!r}: a number of rounds >= 1, or None")
-        self.departure_rounds = departure_rounds
+        self.departure_rounds = _count_or_none("departure_rounds", departure_rounds, "rounds")
         #: branches mode with ``screen_workers``: a ``policy.screen.Screen`` (that many sandboxed CPU
         #: workers) every departure passes before it is a candidate; one that fails (its format does
         #: not fit the matrix, or it fails verification on the CPU executor on the matrix's first
