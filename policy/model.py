@@ -230,7 +230,15 @@ def load_policy(directory: str | Path, device: str | torch.device = "cpu"):
             f"no policy checkpoint in {d} (model.safetensors missing); train one with "
             "`sparserl train sft` or point to a folder written by save_policy"
         )
-    model = SparseRLPolicy.from_pretrained(d, use_safetensors=True).to(device)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a serving process loads it on its first new structure: no bar on stderr
+    try:
+        model = SparseRLPolicy.from_pretrained(d, use_safetensors=True).to(device)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     model.eval()
     return model, load_tokenizer(d)
 

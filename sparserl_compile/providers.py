@@ -12,13 +12,20 @@ Providers, by name for ``set_provider``:
   (torch.sparse / cuSPARSE). What a machine without the search installed gets.
 * ``"search"``: ``sparserl_compile.search.SearchProvider``, the hand-written kernel families
   searched by heuristics: every pruned point (27-60) is compiled, verified and timed.
-* ``"policy"``: ``policy.provider.PolicyProvider``, the trained language model.
+* ``"policy"``: ``policy.provider.PolicyProvider``, the trained language model (the shipped
+  checkpoint, version 5: its greedy kernel and three most likely departures).
 * ``"nearest"``: ``sparserl_compile.nearest.NearestProvider``, the winners of the most alike
   matrices measured on the H200 (a few candidates instead of the whole space; the search's own
-  order fills in where the table has nothing alike). The default (``DEFAULT_PROVIDER``): on the
-  H200 its 4-8 candidates reach 0.99 of the whole space's best on held-out matrices, and a new
-  10^6-nonzero structure's first product takes 0.2-0.45 s with 4 (docs/benchmarks.md, "Cold
-  start again").
+  order fills in where the table has nothing alike).
+
+Until one is set, the runtime asks a ``DefaultProvider`` (by name ``"default"``, ``DEFAULT_PROVIDER``):
+the policy where the ``train`` extra (transformers, tokenizers, safetensors, llguidance) and the
+shipped checkpoint are installed, else the nearest-neighbour proposals, else the reference.
+It loads the model only when first asked for candidates (or by ``runtime.prewarm``), so a
+process served from a pre-generated cache never loads it. Measured end to end on held-out
+matrices (docs/benchmarks.md): the policy's kernels reach 0.99 of the whole space's best and
+its first product on a new structure of <= 10^6 nonzeros takes a median 0.4-0.5 s (the
+lookup's 0.2 s), never a wrong result.
 
 The last three are imported lazily on first use, so ``import sparserl_compile`` never imports
 the policy (transformers) or the search. Any object with a ``name`` and a
@@ -30,6 +37,8 @@ This module holds no kernels and does no compiling, verifying or caching.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -101,22 +110,115 @@ class ReferenceProvider:
 
 
 _lock = threading.Lock()
-#: the default provider, resolved on first use: the nearest-neighbour proposals (measured best
-#: quality for first-use time; the policy is opt-in until it beats them, docs/training.md);
-#: "reference" where it cannot be imported
-DEFAULT_PROVIDER = "nearest"
+#: the provider the runtime asks until one is set, by name: ``"default"``, a ``DefaultProvider``
+#: (the trained policy, falling back to the nearest-neighbour proposals and then to the
+#: reference where it cannot load)
+DEFAULT_PROVIDER = "default"
+#: what ``DefaultProvider`` tries, in order
+DEFAULT_CHAIN = ("policy", "nearest", "reference")
+#: the modules the policy needs beyond the base install (``pip install 'sparserl[train]'``)
+POLICY_MODULES = ("transformers", "tokenizers", "safetensors", "llguidance")
 _active: Provider | None = None
+log = logging.getLogger("sparserl_compile.providers")
+
+
+def policy_available() -> str | None:
+    """None when the default policy can be loaded here, else why not (a missing module of the
+    ``train`` extra, or no shipped checkpoint). Looks, imports nothing heavy."""
+    missing = [m for m in POLICY_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"the policy needs {', '.join(missing)} (pip install 'sparserl[train]')")
+    from policy.provider import DEFAULT_CHECKPOINT
+
+    if not (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
+        return f"no policy checkpoint at {DEFAULT_CHECKPOINT}"
+    return None
+
+
+class DefaultProvider:
+    """The runtime's provider until one is set: the first of ``DEFAULT_CHAIN`` that loads.
+
+    Which one is decided when constructed, without loading anything (``policy_available``);
+    the policy's model is loaded on the first ``candidates`` call or ``load()`` (which
+    ``runtime.prewarm`` calls), so reading a pre-generated cache never loads it. Its
+    ``checkpoint_hash`` (the cache key's policy hash) is the shipped weights' sha256, read from
+    the file. Should loading fail even so, it logs why, falls back to the next of the chain
+    (``fallback_reason`` says why) and proposes from that one.
+    """
+
+    def __init__(self, chain: tuple[str, ...] = DEFAULT_CHAIN):
+        self._lock = threading.Lock()
+        self._inner: Provider | None = None
+        self.fallback_reason: str | None = None
+        chain = tuple(chain)
+        if not chain:
+            raise ValueError("DefaultProvider(chain=()): name at least one provider")
+        if chain[0] == "policy":
+            why = policy_available()
+            if why is not None:
+                self.fallback_reason = why
+                chain = chain[1:]
+        self._chain = chain
+        self._hash: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The name of the provider that proposes (or will): ``"policy"``, ``"nearest"``, ..."""
+        return self._inner.name if self._inner is not None else self._chain[0]
+
+    @property
+    def checkpoint_hash(self) -> str | None:
+        if self._inner is not None:
+            return getattr(self._inner, "checkpoint_hash", None)
+        if self._chain[0] != "policy":
+            return None
+        if self._hash is None:
+            from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+
+            self._hash = weights_sha256(DEFAULT_CHECKPOINT / "model.safetensors")
+        return self._hash
+
+    @property
+    def sandbox_spare(self) -> int:
+        """The loaded provider's wish (``PolicyProvider.sandbox_spare``); before it is loaded, one
+        spare for the policy (its departures fail now and then), none otherwise."""
+        if self._inner is not None:
+            return getattr(self._inner, "sandbox_spare", 0)
+        return 1 if self._chain[0] == "policy" else 0
+
+    def load(self) -> Provider:
+        """Build the provider (loading the policy's model); on any failure the next in the chain
+        (a broken install must not cost every new structure a retry, nor any product its answer)."""
+        with self._lock:
+            while self._inner is None:
+                name = self._chain[0]
+                try:
+                    self._inner = resolve(name)
+                except Exception as e:  # noqa: BLE001 - whatever failed, the next one serves
+                    if len(self._chain) == 1:
+                        raise
+                    self.fallback_reason = f"{name}: {type(e).__name__}: {e}"
+                    log.warning("sparserl: the default provider %r could not be loaded (%s); using %r",
+                                name, e, self._chain[1])
+                    self._chain = self._chain[1:]
+            return self._inner
+
+    def candidates(self, problem: Problem, k: int) -> list[contract.Candidate]:
+        return self.load().candidates(problem, k)
 
 
 def resolve(obj_or_name: "Provider | str") -> Provider:
-    """A provider object from a name (``reference``, ``search``, ``policy``, ``nearest``) or an object."""
+    """A provider object from a name (``default``, ``reference``, ``search``, ``policy``,
+    ``nearest``) or an object."""
     if isinstance(obj_or_name, str):
         name = obj_or_name
         if name == "reference":
             return ReferenceProvider()
+        if name == "default":
+            return DefaultProvider()
         if name not in _LAZY:
             raise ValueError(
-                f"unknown provider {name!r}; use one of {('reference', *_LAZY)} or pass an object "
+                f"unknown provider {name!r}; use one of {('default', 'reference', *_LAZY)} or pass an object "
                 "with .name and .candidates(problem, k)"
             )
         mod, cls = _LAZY[name]
@@ -151,13 +253,10 @@ def set_provider(obj_or_name: "Provider | str") -> Provider:
 
 
 def get_provider() -> Provider:
-    """The active provider (``DEFAULT_PROVIDER`` until one is set)."""
+    """The active provider (a ``DefaultProvider`` until one is set)."""
     global _active
     if _active is None:
         with _lock:
             if _active is None:
-                try:
-                    _active = resolve(DEFAULT_PROVIDER)
-                except ImportError:
-                    _active = ReferenceProvider()
+                _active = DefaultProvider()
     return _active

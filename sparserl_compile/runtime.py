@@ -664,6 +664,13 @@ def search_entry(problem: providers.Problem, key, *, candidates=None, executor: 
     t0 = time.perf_counter()
     if candidates is None:
         provider = providers.get_provider()
+        if not isinstance(provider, providers.ReferenceProvider):
+            # a process's first search: the sandbox worker (seconds on a GPU) starts while the
+            # provider proposes (and, the first time, loads its model) instead of after it
+            try:
+                _sandbox_pool(provider).start()
+            except Exception:  # noqa: BLE001 - best effort: the selection starts one and reports why not
+                pass
         candidates = provider.candidates(problem, _config.k)
     else:
         provider = None
@@ -735,7 +742,10 @@ def prewarm(*, provider: bool = True) -> threading.Thread:
             pool.start()
             formats.warm()
             if provider:
-                _sandbox_pool(providers.get_provider())  # and the spare workers it asks for
+                prov = providers.get_provider()
+                if callable(getattr(prov, "load", None)):  # the DefaultProvider: load the policy now
+                    prov.load()
+                _sandbox_pool(prov)  # and the spare workers it asks for
             pool.start(wait=True)
         except Exception:  # noqa: BLE001 - best effort; the first product reports real errors
             pass

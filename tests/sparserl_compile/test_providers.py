@@ -1,0 +1,130 @@
+"""The runtime's default provider: the policy where it loads, else the lookup, else the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+
+from sparserl_compile import providers, runtime
+
+
+@pytest.fixture(autouse=True)
+def restore_active():
+    before = providers._active
+    yield
+    providers._active = before
+
+
+def _without_module(monkeypatch, name: str) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == name else real(m, *a))
+
+
+def _counting_resolve(monkeypatch, fail: set[str] = frozenset()) -> list[str]:
+    """``providers.resolve`` recording the names it builds, raising for those in ``fail``."""
+    built, real = [], providers.resolve
+
+    def resolve(name):
+        built.append(name)
+        if name in fail:
+            raise RuntimeError(f"{name} is broken here")
+        return real(name) if name != "policy" else providers.ReferenceProvider()  # no model load
+
+    monkeypatch.setattr(providers, "resolve", resolve)
+    return built
+
+
+def test_until_one_is_set_the_runtime_asks_the_default_provider():
+    providers._active = None
+    p = providers.get_provider()
+    assert isinstance(p, providers.DefaultProvider) and providers.get_provider() is p
+    assert runtime.RuntimeConfig().provider == providers.DEFAULT_PROVIDER == "default"
+    assert isinstance(providers.resolve("default"), providers.DefaultProvider)
+
+
+def test_the_default_is_the_policy_and_its_cache_hash_needs_no_model(monkeypatch):
+    """Where the train extra and the checkpoint are installed (the dev install), the default
+    names the policy, keys the cache by the shipped weights' sha256 and asks for one spare
+    worker, all without building (loading) anything."""
+    if providers.policy_available() is not None:
+        pytest.skip(f"the policy cannot load here: {providers.policy_available()}")
+    from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+
+    built = _counting_resolve(monkeypatch)
+    d = providers.DefaultProvider()
+    assert d.name == "policy" and d.fallback_reason is None and d.sandbox_spare == 1
+    assert d.checkpoint_hash == weights_sha256(DEFAULT_CHECKPOINT / "model.safetensors")
+    assert runtime.policy_hash(d) == d.checkpoint_hash
+    assert built == []  # nothing loaded yet
+    d.load()
+    d.candidates(None, 4)
+    assert built == ["policy"]  # built once, on first use
+
+
+def test_without_the_train_extra_the_default_is_the_lookup(monkeypatch):
+    _without_module(monkeypatch, "llguidance")
+    why = providers.policy_available()
+    assert "llguidance" in why and "sparserl[train]" in why
+    d = providers.DefaultProvider()
+    assert d.name == "nearest" and d.fallback_reason == why
+    assert d.checkpoint_hash is None and d.sandbox_spare == 0
+    assert runtime.policy_hash(d) == "none"  # its entries serve every provider
+
+
+def test_a_policy_that_fails_to_load_falls_back_once_and_says_why(monkeypatch, caplog):
+    if providers.policy_available() is not None:
+        pytest.skip(f"the policy cannot load here: {providers.policy_available()}")
+    built = _counting_resolve(monkeypatch, fail={"policy"})
+    d = providers.DefaultProvider()
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.providers"):
+        d.load()
+    assert d.name == "nearest" and "policy is broken here" in d.fallback_reason
+    assert "could not be loaded" in caplog.text and "using 'nearest'" in caplog.text
+    d.load()
+    assert built == ["policy", "nearest"]  # no retry per structure
+    assert d.checkpoint_hash is None
+
+
+def test_the_last_provider_of_the_chain_reports_its_own_error():
+    with pytest.raises(ValueError, match="unknown provider 'nope'"):
+        providers.DefaultProvider(("nope",)).load()
+    with pytest.raises(ValueError, match="name at least one provider"):
+        providers.DefaultProvider(())
+    d = providers.DefaultProvider(("nope", "reference"))
+    assert d.load().name == "reference" and "unknown provider 'nope'" in d.fallback_reason
+
+
+def test_a_search_starts_the_sandbox_worker_before_the_provider_proposes(monkeypatch):
+    """The first search of a process pays the worker's start (seconds on a GPU) while the
+    provider proposes, not after it; the reference provider starts nothing."""
+    events = []
+
+    class FakePool:
+        spare = 0
+
+        def start(self, wait=False, count=1):
+            events.append("start")
+
+    class Proposes:
+        name = "proposes"
+
+        def candidates(self, problem, k):
+            events.append("propose")
+            return []
+
+    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
+    for prov, expected in ((Proposes(), ["start", "propose"]), (providers.ReferenceProvider(), [])):
+        events.clear()
+        providers.set_provider(prov)
+        entry = runtime.search_entry(_problem(), None)
+        assert events == expected and entry.cubin is None
+
+
+def _problem():
+    import numpy as np
+
+    indptr = np.array([0, 1, 2], np.int32)
+    indices = np.array([0, 1], np.int32)
+    return providers.Problem("spmv", "f32", 1, 2, 2, 2, indptr, indices, "fp", "cpu")
