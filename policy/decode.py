@@ -96,6 +96,22 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     return _LLTOK_CACHE[key]
 
 
+def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed token bitmask on the host: ``rows`` rows of int32 words, 32 tokens a
+    word, every token allowed; pinned where CUDA is (its copy to the GPU each step). What
+    ``llguidance.torch.allocate_token_bitmask`` returns, without importing ``llguidance.torch``:
+    that module wraps a function in ``torch.compile`` at import, which imports inductor (1.3 s of a
+    process's first proposal on the CPU) for a kernel the decoder never calls."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+
+
+def fill_token_bitmask(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """Write ``matcher``'s allowed next tokens into row ``row`` of ``bitmask`` (``token_bitmask``),
+    as ``llguidance.torch.fill_next_token_bitmask`` does."""
+    v = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
 _MATCHER_CACHE: dict[tuple, object] = {}
 
 
@@ -187,8 +203,6 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
         return generate_speculative(model, tokenizer, structure, op, dtype, n, references, k=k,
                                     config=config, grammar_text=grammar_text, hint=hint, forced=forced,
                                     step_budget=step_budget)
-    import llguidance.torch as llt
-
     if k < 1:
         raise ValueError(f"k={k}: ask for at least one sample")
     device = next(model.parameters()).device
@@ -197,7 +211,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
     prompt = tokenizer.encode(prompt_text(op, dtype, n, hint))
     gen = _generator(config, device)
     matchers = [make_matcher(tokenizer, vocab, grammar_text, op, dtype) for _ in range(k)] if config.constrained else None
-    bitmask = llt.allocate_token_bitmask(k, vocab) if config.constrained else None
+    bitmask = token_bitmask(k, vocab) if config.constrained else None
     sb = StructureBatch.collate([structure]).repeat(k).to(device)
     ids = torch.tensor([prompt] * k, device=device)
     out = model(ids, sb, use_cache=True)
@@ -214,7 +228,7 @@ def generate(model, tokenizer, structure: PreparedStructure, op: str, dtype: str
                 if done[i]:
                     bitmask[i].fill_(-1)
                     continue
-                llt.fill_next_token_bitmask(m, bitmask, i)
+                fill_token_bitmask(m, bitmask, i)
             logits = _apply_masks(logits, bitmask, vocab, eos)
         tok, lp = _pick(logits, config, gen)
         if forced is not None:
@@ -440,9 +454,7 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
     matchers = ([make_matcher(tokenizer, vocab, grammar_text, op, dtype) for _ in range(n_rows)]
                 if config.constrained else [None] * n_rows)
     if config.constrained:
-        import llguidance.torch as llt
-
-        bitmask = llt.allocate_token_bitmask(1, vocab)
+        bitmask = token_bitmask(1, vocab)
     fast = config.greedy and not config.trace
     # untraced sampling without top-k: each forward's positions are drawn from the unmasked
     # distribution in one batch and one transfer; a draw the grammar allows is kept, one it
@@ -529,7 +541,7 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
                 else:
                     logits = rows[j:j + 1].float().clone()
                     if matcher is not None:
-                        llt.fill_next_token_bitmask(matcher, bitmask, 0)
+                        fill_token_bitmask(matcher, bitmask, 0)
                         logits = _apply_masks(logits, bitmask, vocab, eos)
                         masks[i].append(bitmask[0].clone())
                     if p0 + j < len(prefix):  # forced: the prefix's token, at the model's log-probability
@@ -702,12 +714,10 @@ def branch_points(model, tokenizer, structure: PreparedStructure, op: str, dtype
     sb = StructureBatch.collate([structure]).to(device)
     logits = model(ids, sb).logits[0, len(prompt) - 1:len(prompt) - 1 + end].float()
     if constrained:  # the grammar's mask at each position along the sample
-        import llguidance.torch as llt
-
         matcher = make_matcher(tokenizer, vocab, grammar_text, op, dtype)
-        packed = llt.allocate_token_bitmask(end, vocab)
+        packed = token_bitmask(end, vocab)
         for p in range(end):
-            llt.fill_next_token_bitmask(matcher, packed, p)
+            fill_token_bitmask(matcher, packed, p)
             matcher.consume_token(body[p])
         logits = _apply_masks(logits, packed, vocab, eos)
     logp = torch.log_softmax(logits, -1)

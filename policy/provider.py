@@ -18,6 +18,7 @@ saying how to get one.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -219,16 +220,37 @@ class PolicyProvider:
         #: replacement; hinted candidates are nearly always measured kernel-space points
         self.sandbox_spare = 0 if samples == "hints" else 1
         self.stats = ProviderStats()
+        self._lock = threading.Lock()
         #: sha256 of the weights file (None for an in-memory model); the runtime's cache key
         #: reads ``getattr(provider, "checkpoint_hash", None)`` so a new checkpoint misses the cache
         self.checkpoint_hash: str | None = (weights_sha256(path / "model.safetensors")
                                             if checkpoint_path is not None else None)
 
+    def warm_up(self) -> None:
+        """Pay a process's one-time decoding costs now (``runtime.prewarm`` calls it): one proposal
+        for a small SpMV and one for an SpMM, each op's first, build llguidance's view of the
+        tokenizer and each grammar, load the numba structure statistics and, on a GPU, the model's
+        first kernels (together 2-3 s on an H100 in a fresh process: the first new structure's
+        proposal paid them before). ``stats`` is left as it was."""
+        from policy.retrieval import problem_for
+        from sparserl_compile import matrices
+
+        before = replace(self.stats)
+        m = matrices.generate("banded", n=256, half_bandwidth=1, seed=0)
+        for op, n in (("spmv", 1), ("spmm", 32)):
+            self.candidates(problem_for(op, "f32", n, m), 2)
+        self.stats = before
+
     def candidates(self, problem, k: int) -> list[contract.Candidate]:
         """Up to ``k`` distinct parseable candidates for ``problem``. Temperature and format
         samples: ``k`` decoded, fewer returned when some are dropped. Hints: decoded one per
         hint, nearest first, until ``k`` are kept or ``2k`` hints are spent; hints past the k-th
-        only while the proposal has taken less than ``fill_budget_s``."""
+        only while the proposal has taken less than ``fill_budget_s``. One proposal at a time:
+        a second thread (``prewarm``'s warm-up, a background search) waits for the first."""
+        with self._lock:
+            return self._candidates(problem, k)
+
+    def _candidates(self, problem, k: int) -> list[contract.Candidate]:
         t0 = time.perf_counter()
         self.stats.requests += 1
         k = k or DEFAULT_K

@@ -302,10 +302,10 @@ def _cmd(args) -> int:
                        share=args.share)
     print(format_table(rows))
     digest = runtime.policy_hash(providers.get_provider())
-    if digest != "none":
+    if digest not in ("none", providers.shipped_policy_hash()):
         print(f"note: the entries are keyed to the policy checkpoint {digest[:12]}: a serving process finds "
-              f"them only while running that policy (sparserl.configure(provider='policy')); entries built "
-              f"with --provider search or nearest serve every provider")
+              f"them only while running that checkpoint; entries built with the default provider (the "
+              f"shipped policy) or --provider search or nearest serve every process")
     return 1 if any(r.outcome == "failed" for r in rows) else 0
 
 

@@ -135,6 +135,21 @@ def policy_available() -> str | None:
     return None
 
 
+_shipped_hash: list[str | None] = []
+
+
+def shipped_policy_hash() -> str | None:
+    """The sha256 of the shipped default checkpoint's weights (``policy/checkpoints/default``;
+    package data, there with or without the ``train`` extra), None where it is absent. Read
+    once per process (a 16 MiB file: ~15 ms)."""
+    if not _shipped_hash:
+        from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+
+        f = DEFAULT_CHECKPOINT / "model.safetensors"
+        _shipped_hash.append(weights_sha256(f) if f.is_file() else None)
+    return _shipped_hash[0]
+
+
 class DefaultProvider:
     """The runtime's provider until one is set: the first of ``DEFAULT_CHAIN`` that loads.
 
@@ -159,7 +174,6 @@ class DefaultProvider:
                 self.fallback_reason = why
                 chain = chain[1:]
         self._chain = chain
-        self._hash: str | None = None
 
     @property
     def name(self) -> str:
@@ -170,13 +184,7 @@ class DefaultProvider:
     def checkpoint_hash(self) -> str | None:
         if self._inner is not None:
             return getattr(self._inner, "checkpoint_hash", None)
-        if self._chain[0] != "policy":
-            return None
-        if self._hash is None:
-            from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
-
-            self._hash = weights_sha256(DEFAULT_CHECKPOINT / "model.safetensors")
-        return self._hash
+        return shipped_policy_hash() if self._chain[0] == "policy" else None
 
     @property
     def sandbox_spare(self) -> int:
@@ -202,6 +210,13 @@ class DefaultProvider:
                                 name, e, self._chain[1])
                     self._chain = self._chain[1:]
             return self._inner
+
+    def warm_up(self) -> None:
+        """``load()``, then the loaded provider's own ``warm_up`` where it has one (the policy:
+        its first decoding costs). ``runtime.prewarm`` calls it."""
+        warm = getattr(self.load(), "warm_up", None)
+        if callable(warm):
+            warm()
 
     def candidates(self, problem: Problem, k: int) -> list[contract.Candidate]:
         return self.load().candidates(problem, k)

@@ -627,17 +627,23 @@ def cache_key(problem: providers.Problem, target: Target):
 
 
 def lookup(store, key):
-    """``store``'s entry for ``key``; where a policy is active (``key.policy_hash`` is its
-    checkpoint's) and has none, the families-only entry (``policy_hash="none"``: built with the
-    search or nearest provider) of the same problem and target: a kernel verified and timed on
-    this GPU kind is as valid whoever proposed it, so a cache pre-generated with the search
-    serves a process running the policy. The reverse does not hold: entries built by a policy
-    are keyed to its checkpoint and only a process running that checkpoint finds them."""
+    """``store``'s entry for ``key``, else the same problem and target's entry built by
+    another provider whose kernels every process takes: the families-only entry
+    (``policy_hash="none"``: built with the search or nearest provider), then the shipped default
+    policy's (``providers.shipped_policy_hash``: a cache pre-generated with the default provider).
+    A kernel verified and timed on this GPU kind is as valid whoever proposed it, so a cache
+    built with the search serves a process running the policy, and one built with the default
+    policy serves a process without the ``train`` extra (its default is then the lookup). Entries
+    built by any other checkpoint are keyed to it and only a process running it finds them: a new
+    policy is asked again instead of being served an old one's verdicts."""
     from dataclasses import replace
 
     entry = store.get(key)
-    if entry is None and key.policy_hash != "none":
-        entry = store.get(replace(key, policy_hash="none"))
+    for other in ("none", providers.shipped_policy_hash()):
+        if entry is not None:
+            break
+        if other is not None and other != key.policy_hash:
+            entry = store.get(replace(key, policy_hash=other))
     return entry
 
 
@@ -727,8 +733,9 @@ def prewarm(*, provider: bool = True) -> threading.Thread:
     product on a new structure: start the sandbox worker (a fresh interpreter with torch and,
     on a GPU, a CUDA context, which then loads the format converters), load the converters
     and structure statistics here (numba, from its disk cache), and build the active provider
-    (``provider=True``; for the policy that is loading the model). For serving processes:
-    call it at start-up. Returns the thread (``join()`` it to wait); errors are left for the
+    (``provider=True``; for the policy, the default, that is loading the model and its
+    ``warm_up``: one small SpMV and one SpMM proposal, its first decoding costs; 2-3 s of the
+    first new structure otherwise). For serving processes: call it at start-up. Returns the thread (``join()`` it to wait); errors are left for the
     first product to report.
 
     The sandbox workers are fresh interpreters that import only ``sparserl_compile``, never the
@@ -743,8 +750,9 @@ def prewarm(*, provider: bool = True) -> threading.Thread:
             formats.warm()
             if provider:
                 prov = providers.get_provider()
-                if callable(getattr(prov, "load", None)):  # the DefaultProvider: load the policy now
-                    prov.load()
+                warm = getattr(prov, "warm_up", None)
+                if callable(warm):  # the policy (default or set): load it and pay its first decoding
+                    warm()
                 _sandbox_pool(prov)  # and the spare workers it asks for
             pool.start(wait=True)
         except Exception:  # noqa: BLE001 - best effort; the first product reports real errors

@@ -140,7 +140,7 @@ def test_entries_built_by_a_policy_are_found_by_that_policy_only(tmp_path):
     before = providers.get_provider()
     b = pg.build([str(mats)], out, ops=("spmv",), progress=False, provider=_CheckpointedReference())
     assert b.policy_hash == "ab12" * 16 and providers.get_provider() is before
-    assert pg.serve([str(mats)], out, ops=("spmv",)).misses == 2  # the default provider: no hash, no hit
+    assert pg.serve([str(mats)], out, ops=("spmv",)).misses == 2  # the default provider (another checkpoint or none): no hit
     providers.set_provider(_CheckpointedReference())
     try:
         assert pg.serve([str(mats)], out, ops=("spmv",)).misses == 0

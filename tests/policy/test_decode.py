@@ -720,3 +720,23 @@ def test_branch_diverse_leaves_out_stale_departures_before_the_screen(tiny_model
     kept = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all",
                                  stale_check=False)
     assert [r.text for r in kept] == [r.text for r in plain[:4]]
+
+
+def test_the_decoders_token_bitmask_is_llguidances(tiny_tok):
+    """``token_bitmask``/``fill_token_bitmask`` (the decoder's, which spare a process importing
+    ``llguidance.torch`` and with it inductor) hold what llguidance's own helpers write, row by
+    row, along a prefix of the grammar."""
+    import llguidance.torch as llt
+
+    from policy.decode import fill_token_bitmask, make_matcher, token_bitmask
+
+    vocab = len(tiny_tok)
+    ours, theirs = token_bitmask(3, vocab), llt.allocate_token_bitmask(3, vocab)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == torch.int32
+    assert torch.equal(ours, theirs)  # all allowed before any fill
+    a, b = make_matcher(tiny_tok, vocab, None, "spmv", "f32"), make_matcher(tiny_tok, vocab, None, "spmv", "f32")
+    for row, tok in enumerate(tiny_tok.encode("// sparserl op=spmv")[:3]):
+        fill_token_bitmask(a, ours, row)
+        llt.fill_next_token_bitmask(b, theirs, row)
+        assert a.consume_token(tok) and b.consume_token(tok)
+    assert torch.equal(ours, theirs) and not torch.equal(ours[0], torch.full_like(ours[0], -1))

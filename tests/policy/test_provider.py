@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from policy.decode import DecodeConfig
-from policy.provider import PolicyProvider
+from policy.provider import DEFAULT_CHECKPOINT, PolicyProvider
 from sparserl_compile import contract
 from sparserl_compile.matrices import banded
 
@@ -338,3 +338,35 @@ def test_the_provider_asks_for_a_spare_sandbox_worker_where_its_candidates_often
         prov = PolicyProvider(model=model, tokenizer=tiny_tok, samples=samples, speculative=False)
         assert prov.sandbox_spare == spare and runtime.sandbox_spare(prov) == spare
     assert prov.samples == "hints"  # a hinted checkpoint's default
+
+
+@pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "model.safetensors").is_file(), reason="no default checkpoint")
+def test_warm_up_pays_the_first_decoding_and_leaves_the_counts(monkeypatch):
+    """``warm_up`` (what ``runtime.prewarm`` calls) proposes for a small SpMV and an SpMM of the
+    shipped policy and leaves ``stats`` as it found them; proposals from two threads run one at a
+    time, each complete and the same."""
+    import threading
+    from dataclasses import replace
+
+    from policy.retrieval import problem_for
+
+    prov = PolicyProvider(device="cpu")
+    asked = []
+    real = prov._candidates
+    monkeypatch.setattr(prov, "_candidates", lambda problem, k: asked.append(problem.op) or real(problem, k))
+    before = replace(prov.stats)
+    prov.warm_up()
+    assert asked == ["spmv", "spmm"] and prov.stats == before
+    problem = problem_for("spmv", "f32", 1, banded(300, 2))
+    out = [None, None]
+
+    def go(i):
+        out[i] = prov.candidates(problem, 2)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0] and [c.source for c in out[0]] == [c.source for c in out[1]]
+    assert prov.stats.requests == before.requests + 2

@@ -350,3 +350,30 @@ def test_verify_says_which_corrupt_entries_it_cannot_remove(tmp_path, capsys):
     assert "cannot be removed" in out and "1 valid entries, 0 removed, 1 corrupt and not removable" in out
     assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
     assert "would remove 1 entries" in capsys.readouterr().out  # the folder is not counted
+
+
+def test_entries_built_by_the_shipped_policy_serve_every_process(tmp_path, monkeypatch):
+    """A cache pre-generated with the default provider (the shipped policy) is found by a
+    process whose default fell back to the lookup (no ``train`` extra) and by one running another
+    checkpoint; an entry of that other checkpoint still serves only it."""
+    from sparserl_compile import providers, runtime
+
+    monkeypatch.setattr(providers, "shipped_policy_hash", lambda: "5h1p")
+    store = KernelCache(tmp_path / "c")
+    store.put(_entry(_key(policy_hash="5h1p")))
+    assert runtime.lookup(store, _key()).key.policy_hash == "5h1p"  # the lookup's process
+    assert runtime.lookup(store, _key(policy_hash="ab12")).key.policy_hash == "5h1p"
+    store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
+    assert runtime.lookup(store, _key(fp="cd" * 16)) is None
+    assert runtime.lookup(store, _key(fp="cd" * 16, policy_hash="5h1p")) is None
+    store.put(_entry(_key(fp="cd" * 16)))  # families-only entries come before the shipped policy's
+    store.put(_entry(_key(fp="cd" * 16, policy_hash="5h1p")))
+    assert runtime.lookup(store, _key(fp="cd" * 16, policy_hash="ef34")).key.policy_hash == "none"
+
+
+def test_the_shipped_policy_hash_is_its_weights_sha256():
+    from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+    from sparserl_compile import providers
+
+    f = DEFAULT_CHECKPOINT / "model.safetensors"
+    assert providers.shipped_policy_hash() == (weights_sha256(f) if f.is_file() else None)

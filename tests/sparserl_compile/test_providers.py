@@ -128,3 +128,35 @@ def _problem():
     indptr = np.array([0, 1, 2], np.int32)
     indices = np.array([0, 1], np.int32)
     return providers.Problem("spmv", "f32", 1, 2, 2, 2, indptr, indices, "fp", "cpu")
+
+
+def test_prewarm_warms_the_provider_up(monkeypatch):
+    """``prewarm`` has the active provider pay its one-time costs (the default: load the policy,
+    then its ``warm_up``) before the pool's workers are counted up."""
+    events = []
+
+    class FakePool:
+        spare = 0
+
+        def start(self, wait=False, count=1):
+            events.append("start-wait" if wait else "start")
+
+    class Warms:
+        name = "warms"
+        sandbox_spare = 0
+
+        def warm_up(self):
+            events.append("warm_up")
+
+        def candidates(self, problem, k):
+            return []
+
+    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
+    import sparserl_compile.formats as formats
+
+    monkeypatch.setattr(formats, "warm", lambda: events.append("formats"))
+    d = providers.DefaultProvider(("reference",))
+    providers.set_provider(d)
+    monkeypatch.setattr(providers, "resolve", lambda name: Warms())  # what d loads
+    runtime.prewarm().join()
+    assert events == ["start", "formats", "warm_up", "start-wait"] and d.name == "warms"
