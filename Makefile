@@ -1,6 +1,6 @@
 # sparserl: two commands on a fresh machine.
-#   make demo   set up, then run the main job (generated matrices, the default provider;
-#               `sparserl demo --provider policy` asks the bundled policy) and print a table,
+#   make demo   set up, then run the main job (generated matrices, the default provider: the
+#               bundled policy; `sparserl demo --provider nearest` asks the lookup) and print a table,
 #               then the three applications, short (examples/applications.py), and their table
 #   make test   set up, then run the test suite (what CI runs)
 PY ?= python3

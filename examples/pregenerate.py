@@ -37,8 +37,9 @@ Two phases, as a deployment runs them on two machines:
     python examples/pregenerate.py MATRIX_DIR --out kernels/ --serve-only --time
         # another machine of the same GPU kind: serve a cache built elsewhere, build nothing
     python examples/pregenerate.py MATRIX_DIR --out kernels/ --provider policy --serve-provider policy
-        # entries the policy builds are keyed to its checkpoint: the serving process runs it too
-        # (a process running the policy also finds entries built with search or nearest)
+        # the shipped policy's entries serve every process; another checkpoint's are keyed to
+        # it, and its serving process runs it too (a process running a policy also finds
+        # entries built with search or nearest)
 
 The exit status is 1 if a product failed to build or a served product missed the cache.
 """
@@ -355,8 +356,9 @@ def main(argv=None) -> int:
     p.add_argument("--provider", default=None,
                    help="build with this provider (search | nearest | policy; default: the runtime's)")
     p.add_argument("--serve-provider", default=None,
-                   help="the serving process's provider (default: the runtime's). Entries built by the policy "
-                        "are keyed to its checkpoint: serve them with --serve-provider policy")
+                   help="the serving process's provider (default: the runtime's). Entries built by a "
+                        "policy other than the shipped one are keyed to its checkpoint: serve them with "
+                        "that policy")
     p.add_argument("--serve-only", action="store_true",
                    help="build nothing: serve from a cache built elsewhere (--out must hold it)")
     p.add_argument("--time", action="store_true",
