@@ -5,12 +5,15 @@ costs (``prewarm``: the sandbox worker's interpreter and CUDA context, the forma
 the policy's model). This script measures what a user's script pays when it has not: each
 case runs in its own fresh interpreter (``python -c`` of this file's ``child``), which imports
 ``sparserl_compile``, optionally calls ``prewarm().join()`` (``startup_s``), and then times the
-first product on each of two generated structures (synchronized, the disk cache off):
+first product on each of three generated structures (synchronized, the disk cache off):
 
-* ``first_s``: the process's first product (the default provider's model load, if it has one,
-  and the sandbox worker's start are in it unless prewarmed), its ``propose_s`` / ``select_s``
-  split from ``first_uses()``;
-* ``second_s``: the next new structure's first product (one-time costs paid).
+* ``first_s``: the process's first product (the sandbox worker's start is in it unless
+  prewarmed; the default provider does not wait for the policy's model: until it is loaded and
+  warmed up, in the background, the lookup proposes), its ``propose_s`` / ``select_s`` split
+  from ``first_uses()`` and ``first_proposer``, who proposed;
+* ``second_s``: the next new structure's first product, right after;
+* ``third_s``: a third new structure's, once the default provider's background load is done
+  (waited ``ready_wait_s`` for it after the second).
 
 Cases: ``default`` (the runtime's default provider, unconfigured: the policy where the ``train``
 extra is installed) and ``nearest``, each ``cold`` and ``prewarm``.
@@ -50,7 +53,13 @@ def child(provider: str, prewarm: bool, device: str) -> dict:
         sr.prewarm().join()
         out["startup_s"] = time.perf_counter() - t0
     for label, (gen, kw) in (("first", ("stencil2d", {"n": 300, "seed": 11})),
-                             ("second", ("banded", {"n": 200_000, "half_bandwidth": 3, "seed": 11}))):
+                             ("second", ("banded", {"n": 200_000, "half_bandwidth": 3, "seed": 11})),
+                             ("third", ("random_geometric", {"n": 50_000, "avg_degree": 8, "seed": 11}))):
+        if label == "third":  # once the default provider's background load (if it started one) is done
+            t0, prov = time.perf_counter(), providers.get_provider()
+            while getattr(prov, "loading", False) and time.perf_counter() - t0 < 120:
+                time.sleep(0.05)
+            out["ready_wait_s"] = time.perf_counter() - t0
         a = sr.sparsify(matrices.generate(gen, **kw)).to(dev)
         x = torch.randn(a.shape[1], device=dev)
         sync(dev)
@@ -61,6 +70,7 @@ def child(provider: str, prewarm: bool, device: str) -> dict:
         log = runtime.first_uses()
         row = log[-1] if log else {}
         out[f"{label}_propose_s"], out[f"{label}_select_s"] = row.get("propose_s"), row.get("select_s")
+        out[f"{label}_proposer"] = (row.get("verification") or {}).get("provider")  # who proposed
         out[f"{label}_plan"] = next((pl.kind for key, pl in runtime.plans().items() if key[0] == a.fingerprint), None)
         out[f"{label}_finite"] = bool(torch.isfinite(y).all())
     p = providers.get_provider()
@@ -95,8 +105,11 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"[process] {provider:8s} prewarm={prewarm!s:5s} -> {row.get('provider')}: "
               f"startup {row.get('startup_s') or 0:.2f}s first {row.get('first_s', float('nan')):.2f}s "
-              f"(propose {row.get('first_propose_s') or 0:.2f}s) second {row.get('second_s', float('nan')):.2f}s "
-              f"(propose {row.get('second_propose_s') or 0:.2f}s) rc={r.returncode}", flush=True)
+              f"(propose {row.get('first_propose_s') or 0:.2f}s, {row.get('first_proposer')}) second "
+              f"{row.get('second_s', float('nan')):.2f}s (propose {row.get('second_propose_s') or 0:.2f}s, "
+              f"{row.get('second_proposer')}) third {row.get('third_s', float('nan')):.2f}s "
+              f"({row.get('third_proposer')}, after waiting {row.get('ready_wait_s') or 0:.1f}s) rc={r.returncode}",
+              flush=True)
     if a.json:
         from sparserl_compile.fileio import write_json
 

@@ -399,10 +399,10 @@ def main(argv=None) -> int:
         if args.serve_provider:
             providers.set_provider(args.serve_provider)
         serving = runtime.policy_hash(providers.get_provider())
-        if b is not None and b.policy_hash not in ("none", serving):
+        if b is not None and b.policy_hash not in ("none", serving, providers.shipped_policy_hash()):
             print(f"note: these entries are keyed to the policy checkpoint {b.policy_hash[:12]}, and the serving "
-                  f"provider ({providers.get_provider().name}) will not find them: serve with --serve-provider "
-                  f"policy (sparserl.configure(provider='policy') in a serving process)")
+                  f"provider ({providers.get_provider().name}) will not find them: serve with that checkpoint's "
+                  f"policy (sparserl.configure(provider=PolicyProvider(checkpoint=...)) in a serving process)")
         s = serve(paths, args.out, ops=ops, widths=widths, target=b.target if b else target, timed=args.time)
         if args.compare_search and s.device == "cuda":
             cold = search_first_calls(paths, ops=ops, widths=widths, timed=args.time)

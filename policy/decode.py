@@ -86,6 +86,25 @@ def _tok_key(tokenizer) -> str:
     return key
 
 
+_ENCODED: dict[tuple, list[int]] = {}
+
+
+def encode_cached(tokenizer, text: str) -> list[int]:
+    """``tokenizer.encode(text)``, remembered per tokenizer: the drafts (rendered kernel-space
+    kernels) and prompts repeat across a proposal's decoding calls and across proposals, and
+    encoding each anew cost about 34 encodes, 16 ms, of an H100 proposal (``propose_profile.py``).
+    A fresh list each call; at most 4096 texts are kept (then the memo starts over)."""
+    try:
+        key = (_tok_key(tokenizer), text)
+    except AttributeError:  # not a fast (Rust-backed) tokenizer: nothing to key it by
+        return tokenizer.encode(text)
+    ids = _ENCODED.get(key)
+    if ids is None:
+        if len(_ENCODED) >= 4096:
+            _ENCODED.clear()
+        ids = _ENCODED[key] = tokenizer.encode(text)
+    return list(ids)
+
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's view of the tokenizer (built once per tokenizer object: ~1 s)."""
     import llguidance.hf
@@ -385,8 +404,8 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
         raise ValueError(f"step_budget={step_budget}: a sample takes at least one forward")
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
-    prompts = [tokenizer.encode(prompt_text(op, dtype, n, h)) for h in (hints if hints is not None else [hint] * k)]
-    refs = [tokenizer.encode(r) + [eos] for r in references]
+    prompts = [encode_cached(tokenizer, prompt_text(op, dtype, n, h)) for h in (hints if hints is not None else [hint] * k)]
+    refs = [encode_cached(tokenizer, r) + [eos] for r in references]
     for_header = getattr(references, "for_header", None)  # Drafts: the space's kernel of a sample's header
     gen = _generator(config, device)
     prefixes = forced if forced is not None else [[] for _ in range(k)]
@@ -487,7 +506,7 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
                     header = header_of(tokenizer.decode(tokens[i]))
                     if header is not None or len(tokens[i]) > _HEADER_TOKENS:
                         header_open[i] = False
-                        own[i] = [tokenizer.encode(src) + [eos] for src in (for_header(header) if header else ())]
+                        own[i] = [encode_cached(tokenizer, src) + [eos] for src in (for_header(header) if header else ())]
                 others = [tokens[j] for j in range(n_rows) if j != i and tokens[j]]
                 drafts[i] = draft_tokens(tokens[i], own[i] + others + refs, min(config.draft_len, room))
             # fed to the model: the last chosen token (not yet in the cache; none before the first,

@@ -154,11 +154,15 @@ class DefaultProvider:
     """The runtime's provider until one is set: the first of ``DEFAULT_CHAIN`` that loads.
 
     Which one is decided when constructed, without loading anything (``policy_available``);
-    the policy's model is loaded on the first ``candidates`` call or ``load()`` (which
-    ``runtime.prewarm`` calls), so reading a pre-generated cache never loads it. Its
+    the policy's model is loaded on the first ``candidates`` call, ``load()`` or ``warm_up()``
+    (which ``runtime.prewarm`` calls), so reading a pre-generated cache never loads it. Its
     ``checkpoint_hash`` (the cache key's policy hash) is the shipped weights' sha256, read from
     the file. Should loading fail even so, it logs why, falls back to the next of the chain
     (``fallback_reason`` says why) and proposes from that one.
+
+    The runtime asks through ``propose``, which never waits for the model: until the policy is
+    loaded and warmed up, its load runs on a background thread and the next provider of the
+    chain (the lookup) proposes. ``candidates`` (pre-generation, the demo) waits for it.
     """
 
     def __init__(self, chain: tuple[str, ...] = DEFAULT_CHAIN):
@@ -174,6 +178,10 @@ class DefaultProvider:
                 self.fallback_reason = why
                 chain = chain[1:]
         self._chain = chain
+        self._ready = threading.Event()  # built (and warmed up, when that was asked): proposals wait on nothing
+        self._side = threading.Lock()  # the background load and the standby provider
+        self._loader: threading.Thread | None = None
+        self._standby: Provider | None = None
 
     @property
     def name(self) -> str:
@@ -194,9 +202,23 @@ class DefaultProvider:
             return getattr(self._inner, "sandbox_spare", 0)
         return 1 if self._chain[0] == "policy" else 0
 
+    def ready(self) -> bool:
+        """Whether the provider is built (and warmed up, when ``warm_up`` was called)."""
+        return self._ready.is_set()
+
+    @property
+    def loading(self) -> bool:
+        """Whether the background load ``propose`` started is still running."""
+        return self._loader is not None and self._loader.is_alive()
+
     def load(self) -> Provider:
         """Build the provider (loading the policy's model); on any failure the next in the chain
         (a broken install must not cost every new structure a retry, nor any product its answer)."""
+        p = self._load()
+        self._ready.set()
+        return p
+
+    def _load(self) -> Provider:
         with self._lock:
             while self._inner is None:
                 name = self._chain[0]
@@ -212,14 +234,53 @@ class DefaultProvider:
             return self._inner
 
     def warm_up(self) -> None:
-        """``load()``, then the loaded provider's own ``warm_up`` where it has one (the policy:
-        its first decoding costs). ``runtime.prewarm`` calls it."""
-        warm = getattr(self.load(), "warm_up", None)
-        if callable(warm):
-            warm()
+        """Build the provider, then its own ``warm_up`` where it has one (the policy: its first
+        decoding costs); ``ready()`` once done. ``runtime.prewarm`` calls it."""
+        try:
+            warm = getattr(self._load(), "warm_up", None)
+            if callable(warm):
+                warm()
+        finally:
+            self._ready.set()
 
     def candidates(self, problem: Problem, k: int) -> list[contract.Candidate]:
         return self.load().candidates(problem, k)
+
+    def propose(self, problem: Problem, k: int) -> tuple[list[contract.Candidate], str]:
+        """``(candidates, name of the provider that proposed them)`` without waiting for the
+        policy's model: when the chain starts with the policy and it is not ``ready()``, its
+        ``warm_up`` starts on a background thread (once) and the next provider of the chain
+        proposes now (a fresh process's first new structure: the lookup's 5 s instead of about
+        12 s on an H100, docs/benchmarks.md). Otherwise the provider proposes (the lookup and
+        the reference build in milliseconds)."""
+        if not self._ready.is_set() and self._chain[0] == "policy" and len(self._chain) > 1:
+            with self._side:
+                if self._loader is None:
+                    self._loader = threading.Thread(target=self._warm_in_background, daemon=True,
+                                                    name="sparserl-policy-load")
+                    self._loader.start()
+                if self._standby is None:
+                    self._standby = _first_that_builds(self._chain[1:])
+            return self._standby.candidates(problem, k), self._standby.name
+        p = self.load()
+        return p.candidates(problem, k), p.name
+
+    def _warm_in_background(self) -> None:
+        try:
+            self.warm_up()
+        except Exception as e:  # noqa: BLE001 - the next proposal loads in line and reports it
+            log.warning("sparserl: loading the default provider in the background failed: %s", e)
+
+
+def _first_that_builds(names) -> Provider:
+    """The first of ``names`` that ``resolve`` builds (the reference, last, always does)."""
+    for i, name in enumerate(names):
+        try:
+            return resolve(name)
+        except Exception:  # noqa: BLE001
+            if i == len(names) - 1:
+                raise
+    return ReferenceProvider()
 
 
 def resolve(obj_or_name: "Provider | str") -> Provider:

@@ -677,11 +677,15 @@ def search_entry(problem: providers.Problem, key, *, candidates=None, executor: 
                 _sandbox_pool(provider).start()
             except Exception:  # noqa: BLE001 - best effort: the selection starts one and reports why not
                 pass
-        candidates = provider.candidates(problem, _config.k)
+        propose = getattr(provider, "propose", None)
+        if callable(propose):  # the DefaultProvider: never waits for the policy's model to load
+            candidates, proposer = propose(problem, _config.k)
+        else:
+            candidates, proposer = provider.candidates(problem, _config.k), getattr(provider, "name", "?")
     else:
-        provider = None
+        provider, proposer = None, "given"
     _counts["searches"] += 1
-    record: dict = {"provider": getattr(provider, "name", "given"), "candidates": len(candidates),
+    record: dict = {"provider": proposer, "candidates": len(candidates),
                     "propose_s": time.perf_counter() - t0}
     if not candidates:
         record["why"] = f"provider {record['provider']!r} proposed no candidates"

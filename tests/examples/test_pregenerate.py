@@ -148,6 +148,31 @@ def test_entries_built_by_a_policy_are_found_by_that_policy_only(tmp_path):
         providers.set_provider(before)
 
 
+@cpu_only
+@pytest.mark.skipif(providers.policy_available() is not None, reason="the default provider here is not the policy")
+def test_a_cache_built_by_the_default_policy_serves_a_process_without_it(tmp_path):
+    """Built with the runtime's default (the shipped policy: its entries carry the checkpoint's
+    hash), the cache serves every product to a process whose provider is the lookup, as one
+    without the ``train`` extra has; the example prints no note saying otherwise."""
+    mats = tmp_path / "matrices"
+    pg.write_demo_matrices(mats)
+    out = tmp_path / "k"
+    before = providers.get_provider()
+    b = pg.build([str(mats)], out, ops=("spmv",), progress=False, provider=providers.DefaultProvider())
+    assert b.failed == 0 and b.policy_hash == providers.shipped_policy_hash() != "none"
+    providers.set_provider("nearest")
+    try:
+        assert pg.serve([str(mats)], out, ops=("spmv",)).misses == 0
+    finally:
+        providers.set_provider(before)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert pg.main([str(mats), "--out", str(out), "--ops", "spmv", "--no-progress",
+                        "--serve-provider", "nearest"]) == 0
+    assert "will not find them" not in buf.getvalue()
+    providers.set_provider(before)
+
+
 def test_main_rejects_an_unknown_op(tmp_path):
     with pytest.raises(SystemExit):
         pg.main(["--out", str(tmp_path / "k"), "--ops", "spmv,gemm"])

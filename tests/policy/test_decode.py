@@ -740,3 +740,19 @@ def test_the_decoders_token_bitmask_is_llguidances(tiny_tok):
         llt.fill_next_token_bitmask(b, theirs, row)
         assert a.consume_token(tok) and b.consume_token(tok)
     assert torch.equal(ours, theirs) and not torch.equal(ours[0], torch.full_like(ours[0], -1))
+
+
+def test_encode_cached_is_the_tokenizers_encoding_in_a_fresh_list(tiny_tok):
+    from policy.decode import encode_cached
+
+    text = "// sparserl op=spmv format=csr dtype=f32 index=i32"
+    a = encode_cached(tiny_tok, text)
+    assert a == tiny_tok.encode(text)
+    a.append(-1)  # the caller's list is its own
+    assert encode_cached(tiny_tok, text) == tiny_tok.encode(text)
+
+    class Slow:  # no Rust backend to key the memo by: encoded every time
+        def encode(self, t):
+            return [len(t)]
+
+    assert encode_cached(Slow(), text) == [len(text)]

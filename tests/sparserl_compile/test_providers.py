@@ -160,3 +160,64 @@ def test_prewarm_warms_the_provider_up(monkeypatch):
     monkeypatch.setattr(providers, "resolve", lambda name: Warms())  # what d loads
     runtime.prewarm().join()
     assert events == ["start", "formats", "warm_up", "start-wait"] and d.name == "warms"
+
+
+class _Named:
+    """A provider proposing nothing, under a name; ``gate`` holds its ``warm_up`` until set."""
+
+    def __init__(self, name, gate=None):
+        self.name, self.gate, self.asked = name, gate, 0
+
+    def warm_up(self):
+        if self.gate is not None:
+            assert self.gate.wait(10)
+
+    def candidates(self, problem, k):
+        self.asked += 1
+        return []
+
+
+def test_the_runtime_never_waits_for_the_policy_to_load(monkeypatch):
+    """``propose`` (what a search asks) before the policy is ready: its load and warm-up start in
+    the background, once, and the lookup proposes meanwhile; once ready, the policy proposes.
+    ``candidates`` (pre-generation) waits for it instead."""
+    import threading
+
+    gate = threading.Event()
+    built = {"policy": _Named("policy", gate), "nearest": _Named("nearest")}
+    names = []
+    monkeypatch.setattr(providers, "policy_available", lambda: None)
+    monkeypatch.setattr(providers, "resolve", lambda name: names.append(name) or built[name])
+    d = providers.DefaultProvider()
+    assert d.propose(None, 4) == ([], "nearest") and d.propose(None, 4) == ([], "nearest")
+    assert not d.ready() and d.loading and built["nearest"].asked == 2
+    gate.set()
+    for _ in range(200):
+        if not d.loading:
+            break
+        threading.Event().wait(0.05)
+    assert d.ready() and d.propose(None, 4) == ([], "policy") and built["policy"].asked == 1
+    assert sorted(names) == ["nearest", "policy"]  # each built once
+
+
+def test_propose_builds_a_quick_provider_in_line(monkeypatch):
+    """Without the policy at the head of the chain (no ``train`` extra) there is nothing to wait
+    for: the lookup is built and proposes in line, no thread."""
+    _without_module(monkeypatch, "llguidance")
+    d = providers.DefaultProvider()
+    cands, who = d.propose(_problem(), 2)
+    assert who == "nearest" and d.ready() and not d.loading
+
+
+def test_a_search_records_which_provider_proposed(monkeypatch):
+    class FakePool:
+        spare = 0
+
+        def start(self, wait=False, count=1):
+            pass
+
+    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
+    d = providers.DefaultProvider(("reference",))
+    providers.set_provider(d)
+    entry = runtime.search_entry(_problem(), None)
+    assert entry.verification["provider"] == "reference" and "proposed no candidates" in entry.verification["why"]
