@@ -22,7 +22,9 @@ Until one is set, the runtime asks a ``DefaultProvider`` (by name ``"default"``,
 the policy where the ``train`` extra (transformers, tokenizers, safetensors, llguidance) and the
 shipped checkpoint are installed, else the nearest-neighbour proposals, else the reference.
 It loads the model only when first asked for candidates (or by ``runtime.prewarm``), so a
-process served from a pre-generated cache never loads it. Measured end to end on held-out
+process served from a pre-generated cache never loads it, and the runtime never waits for it:
+until the model is loaded and warmed up, on a background thread, the lookup proposes
+(``DefaultProvider.propose``). Measured end to end on held-out
 matrices (docs/benchmarks.md): the policy's kernels reach 0.99 of the whole space's best and
 its first product on a new structure of <= 10^6 nonzeros takes a median 0.4-0.5 s (the
 lookup's 0.2 s), never a wrong result.
@@ -182,6 +184,8 @@ class DefaultProvider:
         self._side = threading.Lock()  # the background load and the standby provider
         self._loader: threading.Thread | None = None
         self._standby: Provider | None = None
+        self._warm_lock = threading.Lock()
+        self._warmed = False
 
     @property
     def name(self) -> str:
@@ -235,13 +239,18 @@ class DefaultProvider:
 
     def warm_up(self) -> None:
         """Build the provider, then its own ``warm_up`` where it has one (the policy: its first
-        decoding costs); ``ready()`` once done. ``runtime.prewarm`` calls it."""
-        try:
-            warm = getattr(self._load(), "warm_up", None)
-            if callable(warm):
-                warm()
-        finally:
-            self._ready.set()
+        decoding costs); ``ready()`` once done. Once per provider: a second caller (``prewarm``
+        beside ``propose``'s background load) waits for the first. ``runtime.prewarm`` calls it."""
+        with self._warm_lock:
+            if self._warmed:
+                return
+            try:
+                warm = getattr(self._load(), "warm_up", None)
+                if callable(warm):
+                    warm()
+            finally:
+                self._warmed = True
+                self._ready.set()
 
     def candidates(self, problem: Problem, k: int) -> list[contract.Candidate]:
         return self.load().candidates(problem, k)

@@ -738,9 +738,10 @@ def prewarm(*, provider: bool = True) -> threading.Thread:
     on a GPU, a CUDA context, which then loads the format converters), load the converters
     and structure statistics here (numba, from its disk cache), and build the active provider
     (``provider=True``; for the policy, the default, that is loading the model and its
-    ``warm_up``: one small SpMV and one SpMM proposal, its first decoding costs; 2-3 s of the
-    first new structure otherwise). For serving processes: call it at start-up. Returns the thread (``join()`` it to wait); errors are left for the
-    first product to report.
+    ``warm_up``: one small SpMV and one SpMM proposal, its first decoding costs; without it the
+    lookup proposes for the first new structures while the model loads in the background). For
+    serving processes: call it at start-up. Returns the thread (``join()`` it to wait); errors
+    are left for the first product to report.
 
     The sandbox workers are fresh interpreters that import only ``sparserl_compile``, never the
     main script, so a script needs no ``if __name__ == "__main__":`` guard for them."""

@@ -221,3 +221,23 @@ def test_a_search_records_which_provider_proposed(monkeypatch):
     providers.set_provider(d)
     entry = runtime.search_entry(_problem(), None)
     assert entry.verification["provider"] == "reference" and "proposed no candidates" in entry.verification["why"]
+
+
+def test_warm_up_runs_once_however_many_ask(monkeypatch):
+    import threading
+
+    warmed = []
+
+    class Counts(_Named):
+        def warm_up(self):
+            warmed.append(1)
+
+    monkeypatch.setattr(providers, "resolve", lambda name: Counts("counts"))
+    d = providers.DefaultProvider(("counts",))
+    threads = [threading.Thread(target=d.warm_up) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    d.warm_up()
+    assert warmed == [1] and d.ready()
