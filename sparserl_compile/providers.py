@@ -23,8 +23,8 @@ the policy where the ``train`` extra (transformers, tokenizers, safetensors, llg
 shipped checkpoint are installed, else the nearest-neighbour proposals, else the reference.
 It loads the model only when first asked for candidates (or by ``runtime.prewarm``), so a
 process served from a pre-generated cache never loads it, and the runtime never waits for it:
-until the model is loaded and warmed up, on a background thread, the lookup proposes
-(``DefaultProvider.propose``). Measured end to end on held-out
+until the model is loaded and warmed up (on a background thread, started after the process's
+first selection) the lookup proposes (``DefaultProvider.propose``). Measured end to end on held-out
 matrices (docs/benchmarks.md): the policy's kernels reach 0.99 of the whole space's best and
 its first product on a new structure of <= 10^6 nonzeros takes a median 0.4-0.5 s (the
 lookup's 0.2 s), never a wrong result.
@@ -163,8 +163,9 @@ class DefaultProvider:
     (``fallback_reason`` says why) and proposes from that one.
 
     The runtime asks through ``propose``, which never waits for the model: until the policy is
-    loaded and warmed up, its load runs on a background thread and the next provider of the
-    chain (the lookup) proposes. ``candidates`` (pre-generation, the demo) waits for it.
+    loaded and warmed up the next provider of the chain (the lookup) proposes, and after its
+    first selection the runtime starts the load on a background thread
+    (``load_in_background``). ``candidates`` (pre-generation, the demo) waits for the model.
     """
 
     def __init__(self, chain: tuple[str, ...] = DEFAULT_CHAIN):
@@ -212,7 +213,7 @@ class DefaultProvider:
 
     @property
     def loading(self) -> bool:
-        """Whether the background load ``propose`` started is still running."""
+        """Whether the background load (``load_in_background``) is still running."""
         return self._loader is not None and self._loader.is_alive()
 
     def load(self) -> Provider:
@@ -257,22 +258,29 @@ class DefaultProvider:
 
     def propose(self, problem: Problem, k: int) -> tuple[list[contract.Candidate], str]:
         """``(candidates, name of the provider that proposed them)`` without waiting for the
-        policy's model: when the chain starts with the policy and it is not ``ready()``, its
-        ``warm_up`` starts on a background thread (once) and the next provider of the chain
-        proposes now (a fresh process's first new structure: the lookup's 5 s instead of about
-        12 s on an H100, docs/benchmarks.md). Otherwise the provider proposes (the lookup and
-        the reference build in milliseconds)."""
+        policy's model: when the chain starts with the policy and it is not ``ready()``, the next
+        provider of the chain (the lookup) proposes. The runtime starts the model's load once its
+        first selection is over (``load_in_background``), so that selection's sandbox worker
+        start and timing do not share the process and the GPU with it. Otherwise the provider
+        proposes (the lookup and the reference build in milliseconds)."""
         if not self._ready.is_set() and self._chain[0] == "policy" and len(self._chain) > 1:
             with self._side:
-                if self._loader is None:
-                    self._loader = threading.Thread(target=self._warm_in_background, daemon=True,
-                                                    name="sparserl-policy-load")
-                    self._loader.start()
                 if self._standby is None:
                     self._standby = _first_that_builds(self._chain[1:])
             return self._standby.candidates(problem, k), self._standby.name
         p = self.load()
         return p.candidates(problem, k), p.name
+
+    def load_in_background(self) -> None:
+        """Start ``warm_up`` on a background thread, once, unless the provider is ready (what the
+        runtime calls after a search: later searches get the policy once it is ready)."""
+        if self._ready.is_set():
+            return
+        with self._side:
+            if self._loader is None:
+                self._loader = threading.Thread(target=self._warm_in_background, daemon=True,
+                                                name="sparserl-policy-load")
+                self._loader.start()
 
     def _warm_in_background(self) -> None:
         try:

@@ -687,10 +687,17 @@ def search_entry(problem: providers.Problem, key, *, candidates=None, executor: 
     _counts["searches"] += 1
     record: dict = {"provider": proposer, "candidates": len(candidates),
                     "propose_s": time.perf_counter() - t0}
-    if not candidates:
-        record["why"] = f"provider {record['provider']!r} proposed no candidates"
-        return CacheEntry(key=key, cubin=None, times={}, verification=record)
-    choice = select.choose(problem, candidates, executor=executor, pool=_sandbox_pool(provider))
+    try:
+        if not candidates:
+            record["why"] = f"provider {record['provider']!r} proposed no candidates"
+            return CacheEntry(key=key, cubin=None, times={}, verification=record)
+        choice = select.choose(problem, candidates, executor=executor, pool=_sandbox_pool(provider))
+    finally:
+        # the DefaultProvider's policy loads after this selection, not beside it: the worker's
+        # start and the timing then have the process and the GPU to themselves
+        later = getattr(provider, "load_in_background", None)
+        if callable(later):
+            later()
     record.update(dict(choice.record or {}))
     cand = choice.candidate
     times = {k: v for k, v in (("kernel_us", choice.kernel_us), ("reference_us", choice.reference_us))

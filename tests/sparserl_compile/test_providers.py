@@ -178,9 +178,9 @@ class _Named:
 
 
 def test_the_runtime_never_waits_for_the_policy_to_load(monkeypatch):
-    """``propose`` (what a search asks) before the policy is ready: its load and warm-up start in
-    the background, once, and the lookup proposes meanwhile; once ready, the policy proposes.
-    ``candidates`` (pre-generation) waits for it instead."""
+    """``propose`` (what a search asks) before the policy is ready: the lookup proposes; the
+    policy's load and warm-up start in the background, once, when asked (``load_in_background``,
+    after a selection); once ready, the policy proposes."""
     import threading
 
     gate = threading.Event()
@@ -189,7 +189,10 @@ def test_the_runtime_never_waits_for_the_policy_to_load(monkeypatch):
     monkeypatch.setattr(providers, "policy_available", lambda: None)
     monkeypatch.setattr(providers, "resolve", lambda name: names.append(name) or built[name])
     d = providers.DefaultProvider()
-    assert d.propose(None, 4) == ([], "nearest") and d.propose(None, 4) == ([], "nearest")
+    assert d.propose(None, 4) == ([], "nearest") and not d.loading  # nothing loads beside a selection
+    d.load_in_background()
+    d.load_in_background()
+    assert d.propose(None, 4) == ([], "nearest")
     assert not d.ready() and d.loading and built["nearest"].asked == 2
     gate.set()
     for _ in range(200):
@@ -209,18 +212,31 @@ def test_propose_builds_a_quick_provider_in_line(monkeypatch):
     assert who == "nearest" and d.ready() and not d.loading
 
 
-def test_a_search_records_which_provider_proposed(monkeypatch):
+def test_a_search_records_who_proposed_and_then_starts_the_policys_load(monkeypatch):
+    """The selection record names the provider that proposed; once the search is over (here:
+    nothing proposed), the runtime asks the default provider to load the policy in the
+    background, and not before."""
+    events = []
+
     class FakePool:
         spare = 0
 
         def start(self, wait=False, count=1):
             pass
 
+    class Default(providers.DefaultProvider):
+        def propose(self, problem, k):
+            events.append("propose")
+            return [], "nearest"
+
+        def load_in_background(self):
+            events.append("load")
+
     monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
-    d = providers.DefaultProvider(("reference",))
-    providers.set_provider(d)
+    providers.set_provider(Default(("reference",)))
     entry = runtime.search_entry(_problem(), None)
-    assert entry.verification["provider"] == "reference" and "proposed no candidates" in entry.verification["why"]
+    assert entry.verification["provider"] == "nearest" and "proposed no candidates" in entry.verification["why"]
+    assert events == ["propose", "load"]
 
 
 def test_warm_up_runs_once_however_many_ask(monkeypatch):
