@@ -201,11 +201,12 @@ class DefaultProvider:
 
     @property
     def sandbox_spare(self) -> int:
-        """The loaded provider's wish (``PolicyProvider.sandbox_spare``); before it is loaded, one
-        spare for the policy (its departures fail now and then), none otherwise."""
+        """The loaded provider's wish (``PolicyProvider.sandbox_spare``: one spare, its departures
+        fail now and then); none before it is loaded, while the lookup proposes (its points are
+        measured ones, and a fresh process's first search then starts one worker, not two)."""
         if self._inner is not None:
             return getattr(self._inner, "sandbox_spare", 0)
-        return 1 if self._chain[0] == "policy" else 0
+        return 0
 
     def ready(self) -> bool:
         """Whether the provider is built (and warmed up, when ``warm_up`` was called)."""

@@ -54,13 +54,14 @@ def test_the_default_is_the_policy_and_its_cache_hash_needs_no_model(monkeypatch
 
     built = _counting_resolve(monkeypatch)
     d = providers.DefaultProvider()
-    assert d.name == "policy" and d.fallback_reason is None and d.sandbox_spare == 1
+    assert d.name == "policy" and d.fallback_reason is None and d.sandbox_spare == 0  # the lookup stands in
     assert d.checkpoint_hash == weights_sha256(DEFAULT_CHECKPOINT / "model.safetensors")
     assert runtime.policy_hash(d) == d.checkpoint_hash
     assert built == []  # nothing loaded yet
     d.load()
     d.candidates(None, 4)
     assert built == ["policy"]  # built once, on first use
+    assert d.sandbox_spare == 0  # the stand-in built here has no wish; the PolicyProvider asks for 1
 
 
 def test_without_the_train_extra_the_default_is_the_lookup(monkeypatch):
