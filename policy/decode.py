@@ -105,6 +105,7 @@ def encode_cached(tokenizer, text: str) -> list[int]:
         ids = _ENCODED[key] = tokenizer.encode(text)
     return list(ids)
 
+
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's view of the tokenizer (built once per tokenizer object: ~1 s)."""
     import llguidance.hf
@@ -121,7 +122,8 @@ def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     ``llguidance.torch.allocate_token_bitmask`` returns, without importing ``llguidance.torch``:
     that module wraps a function in ``torch.compile`` at import, which imports inductor (1.3 s of a
     process's first proposal on the CPU) for a kernel the decoder never calls."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32,
+                      pin_memory=torch.cuda.is_available())
 
 
 def fill_token_bitmask(matcher, bitmask: torch.Tensor, row: int) -> None:

@@ -235,11 +235,12 @@ class PolicyProvider:
         from policy.retrieval import problem_for
         from sparserl_compile import matrices
 
-        before = replace(self.stats)
         m = matrices.generate("banded", n=256, half_bandwidth=1, seed=0)
-        for op, n in (("spmv", 1), ("spmm", 32)):
-            self.candidates(problem_for(op, "f32", n, m), 2)
-        self.stats = before
+        with self._lock:  # no proposal of another thread is counted in between and then dropped
+            before = replace(self.stats)
+            for op, n in (("spmv", 1), ("spmm", 32)):
+                self._candidates(problem_for(op, "f32", n, m), 2)
+            self.stats = before
 
     def candidates(self, problem, k: int) -> list[contract.Candidate]:
         """Up to ``k`` distinct parseable candidates for ``problem``. Temperature and format

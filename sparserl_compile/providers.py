@@ -18,16 +18,17 @@ Providers, by name for ``set_provider``:
   matrices measured on the H200 (a few candidates instead of the whole space; the search's own
   order fills in where the table has nothing alike).
 
-Until one is set, the runtime asks a ``DefaultProvider`` (by name ``"default"``, ``DEFAULT_PROVIDER``):
-the policy where the ``train`` extra (transformers, tokenizers, safetensors, llguidance) and the
-shipped checkpoint are installed, else the nearest-neighbour proposals, else the reference.
+Until one is set, the runtime asks a ``DefaultProvider`` (by name ``"default"``,
+``DEFAULT_PROVIDER``): the policy where the ``train`` extra (transformers, tokenizers,
+safetensors, llguidance) and the shipped checkpoint are installed, else the nearest-neighbour
+proposals, else the reference.
 It loads the model only when first asked for candidates (or by ``runtime.prewarm``), so a
 process served from a pre-generated cache never loads it, and the runtime never waits for it:
 until the model is loaded and warmed up (on a background thread, started after the process's
-first selection) the lookup proposes (``DefaultProvider.propose``). Measured end to end on held-out
-matrices (docs/benchmarks.md): the policy's kernels reach 0.99 of the whole space's best and
-its first product on a new structure of <= 10^6 nonzeros takes a median 0.4-0.5 s (the
-lookup's 0.2 s), never a wrong result.
+first selection) the lookup proposes (``DefaultProvider.propose``). Measured end to end on
+held-out matrices (docs/benchmarks.md): the policy's kernels reach 0.99 of the whole space's
+best and its first product on a new structure of <= 10^6 nonzeros takes a median 0.4-0.5 s
+(the lookup's 0.2 s), never a wrong result.
 
 The last three are imported lazily on first use, so ``import sparserl_compile`` never imports
 the policy (transformers) or the search. Any object with a ``name`` and a
@@ -145,10 +146,14 @@ def shipped_policy_hash() -> str | None:
     package data, there with or without the ``train`` extra), None where it is absent. Read
     once per process (a 16 MiB file: ~15 ms)."""
     if not _shipped_hash:
-        from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+        try:
+            from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
 
-        f = DEFAULT_CHECKPOINT / "model.safetensors"
-        _shipped_hash.append(weights_sha256(f) if f.is_file() else None)
+            f = DEFAULT_CHECKPOINT / "model.safetensors"
+            digest = weights_sha256(f) if f.is_file() else None
+        except (ImportError, OSError):  # no policy package or an unreadable file: no such entries
+            digest = None
+        _shipped_hash.append(digest)
     return _shipped_hash[0]
 
 
@@ -181,7 +186,7 @@ class DefaultProvider:
                 self.fallback_reason = why
                 chain = chain[1:]
         self._chain = chain
-        self._ready = threading.Event()  # built (and warmed up, when that was asked): proposals wait on nothing
+        self._ready = threading.Event()  # built (and warmed up, when asked): proposals wait on nothing
         self._side = threading.Lock()  # the background load and the standby provider
         self._loader: threading.Thread | None = None
         self._standby: Provider | None = None
@@ -242,7 +247,7 @@ class DefaultProvider:
     def warm_up(self) -> None:
         """Build the provider, then its own ``warm_up`` where it has one (the policy: its first
         decoding costs); ``ready()`` once done. Once per provider: a second caller (``prewarm``
-        beside ``propose``'s background load) waits for the first. ``runtime.prewarm`` calls it."""
+        beside ``load_in_background``) waits for the first. ``runtime.prewarm`` calls it."""
         with self._warm_lock:
             if self._warmed:
                 return

@@ -30,10 +30,17 @@ def _counting_resolve(monkeypatch, fail: set[str] = frozenset()) -> list[str]:
         built.append(name)
         if name in fail:
             raise RuntimeError(f"{name} is broken here")
-        return real(name) if name != "policy" else providers.ReferenceProvider()  # no model load
+        return real(name) if name != "policy" else _SpareWish()  # no model load
 
     monkeypatch.setattr(providers, "resolve", resolve)
     return built
+
+
+class _SpareWish(providers.ReferenceProvider):
+    """Stands in for the policy: asks for a spare sandbox worker, as ``PolicyProvider`` does."""
+
+    name = "policy"
+    sandbox_spare = 1
 
 
 def test_until_one_is_set_the_runtime_asks_the_default_provider():
@@ -46,22 +53,23 @@ def test_until_one_is_set_the_runtime_asks_the_default_provider():
 
 def test_the_default_is_the_policy_and_its_cache_hash_needs_no_model(monkeypatch):
     """Where the train extra and the checkpoint are installed (the dev install), the default
-    names the policy, keys the cache by the shipped weights' sha256 and asks for one spare
-    worker, all without building (loading) anything."""
+    names the policy and keys the cache by the shipped weights' sha256 without building
+    (loading) anything; it asks for the policy's spare sandbox worker once the policy is built,
+    none before (the lookup stands in until then)."""
     if providers.policy_available() is not None:
         pytest.skip(f"the policy cannot load here: {providers.policy_available()}")
     from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
 
     built = _counting_resolve(monkeypatch)
     d = providers.DefaultProvider()
-    assert d.name == "policy" and d.fallback_reason is None and d.sandbox_spare == 0  # the lookup stands in
+    assert d.name == "policy" and d.fallback_reason is None and d.sandbox_spare == 0
     assert d.checkpoint_hash == weights_sha256(DEFAULT_CHECKPOINT / "model.safetensors")
     assert runtime.policy_hash(d) == d.checkpoint_hash
     assert built == []  # nothing loaded yet
     d.load()
     d.candidates(None, 4)
     assert built == ["policy"]  # built once, on first use
-    assert d.sandbox_spare == 0  # the stand-in built here has no wish; the PolicyProvider asks for 1
+    assert d.sandbox_spare == 1
 
 
 def test_without_the_train_extra_the_default_is_the_lookup(monkeypatch):
