@@ -271,8 +271,8 @@ class DefaultProvider:
         proposes (the lookup and the reference build in milliseconds)."""
         if not self._ready.is_set() and self._chain[0] == "policy" and len(self._chain) > 1:
             with self._side:
-                if self._standby is None:
-                    self._standby = _first_that_builds(self._chain[1:])
+                if self._standby is None:  # the rest of the chain, with its own fallback
+                    self._standby = DefaultProvider(self._chain[1:]).load()
             return self._standby.candidates(problem, k), self._standby.name
         p = self.load()
         return p.candidates(problem, k), p.name
@@ -293,17 +293,6 @@ class DefaultProvider:
             self.warm_up()
         except Exception as e:  # noqa: BLE001 - the next proposal loads in line and reports it
             log.warning("sparserl: loading the default provider in the background failed: %s", e)
-
-
-def _first_that_builds(names) -> Provider:
-    """The first of ``names`` that ``resolve`` builds (the reference, last, always does)."""
-    for i, name in enumerate(names):
-        try:
-            return resolve(name)
-        except Exception:  # noqa: BLE001
-            if i == len(names) - 1:
-                raise
-    return ReferenceProvider()
 
 
 def resolve(obj_or_name: "Provider | str") -> Provider:

@@ -638,13 +638,11 @@ def lookup(store, key):
     policy is asked again instead of being served an old one's verdicts."""
     from dataclasses import replace
 
-    entry = store.get(key)
-    for other in ("none", providers.shipped_policy_hash()):
+    for h in dict.fromkeys((key.policy_hash, "none", providers.shipped_policy_hash())):  # in order, once each
+        entry = None if h is None else store.get(key if h == key.policy_hash else replace(key, policy_hash=h))
         if entry is not None:
-            break
-        if other is not None and other != key.policy_hash:
-            entry = store.get(replace(key, policy_hash=other))
-    return entry
+            return entry
+    return None
 
 
 _targets: dict[tuple, Target] = {}

@@ -249,15 +249,11 @@ def _warm_jobs(conn=None) -> dict:
     spare takes the next job), and a few microsecond kernels on a 256-row matrix disturb that
     far less than an L2 flush would. Stops early when a job arrives on ``conn``. Returns
     {"spmv" | "spmm": result kind}."""
-    from sparserl_compile import kernels
+    from sparserl_compile import kernels, matrices
     from sparserl_compile import verify as V
 
     n = WARM_ROWS
-    rows = np.repeat(np.arange(n), 3)
-    cols = (rows + np.tile(np.arange(3), n)) % n
-    indptr = np.searchsorted(rows, np.arange(n + 1)).astype(np.int32)
-    indices = np.sort(cols.reshape(n, 3), axis=1).reshape(-1).astype(np.int32)
-    pattern = Pattern(indptr, indices, (n, n))
+    pattern = Pattern.of(matrices.banded(n, 1))  # a tridiagonal n x n pattern
     kinds: dict = {}
     try:
         for op, width in (("spmv", 1), ("spmm", 8)):
