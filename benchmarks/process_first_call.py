@@ -16,7 +16,12 @@ first product on each of three generated structures (synchronized, the disk cach
   (waited ``ready_wait_s`` for it after the second).
 
 Cases: ``default`` (the runtime's default provider, unconfigured: the policy where the ``train``
-extra is installed) and ``nearest``, each ``cold`` and ``prewarm``.
+extra is installed) and ``nearest``, each ``cold`` and ``prewarm``. Before them one more
+``default`` cold process, its row marked ``"after_install": True``: the first process after an
+install also writes the disk caches every later one reads (numba's compiled converters and
+structure statistics, Python's bytecode), a one-time cost that would otherwise land on whichever
+case runs first (``--no-prime`` leaves it out). Each product's selection record (``*_record``:
+per-candidate worker phases, the waits for a worker) says where its time went.
 
 On a CPU every product uses the reference (kernels are GPU-only): the script then measures only
 the imports. ``tests/benchmarks/test_process_first_call.py`` runs it there.
@@ -73,6 +78,7 @@ def child(provider: str, prewarm: bool, device: str) -> dict:
         out[f"{label}_proposer"] = (row.get("verification") or {}).get("provider")  # who proposed
         out[f"{label}_plan"] = next((pl.kind for key, pl in runtime.plans().items() if key[0] == a.fingerprint), None)
         out[f"{label}_finite"] = bool(torch.isfinite(y).all())
+        out[f"{label}_record"] = row.get("verification")
     p = providers.get_provider()
     out["provider"] = p.name
     out["fallback_reason"] = getattr(p, "fallback_reason", None)
@@ -84,26 +90,30 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cuda (default where torch sees one) or cpu")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
+    p.add_argument("--no-prime", action="store_true",
+                   help="no first process to write the disk caches (its row: after_install)")
     a = p.parse_args(argv)
     if a.device is None:
         import torch
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for provider, prewarm in CASES:
+    for i, (provider, prewarm) in enumerate((() if a.no_prime else (("default", False),)) + CASES):
+        primer = i == 0 and not a.no_prime
         here = str(Path(__file__).resolve().parent)
         code = (f"import json, sys; sys.path.insert(0, {here!r}); from process_first_call import child; "
                 f"print('ROW', json.dumps(child({provider!r}, {prewarm!r}, {a.device!r})))")
         t0 = time.perf_counter()
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=a.timeout)
-        row = {"case": provider, "prewarm": prewarm, "process_s": time.perf_counter() - t0, "rc": r.returncode}
+        row = {"case": provider, "prewarm": prewarm, "after_install": primer,
+               "process_s": time.perf_counter() - t0, "rc": r.returncode}
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
         if lines:
             row.update(json.loads(lines[-1][4:]))
         else:
             row["stderr"] = r.stderr[-2000:]
         rows.append(row)
-        print(f"[process] {provider:8s} prewarm={prewarm!s:5s} -> {row.get('provider')}: "
+        print(f"[process] {provider:8s} prewarm={prewarm!s:5s}{' (after install)' if primer else ''} -> {row.get('provider')}: "
               f"startup {row.get('startup_s') or 0:.2f}s first {row.get('first_s', float('nan')):.2f}s "
               f"(propose {row.get('first_propose_s') or 0:.2f}s, {row.get('first_proposer')}) second "
               f"{row.get('second_s', float('nan')):.2f}s (propose {row.get('second_propose_s') or 0:.2f}s, "

@@ -15,10 +15,13 @@ def test_each_case_in_its_own_process(tmp_path):
     out = tmp_path / "first.json"
     assert process_first_call.main(["--device", "cpu", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["case"], r["prewarm"]) for r in rows] == list(process_first_call.CASES)
+    # first the process after install (writes the disk caches), then the cases
+    assert [(r["case"], r["prewarm"]) for r in rows] == [("default", False), *process_first_call.CASES]
+    assert [r["after_install"] for r in rows] == [True] + [False] * len(process_first_call.CASES)
     default = providers.DefaultProvider().name  # the policy where the train extra is installed
     for r in rows:
         assert r["rc"] == 0 and r["provider"] == (default if r["case"] == "default" else r["case"])
         assert r["first_plan"] == r["second_plan"] == r["third_plan"] == "reference"  # CPU tensors: the reference
         assert r["first_finite"] and r["second_finite"] and r["first_s"] > 0
         assert ("startup_s" in r) == r["prewarm"]
+        assert r["first_record"] is None  # no selection ran (the reference serves CPU tensors)
