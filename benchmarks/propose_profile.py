@@ -6,9 +6,7 @@ runs the default provider (``samples="branches"``, k = 4) on the first ``--recor
 records (after one warm-up proposal) under cProfile and writes the functions by own and by
 cumulative time, with the model's forward count and the total seconds. On a GPU the time the
 host waits for the device shows up in the call that synchronizes (``.item()``, ``.tolist()``,
-``.cpu()``). Before the profile the same proposals are timed without the profiler (which
-inflates Python-heavy code) twice, with decoding steps through ``SparseRLPolicy._step`` (the
-default) and through ``LlamaModel`` (``lean_steps=False``), and their candidates compared.
+``.cpu()``).
 
     python benchmarks/propose_profile.py [--device cuda] [--records 20] [--out profile.txt]
 """
@@ -51,16 +49,6 @@ def main(argv=None) -> int:
             problems.append(problem_for(r.op, "f32", r.n, r.matrix.load()))
         except FileNotFoundError:
             continue
-    timed, texts = {}, {}
-    for lean in (True, False, True, False):  # alternated: a drifting host affects both alike
-        prov.model.model.lean_steps = lean
-        counted.calls = 0
-        sync(a.device)
-        t0 = time.perf_counter()
-        texts[lean] = [[c.source for c in prov.candidates(problem, a.k)] for problem in problems]
-        sync(a.device)
-        timed.setdefault(lean, []).append((time.perf_counter() - t0, counted.calls))
-    del prov.model.model.lean_steps
     counted.calls = 0
     prof = cProfile.Profile()
     sync(a.device)
@@ -72,12 +60,6 @@ def main(argv=None) -> int:
     prof.disable()
     total = time.perf_counter() - t0
     buf = io.StringIO()
-    for lean, label in ((True, "lean steps (SparseRLPolicy._step)"), (False, "steps through LlamaModel")):
-        runs = timed[lean]
-        buf.write(f"unprofiled, {label}: " + ", ".join(
-            f"{t / max(len(problems), 1):.3f} s a proposal ({1e3 * t / max(n, 1):.2f} ms a forward, {n} forwards)"
-            for t, n in runs) + "\n")
-    buf.write(f"the same candidates both ways: {texts[True] == texts[False]}\n")
     buf.write(f"device {a.device}, torch {torch.__version__}: {len(problems)} proposals, {total:.3f} s "
               f"({total / max(len(problems), 1):.3f} s each), {counted.calls} forwards "
               f"({1e3 * total / max(counted.calls, 1):.2f} ms a forward, all included)\n")
@@ -88,7 +70,7 @@ def main(argv=None) -> int:
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
-    print("\n".join(text.splitlines()[:4]), flush=True)
+    print(text.splitlines()[0], flush=True)
     if not a.out:
         print(text)
     return 0

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
@@ -167,9 +166,6 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         holes where a row rejected draft tokens), with ``position_ids`` (B, T) the rows' own
         positions of ``input_ids`` (default: right after the cache).
         """
-        if (structure is None and past_key_values is not None and self.lean_steps
-                and not torch.is_grad_enabled()):
-            return self._step(input_ids, past_key_values, attention_mask, past_mask, position_ids)
         emb = self.model.embed_tokens(input_ids)
         n_prefix = 0
         if structure is not None:
@@ -190,85 +186,6 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         h = out.last_hidden_state[:, n_prefix:]
         return PolicyOutput(self.lm_head(h).float(), self.value_head(h).squeeze(-1).float(),
                             out.get(_CACHE) if use_cache else None)
-
-
-    #: decoding steps (a continuation of the KV cache, no gradient) take ``_step``: the same
-    #: layers' weights and arithmetic as ``LlamaModel.forward`` in fewer operations (one linear
-    #: for q, k and v, one for the MLP's gate and up projections, one RMSNorm kernel, the rotary
-    #: embedding applied to q and k at once) and without its per-call machinery (mask
-    #: construction, output classes, keyword plumbing): a step of this small model is host-bound
-    #: (about 5 ms through ``LlamaModel`` on an H100, almost all of it launching ~250 operations).
-    #: False: every call goes through ``LlamaModel``.
-    lean_steps: bool = True
-
-    def _fused_weights(self, i: int, layer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s q/k/v weights and its MLP's gate/up weights, each concatenated into one
-        matrix; made again whenever a weight is replaced or changed in place (training)."""
-        a, mlp = layer.self_attn, layer.mlp
-        parts = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight)
-        stamp = tuple((w.data_ptr(), w._version) for w in parts)
-        cache = self.__dict__.setdefault("_fused", {})  # not a parameter nor a buffer: never saved
-        hit = cache.get(i)
-        if hit is None or hit[0] != stamp:
-            hit = cache[i] = (stamp, torch.cat(parts[:3]), torch.cat(parts[3:]))
-        return hit[1], hit[2]
-
-    def _step(self, input_ids: torch.Tensor, past, attention_mask: torch.Tensor | None,
-              past_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> PolicyOutput:
-        """``forward`` for ``input_ids`` (B, T) continuing ``past`` (a transformers ``Cache``,
-        updated in place as ``LlamaModel`` does), without gradients. Which cached position a row
-        attends to: ``past_mask`` (B, cache length; default all), which new one: the causal order
-        and ``attention_mask`` (B, T; default all); rotary positions ``position_ids`` (B, T;
-        default right after the cache). Agrees with the ``LlamaModel`` path to rounding
-        (``tests/policy/test_model.py``; the shipped policy decodes the same kernels either way)."""
-        m, cfg = self.model, self.config
-        b, t = input_ids.shape
-        cached = past.get_seq_length()
-        h = m.embed_tokens(input_ids)
-        dev = h.device
-        if position_ids is None:
-            position_ids = torch.arange(cached, cached + t, device=dev).unsqueeze(0).expand(b, t)
-        cos, sin = m.rotary_emb(h, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, head size)
-        mask = None  # True: attend (scaled_dot_product_attention's boolean convention)
-        if t > 1 or attention_mask is not None or past_mask is not None:
-            keep = torch.ones(b, cached + t, dtype=torch.bool, device=dev)
-            if past_mask is not None:
-                keep[:, :cached] = past_mask.bool()
-            if attention_mask is not None:
-                keep[:, cached:] = attention_mask.bool()
-            causal = (torch.arange(cached + t, device=dev)[None, :]
-                      <= torch.arange(cached, cached + t, device=dev)[:, None])  # (T, cache + T)
-            mask = (causal[None] & keep[:, None, :]).unsqueeze(1)  # (B, 1, T, cache + T)
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        hd, eps = cos.shape[-1], cfg.rms_norm_eps
-        for i, layer in enumerate(m.layers[:cfg.num_hidden_layers]):
-            attn = layer.self_attn
-            w_qkv, w_gate_up = self._fused_weights(i, layer)
-            x = F.rms_norm(h, (h.shape[-1],), layer.input_layernorm.weight, eps)
-            qkv = F.linear(x, w_qkv).view(b, t, heads + 2 * kv_heads, hd).transpose(1, 2)
-            qk = qkv[:, :heads + kv_heads]
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-            k, v = past.update(k, v, i)
-            if mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=heads != kv_heads)
-            else:  # with a mask the GQA path is not a fused kernel on CUDA: repeat the heads
-                rep = heads // kv_heads
-                if rep > 1:
-                    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            x = F.rms_norm(h, (h.shape[-1],), layer.post_attention_layernorm.weight, eps)
-            gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-            h = h + layer.mlp.down_proj(F.silu(gate) * up)
-        h = F.rms_norm(h, (h.shape[-1],), m.norm.weight, eps)
-        return PolicyOutput(self.lm_head(h).float(), self.value_head(h).squeeze(-1).float(), past)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class CountingPolicy(nn.Module):

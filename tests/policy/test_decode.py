@@ -756,26 +756,3 @@ def test_encode_cached_is_the_tokenizers_encoding_in_a_fresh_list(tiny_tok):
             return [len(t)]
 
     assert encode_cached(Slow(), text) == [len(text)]
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_shipped_policy_writes_the_same_candidates_with_lean_steps(device):
-    """The runtime's proposals (``PolicyProvider``'s settings: batched drafts, departures) are the
-    same kernels whether decoding steps take ``SparseRLPolicy._step`` or ``LlamaModel``, on an
-    SpMV and an SpMM, in fewer operations a step."""
-    from policy.decode import branch_diverse
-    from policy.model import load_policy
-    from policy.provider import problem_inputs
-    from sparserl_compile.matrices import uniform_random
-
-    model, tok = load_policy(DEFAULT_CHECKPOINT, device)
-    cfg = DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=True)
-    for m, op, n in ((banded(3000, 3), "spmv", 1), (uniform_random(2000, 2000, 6, seed=3), "spmm", 32)):
-        s, _, refs, grammar = problem_inputs(model, m, op, "f32", n)
-        texts = {}
-        for lean in (True, False):
-            model.lean_steps = lean
-            texts[lean] = [r.text for r in branch_diverse(model, tok, s, op, "f32", n, 4, cfg,
-                                                          grammar_text=grammar, references=list(refs))]
-        del model.lean_steps
-        assert texts[True] == texts[False] and len(texts[True]) == 4, op
