@@ -24,8 +24,8 @@ safetensors, llguidance) and the shipped checkpoint are installed, else the near
 proposals, else the reference.
 It loads the model only when first asked for candidates (or by ``runtime.prewarm``), so a
 process served from a pre-generated cache never loads it, and the runtime never waits for it:
-until the model is loaded and warmed up (on a background thread, started after the process's
-first selection) the lookup proposes (``DefaultProvider.propose``). Measured end to end on
+until the model is loaded and warmed up (on a background thread, started once the process's
+first search has built its plan) the lookup proposes (``DefaultProvider.propose``). Measured end to end on
 held-out matrices (docs/benchmarks.md): the policy's kernels reach 0.99 of the whole space's
 best and its first product on a new structure of <= 10^6 nonzeros takes a median 0.4-0.5 s
 (the lookup's 0.2 s), never a wrong result.
@@ -168,8 +168,8 @@ class DefaultProvider:
     (``fallback_reason`` says why) and proposes from that one.
 
     The runtime asks through ``propose``, which never waits for the model: until the policy is
-    loaded and warmed up the next provider of the chain (the lookup) proposes, and after its
-    first selection the runtime starts the load on a background thread
+    loaded and warmed up the next provider of the chain (the lookup) proposes, and once its
+    first search has built its plan the runtime starts the load on a background thread
     (``load_in_background``). ``candidates`` (pre-generation, the demo) waits for the model.
     """
 
@@ -266,8 +266,9 @@ class DefaultProvider:
         """``(candidates, name of the provider that proposed them)`` without waiting for the
         policy's model: when the chain starts with the policy and it is not ``ready()``, the next
         provider of the chain (the lookup) proposes. The runtime starts the model's load once its
-        first selection is over (``load_in_background``), so that selection's sandbox worker
-        start and timing do not share the process and the GPU with it. Otherwise the provider
+        first search has built its plan (``load_in_background``, ``runtime._load_provider_later``),
+        so that search's sandbox worker start, timing and plan do not share the process and
+        the GPU with it. Otherwise the provider
         proposes (the lookup and the reference build in milliseconds)."""
         if not self._ready.is_set() and self._chain[0] == "policy" and len(self._chain) > 1:
             with self._side:
@@ -279,7 +280,7 @@ class DefaultProvider:
 
     def load_in_background(self) -> None:
         """Start ``warm_up`` on a background thread, once, unless the provider is ready (what the
-        runtime calls after a search: later searches get the policy once it is ready)."""
+        runtime calls after a search's plan: later searches get the policy once it is ready)."""
         if self._ready.is_set():
             return
         with self._side:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from sparserl_compile import providers, runtime
+from sparserl_compile import contract, providers, runtime
 
 
 @pytest.fixture(autouse=True)
@@ -221,10 +221,31 @@ def test_propose_builds_a_quick_provider_in_line(monkeypatch):
     assert who == "nearest" and d.ready() and not d.loading
 
 
-def test_a_search_records_who_proposed_and_then_starts_the_policys_load(monkeypatch):
-    """The selection record names the provider that proposed; once the search is over (here:
-    nothing proposed), the runtime asks the default provider to load the policy in the
-    background, and not before."""
+class _LoadsLater(providers.DefaultProvider):
+    """Proposes nothing (as ``nearest``) and records when the runtime asks it to load."""
+
+    def __init__(self, events):
+        super().__init__(("reference",))
+        self.events = events
+
+    def propose(self, problem, k):
+        self.events.append("propose")
+        return [], "nearest"
+
+    def load_in_background(self):
+        self.events.append("load")
+
+
+@pytest.fixture
+def product_search(monkeypatch):
+    """A CPU product that takes the kernel path's search (no sandbox), its plan building recorded;
+    the runtime's settings put back afterwards."""
+    import numpy as np
+    import scipy.sparse as sp
+    import torch
+
+    import sparserl_compile as S
+
     events = []
 
     class FakePool:
@@ -233,19 +254,63 @@ def test_a_search_records_who_proposed_and_then_starts_the_policys_load(monkeypa
         def start(self, wait=False, count=1):
             pass
 
-    class Default(providers.DefaultProvider):
-        def propose(self, problem, k):
-            events.append("propose")
-            return [], "nearest"
+    real_plan = runtime._entry_plan
 
-        def load_in_background(self):
-            events.append("load")
+    def entry_plan(*a, **kw):
+        events.append("plan")
+        return real_plan(*a, **kw)
 
+    monkeypatch.setattr(runtime, "kernels_possible", lambda device: True)
+    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_test")
     monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
-    providers.set_provider(Default(("reference",)))
-    entry = runtime.search_entry(_problem(), None)
-    assert entry.verification["provider"] == "nearest" and "proposed no candidates" in entry.verification["why"]
-    assert events == ["propose", "load"]
+    monkeypatch.setattr(runtime, "_entry_plan", entry_plan)
+    runtime.configure(cache=False)
+    runtime.clear()
+    providers.set_provider(_LoadsLater(events))
+    m = sp.random(30, 20, density=0.2, format="csr", random_state=0, dtype=np.float32)
+    yield events, (lambda: S.sparsify(m) @ torch.randn(20, 2))
+    runtime.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
+    runtime.clear()
+
+
+def test_a_search_records_who_proposed_and_starts_the_policys_load_after_its_plan(product_search):
+    """The selection record names the provider that proposed; the runtime asks the default
+    provider to load the policy in the background once the search's plan is built (here: the
+    reference's, nothing proposed), not before, and a search alone does not."""
+    events, product = product_search
+    product()
+    assert events == ["propose", "plan", "load"]
+    (row,) = runtime.first_uses()
+    assert row["verification"]["provider"] == "nearest" and "proposed no candidates" in row["verification"]["why"]
+    events.clear()
+    runtime.search_entry(_problem(), None)
+    assert events == ["propose"]
+
+
+def test_a_cached_kernels_timing_does_not_load_the_policy(product_search, monkeypatch):
+    """A pre-generated entry never timed on this GPU is timed as the one candidate (no provider
+    asked): the policy is not loaded for it."""
+    from sparserl_compile import cache
+
+    events, product = product_search
+    src = ("// sparserl op=spmm format=csr dtype=f32 index=i32\n"
+           "// launch block=128 work=rows per_block=1 tile_n=0 smem=0 zero_output=0 n_align=1\n"
+           + contract.signature_c("spmm", "csr", "f32") + " {}\n")
+    cand = contract.Candidate(src, contract.parse_header(src))
+    untimed = cache.CacheEntry(key="k", cubin=b"cubin", source=cand.source, header=cand.header.render(), times={})
+    given = []
+
+    def search_entry(problem, key, *, candidates=None, executor=None):
+        given.append(candidates)
+        return cache.CacheEntry(key=key, cubin=None, times={}, verification={"why": "the reference won"})
+
+    monkeypatch.setattr(runtime, "_store", lambda: object())
+    monkeypatch.setattr(runtime, "_cache_key", lambda problem, device: "k")
+    monkeypatch.setattr(runtime, "lookup", lambda store, key: untimed)
+    monkeypatch.setattr(runtime, "_put", lambda store, entry, fp: None)
+    monkeypatch.setattr(runtime, "search_entry", search_entry)
+    product()
+    assert [len(c) for c in given] == [1] and events == ["plan"]
 
 
 def test_warm_up_runs_once_however_many_ask(monkeypatch):
