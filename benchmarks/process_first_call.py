@@ -74,7 +74,8 @@ def child(provider: str, prewarm: bool, device: str) -> dict:
         out[f"{label}_s"] = time.perf_counter() - t0
         log = runtime.first_uses()
         row = log[-1] if log else {}
-        out[f"{label}_propose_s"], out[f"{label}_select_s"] = row.get("propose_s"), row.get("select_s")
+        for part in ("propose", "select", "plan"):  # plan: the winner's conversion, upload and load
+            out[f"{label}_{part}_s"] = row.get(f"{part}_s")
         out[f"{label}_proposer"] = (row.get("verification") or {}).get("provider")  # who proposed
         out[f"{label}_plan"] = next((pl.kind for key, pl in runtime.plans().items() if key[0] == a.fingerprint), None)
         out[f"{label}_finite"] = bool(torch.isfinite(y).all())
