@@ -16,6 +16,7 @@ _SUBCOMMANDS = (
     "sparserl_compile.cache",      # cache ls | show | clear | verify
     "sparserl_compile.suite",      # bench
     "sparserl_compile.pregen",     # pregen
+    "sparserl_compile.warmup",     # warm
     "training.cli",                # train pretrain | sft | rl, eval
 )
 
