@@ -331,3 +331,13 @@ def test_warm_up_runs_once_however_many_ask(monkeypatch):
         t.join()
     d.warm_up()
     assert warmed == [1] and d.ready()
+
+
+def test_a_background_search_starts_the_policys_load_when_it_is_done(product_search):
+    """``on_miss="background"``: the search runs on the runtime's thread and asks for the load
+    once its entry is made."""
+    events, product = product_search
+    runtime.configure(on_miss="background")
+    product()
+    assert runtime.wait_for_searches(timeout=10)
+    assert events == ["propose", "load"]
