@@ -23,6 +23,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .whl/*.whl >>"$LOGS/install.log" 2>&1 || echo "carried wheels failed to install"
 fi
 
+# numba's disk cache, as `make setup` writes it: otherwise the first process here (a test, a
+# benchmark's first case) would also compile sparserl's numba code (seconds)
+python3 -m sparserl_compile.cli warm >"$LOGS/warm.log" 2>&1; head -1 "$LOGS/warm.log"
+
 echo "== versions"
 python3 - <<'EOF' 2>&1 | tee "$LOGS/versions.log"
 import importlib.metadata as md, torch
