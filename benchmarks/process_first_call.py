@@ -99,8 +99,10 @@ def main(argv=None) -> int:
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for i, (provider, prewarm) in enumerate((() if a.no_prime else (("default", False),)) + CASES):
-        primer = i == 0 and not a.no_prime
+    runs = [(provider, prewarm, False) for provider, prewarm in CASES]
+    if not a.no_prime:  # first, the process that writes the disk caches
+        runs.insert(0, ("default", False, True))
+    for provider, prewarm, primer in runs:
         here = str(Path(__file__).resolve().parent)
         code = (f"import json, sys; sys.path.insert(0, {here!r}); from process_first_call import child; "
                 f"print('ROW', json.dumps(child({provider!r}, {prewarm!r}, {a.device!r})))")
