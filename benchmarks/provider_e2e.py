@@ -79,9 +79,10 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
     rows: list[dict] = []
     loaded = {} if loaded is None else loaded
     for spec in provider_specs:
-        pspec, _, k = spec.rpartition(":")
+        pspec, k, spare = parse_spec(spec)
         prov = _make_provider(pspec)
-        sr.configure(provider=prov, k=int(k), cache=False, on_miss="search")
+        sr.configure(provider=prov, k=k, cache=False, on_miss="search", sandbox_spare=spare)
+        label = pspec if spare is None else f"{pspec}/{spare}"
         sr.prewarm().join()
         warm = sr.sparsify(matrices.stencil2d(40, seed=3)).to(dev)  # contexts, NVRTC, the GPU's clocks: not
         warm @ torch.randn(warm.shape[1], device=dev)  # charged to the first record (as cold_start.py)
@@ -101,7 +102,7 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
                                 else (None, None))
             best = r.best()
             plan = next(iter(runtime.plans().values()), None)
-            row = {"provider": pspec, "k": int(k), "matrix": r.matrix.label, "nnz": int(m.nnz), "op": r.op,
+            row = {"provider": label, "k": k, "sandbox_spare": spare, "matrix": r.matrix.label, "nnz": int(m.nnz), "op": r.op,
                    "n": r.n, "first_call_s": round(first, 4), "reference_us": ref_us, "kept_us": kept_us,
                    "speedup": (ref_us / kept_us) if (ref_us and kept_us) else 1.0,
                    "reference_runs_us": rec.get("reference_runs_us"), "reference_leak": leak,
@@ -113,13 +114,26 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
                    "rel_err": err, "wrong": err > wrong_tol,
                    "first_use": _breakdown(logged[-1] if logged else None)}
             rows.append(row)
-            print(f"  {pspec:10s} {r.matrix.label[:44]:44s} {r.op} n={r.n:<3d} first {first:5.2f}s  "
+            print(f"  {label:10s} {r.matrix.label[:44]:44s} {r.op} n={r.n:<3d} first {first:5.2f}s  "
                   f"x{row['speedup']:5.2f} (space x{row['space_speedup'] or 0:5.2f}, delivered "
                   f"x{row['delivered_speedup'] or 0:5.2f})  {row['plan']}"
                   f"{'  WRONG' if row['wrong'] else ''}", flush=True)
             if on_row is not None:
                 on_row(rows)
+    sr.configure(sandbox_spare=None)
     return rows, summarize(rows)
+
+
+def parse_spec(spec: str) -> tuple[str, int, int | None]:
+    """``NAME[+SAMPLES][@CHECKPOINT]:K[/SPARE]`` -> (provider spec, k, idle sandbox workers or
+    None for the provider's own wish; ``runtime.sandbox_spare``)."""
+    pspec, _, tail = spec.rpartition(":")
+    k, slash, spare = tail.partition("/")
+    try:
+        return pspec, int(k), (int(spare) if slash else None)
+    except ValueError:
+        raise SystemExit(f"provider spec {spec!r}: expected NAME[+SAMPLES][@CHECKPOINT]:K[/SPARE], "
+                         "K and SPARE whole numbers (e.g. default:4 or default:4/2)") from None
 
 
 COLD_NNZ = 10**6
@@ -168,7 +182,9 @@ def summarize(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--providers", default="nearest:4,policy:4",
-                   help="comma list of NAME[+SAMPLES][@CHECKPOINT]:K, as benchmarks/cold_start.py")
+                   help="comma list of NAME[+SAMPLES][@CHECKPOINT]:K[/SPARE], as benchmarks/cold_start.py; "
+                        "/SPARE sets configure(sandbox_spare=SPARE) for that provider (idle sandbox "
+                        "workers; default the provider's own wish) and labels its rows NAME/SPARE")
     p.add_argument("--data", default=None, help="supervision file(s); default: training/data.py's")
     p.add_argument("--max-records", type=int, default=0, help="first N held-out records (0 = all)")
     p.add_argument("--wrong-tol", type=float, default=1e-3,

@@ -54,3 +54,12 @@ def test_summary_counts_slow_first_calls_on_products_of_up_to_a_million_nonzeros
     assert s["first_calls_upto_1e6_nnz"] == 3  # the 2e6-nonzero product is outside the target
     assert s["first_calls_over_1s_upto_1e6_nnz"] == 1
     assert s["propose_median_s"] == pytest.approx(0.4) and s["select_median_s"] == pytest.approx(0.5)
+
+
+def test_a_provider_spec_may_set_the_idle_sandbox_workers_and_bad_numbers_are_named():
+    assert provider_e2e.parse_spec("default:4") == ("default", 4, None)
+    assert provider_e2e.parse_spec("default:4/2") == ("default", 4, 2)
+    assert provider_e2e.parse_spec("policy+branches@policy/checkpoints/default:8/0") == (
+        "policy+branches@policy/checkpoints/default", 8, 0)
+    with pytest.raises(SystemExit, match=r"'default:4/x'.*K\[/SPARE\]"):
+        provider_e2e.parse_spec("default:4/x")
