@@ -45,3 +45,26 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     os.chmod(d, 0o700)
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(d))
     yield d
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_runtime_settings():
+    """The runtime's settings as the session starts, before any fixture or test changes them:
+    the default configuration and one ``DefaultProvider`` (made without loading anything; on a
+    GPU the policy it loads stays loaded for later tests)."""
+    from sparserl_compile import providers, runtime
+
+    return runtime.get_config(), providers.get_provider()
+
+
+@pytest.fixture(autouse=True)
+def _runtime_settings_restored(_session_runtime_settings):
+    """Whatever a test sets (``configure``, ``set_provider``), the next test starts from the
+    session's first settings, not from what an earlier module left behind."""
+    from sparserl_compile import providers, runtime
+
+    config, active = _session_runtime_settings
+    yield
+    if runtime.get_config() is not config or providers.get_provider() is not active:
+        runtime._config, providers._active = config, active  # as they were: no provider is built
+        runtime.clear()

@@ -238,8 +238,7 @@ class _LoadsLater(providers.DefaultProvider):
 
 @pytest.fixture
 def product_search(monkeypatch):
-    """A CPU product that takes the kernel path's search (no sandbox), its plan building recorded;
-    the runtime's settings put back afterwards."""
+    """A CPU product that takes the kernel path's search (no sandbox), its plan building recorded."""
     import numpy as np
     import scipy.sparse as sp
     import torch
@@ -269,8 +268,7 @@ def product_search(monkeypatch):
     providers.set_provider(_LoadsLater(events))
     m = sp.random(30, 20, density=0.2, format="csr", random_state=0, dtype=np.float32)
     yield events, (lambda: S.sparsify(m) @ torch.randn(20, 2))
-    runtime.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
-    runtime.clear()
+    runtime.clear()  # tests/conftest.py puts the session's settings back
 
 
 def test_a_search_records_who_proposed_and_starts_the_policys_load_after_its_plan(product_search):

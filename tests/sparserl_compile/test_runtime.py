@@ -20,8 +20,7 @@ def fresh_runtime():
     runtime.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
     runtime.clear()
     runtime.reset_stats()
-    yield
-    runtime.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
+    yield  # tests/conftest.py puts the session's settings back
     runtime.clear()
 
 
