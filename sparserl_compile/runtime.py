@@ -829,8 +829,8 @@ def _load_provider_later() -> None:
     worker's start, the timing and the plan's conversion and upload have the process and the GPU
     to themselves (on an H100, with the load started after the selection, 1.2 s of a fresh
     process's first product lay outside its proposal and selection, against 0.36 s with the
-    lookup named; transformers' import holds the interpreter; started here, 0.56-0.75 s
-    against 0.47 s)."""
+    lookup named; transformers' import holds the interpreter; started here, 0.47-0.75 s
+    against 0.37-0.47 s in three processes)."""
     later = getattr(providers.get_provider(), "load_in_background", None)
     if callable(later):
         later()
