@@ -5,9 +5,11 @@ its own CUDA context, kept for the process's life (one for verification, plus th
 active provider asks for: one for the policy). This script starts a ``SandboxPool`` with
 ``--workers`` idle workers (warmed as the runtime warms them) and reports, per worker:
 
-* ``device_mib``: the GPU memory in use on the device (``torch.cuda.mem_get_info``, every
-  process's) after the workers started, less before, divided by their number (None on a CPU);
-* ``rss_mib``: each worker's resident host memory (``/proc/PID/status``, ``VmRSS``).
+* ``device_mib_per_worker``: the GPU memory in use on the device (``torch.cuda.mem_get_info``,
+  every process's) after the workers started, less before, divided by their number (None on
+  a CPU);
+* ``rss_mib``: each worker's resident host memory (``/proc/PID/status``, ``VmRSS``), and
+  ``rss_mib_mean``.
 
     python benchmarks/sandbox_memory.py [--workers 3] [--json out.json]
 """

@@ -7,7 +7,8 @@ development CPU) and writes numba's disk cache; every later process loads it (ab
 Until then the cost lands on a user's first product on a new structure, in the process and in
 its sandbox worker: on an H100 host the first process after install took 12.1 s for its first
 new structure, later fresh processes 6.7 s; after ``sparserl warm`` the first process took
-5.7 s (``benchmarks/process_first_call.py``, docs/benchmarks.md). ``runtime.prewarm`` hides it only in processes that call it.
+5.7 s (``benchmarks/process_first_call.py``, docs/benchmarks.md). ``runtime.prewarm`` hides
+it only in processes that call it.
 
 Where numba keeps the cache: ``NUMBA_CACHE_DIR`` when set, else a ``__pycache__`` beside the
 sources when writable, else a per-user directory. An image whose package directory the
