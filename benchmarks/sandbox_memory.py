@@ -62,12 +62,11 @@ def measure(workers: int = 3, settle_s: float = 2.0) -> dict:
         after = device_used()
         procs = [w.proc.pid for w in pool._free]
         rss = [rss_mib(pid) for pid in procs]
-    n = len(procs)
+    n, read = len(procs), [r for r in rss if r is not None]
     per_device = ((after - before) / n / MIB) if (n and before is not None and after is not None) else None
     return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "workers": n, "device_mib_per_worker": per_device, "rss_mib": rss,
-            "rss_mib_mean": (sum(r for r in rss if r is not None) / max(1, sum(r is not None for r in rss)))
-            if rss else None}
+            "rss_mib_mean": sum(read) / len(read) if read else None}
 
 
 def main(argv=None) -> int:
