@@ -27,7 +27,7 @@ import torch
 
 @torch.no_grad()
 def _seq_logps(model, prompt, seqs, s):
-    from policy.encoder import StructureBatch
+    from sparserl_compile.policy.encoder import StructureBatch
 
     res = []
     for q in seqs:
@@ -38,15 +38,15 @@ def _seq_logps(model, prompt, seqs, s):
 
 
 def collect(checkpoint: str, count: int, out: str, max_new_tokens: int = 1200) -> list[dict]:
-    from policy.decode import DecodeConfig, branch_points, generate
-    from policy.model import load_policy
-    from policy.provider import problem_inputs
-    from policy.tokenizer import prompt_text
+    from sparserl_compile.policy.decode import DecodeConfig, branch_points, generate
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.policy.provider import problem_inputs
+    from sparserl_compile.policy.tokenizer import prompt_text
     from sparserl_compile.fileio import write_json
-    from training.data import DEFAULT_SUPERVISION, load_supervision, split
-    from training.rewards import measured_sources, normalized
-    from training.rl import make_evaluator, problems_from_records
-    from training.sft import default_render
+    from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision, split
+    from sparserl_compile.training.rewards import measured_sources, normalized
+    from sparserl_compile.training.rl import make_evaluator, problems_from_records
+    from sparserl_compile.training.sft import default_render
 
     model, tok = load_policy(checkpoint, "cpu")
     recs = split(load_supervision(DEFAULT_SUPERVISION)).held_out
@@ -82,7 +82,7 @@ def collect(checkpoint: str, count: int, out: str, max_new_tokens: int = 1200) -
 
 
 def summarize(rows: list[dict]) -> dict:
-    from training.evaluate import geomean
+    from sparserl_compile.training.evaluate import geomean
 
     by = collections.defaultdict(list)
     for r in rows:

@@ -92,7 +92,7 @@ def _make_provider(spec: str):
     if parts["base"] == "policy" and (parts["checkpoint"] or parts["policy_mods"] or parts["screen"]):
         from dataclasses import replace
 
-        from policy.provider import PolicyProvider
+        from sparserl_compile.policy.provider import PolicyProvider
 
         kw = {} if parts["steps"] is None else {"departure_steps": parts["steps"] or None}
         prov = PolicyProvider(checkpoint=parts["checkpoint"] or None, samples=parts["samples"] or None,

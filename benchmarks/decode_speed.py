@@ -22,10 +22,10 @@ from dataclasses import replace
 
 import torch
 
-from policy.decode import DecodeConfig, generate
-from policy.encoder import prepare_structure
-from policy.model import CountingPolicy, load_policy
-from policy.retrieval import default_entries, nearest_hint, problem_for, reference_sources
+from sparserl_compile.policy.decode import DecodeConfig, generate
+from sparserl_compile.policy.encoder import prepare_structure
+from sparserl_compile.policy.model import CountingPolicy, load_policy
+from sparserl_compile.policy.retrieval import default_entries, nearest_hint, problem_for, reference_sources
 from sparserl_compile import matrices
 from sparserl_compile.bench import sync
 from sparserl_compile.fileio import write_json

@@ -36,14 +36,14 @@ WAYS = {"before": {"departure_steps": None, "departure_rounds": None}, "now": {}
 def main(argv=None) -> int:
     import torch
 
-    from policy.model import CountingPolicy
-    from policy.provider import PolicyProvider
-    from policy.retrieval import problem_for
+    from sparserl_compile.policy.model import CountingPolicy
+    from sparserl_compile.policy.provider import PolicyProvider
+    from sparserl_compile.policy.retrieval import problem_for
     from sparserl_compile import matrices
     from sparserl_compile.bench import sync
     from sparserl_compile.fileio import write_json
-    from training import data
-    from training.evaluate import geomean
+    from sparserl_compile.training import data
+    from sparserl_compile.training.evaluate import geomean
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default="policy/checkpoints/default")

@@ -58,15 +58,15 @@ def main(argv=None) -> int:
     ways = WAYS[a.compare]
     base, new = ways
 
-    from policy.decode import DecodeConfig, branch_diverse, format_of, generate
-    from policy.model import CountingPolicy, load_policy
-    from policy.provider import problem_inputs
-    from policy.retrieval import default_entries, reference_sources
+    from sparserl_compile.policy.decode import DecodeConfig, branch_diverse, format_of, generate
+    from sparserl_compile.policy.model import CountingPolicy, load_policy
+    from sparserl_compile.policy.provider import problem_inputs
+    from sparserl_compile.policy.retrieval import default_entries, reference_sources
     from sparserl_compile.bench import sync
     from sparserl_compile.fileio import write_json
     from sparserl_compile.suite import run_stamp
-    from training.data import DEFAULT_SUPERVISION, load_supervision, split
-    from training.rl import problems_from_records
+    from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision, split
+    from sparserl_compile.training.rl import problems_from_records
 
     model, tok = load_policy(a.checkpoint, a.device)
     counted = CountingPolicy(model)

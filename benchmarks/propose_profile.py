@@ -24,12 +24,12 @@ import time
 def main(argv=None) -> int:
     import torch
 
-    from policy.model import CountingPolicy
-    from policy.provider import PolicyProvider
-    from policy.retrieval import problem_for
+    from sparserl_compile.policy.model import CountingPolicy
+    from sparserl_compile.policy.provider import PolicyProvider
+    from sparserl_compile.policy.retrieval import problem_for
     from sparserl_compile import matrices
     from sparserl_compile.bench import sync
-    from training import data
+    from sparserl_compile.training import data
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

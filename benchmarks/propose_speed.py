@@ -24,9 +24,9 @@ from dataclasses import replace
 
 import torch
 
-from policy.model import CountingPolicy
-from policy.provider import PolicyProvider
-from policy.retrieval import problem_for
+from sparserl_compile.policy.model import CountingPolicy
+from sparserl_compile.policy.provider import PolicyProvider
+from sparserl_compile.policy.retrieval import problem_for
 from sparserl_compile import matrices
 from sparserl_compile.bench import sync
 from sparserl_compile.fileio import write_json

@@ -51,7 +51,7 @@ import sparserl_compile as sr
 from cold_start import _breakdown, _make_provider, first_product, native_csr
 from sparserl_compile import bench, matrices, runtime
 from sparserl_compile.fileio import write_json
-from training.evaluate import geomean
+from sparserl_compile.training.evaluate import geomean
 
 
 def _host_leak(native, x) -> dict:
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         print("provider_e2e.py measures on a CUDA GPU (--device cpu runs the script on the reference)",
               file=sys.stderr)
         return 2
-    from training import data
+    from sparserl_compile.training import data
 
     records = data.split(data.load_supervision(args.data or data.DEFAULT_SUPERVISION)).held_out
     if args.max_records:

@@ -36,12 +36,12 @@ import json
 import sys
 from unittest import mock
 
-from policy.model import CountingPolicy, load_policy
-from policy.provider import structure_and_formats
-from policy.retrieval import default_entries, reference_sources
-from training.rl import RLConfig, _raft_candidates
+from sparserl_compile.policy.model import CountingPolicy, load_policy
+from sparserl_compile.policy.provider import structure_and_formats
+from sparserl_compile.policy.retrieval import default_entries, reference_sources
+from sparserl_compile.training.rl import RLConfig, _raft_candidates
 from sparserl_compile.fileio import write_json
-from training.unlabelled import parse_mix, unlabelled_problems
+from sparserl_compile.training.unlabelled import parse_mix, unlabelled_problems
 
 MIX = ("shared:social_powerlaw=2,shared:gnn_citation=1,shared:road_planar=1,shared:mesh=1,banded=1,"
        "block_diagonal=1,rmat=1,circuit=1,uniform_random=1")
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    import policy.decode as decode
+    import sparserl_compile.policy.decode as decode
 
     model, tok = load_policy(args.checkpoint, args.device)[:2]
     model.eval()

@@ -26,8 +26,8 @@ import time
 
 def _draw(model, tok, problems, k: int, screen, max_new_tokens: int):
     """Per record: (texts, screened-out reasons, decode seconds, screen seconds)."""
-    from policy.decode import DecodeConfig, branch_diverse
-    from policy.provider import problem_inputs
+    from sparserl_compile.policy.decode import DecodeConfig, branch_diverse
+    from sparserl_compile.policy.provider import problem_inputs
 
     cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, trace=False, batch_drafts=True)
     rows = []
@@ -94,12 +94,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the summary and the per-record rows here")
     a = p.parse_args(argv)
 
-    from policy.model import load_policy
-    from policy.screen import Screen
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.policy.screen import Screen
     from sparserl_compile.fileio import write_json
     from sparserl_compile.suite import run_stamp
-    from training.data import DEFAULT_SUPERVISION, load_supervision, split
-    from training.rl import problems_from_records
+    from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision, split
+    from sparserl_compile.training.rl import problems_from_records
 
     model, tok = load_policy(a.checkpoint, "cpu")
     recs = split(load_supervision(DEFAULT_SUPERVISION)).held_out[: a.records]

@@ -33,15 +33,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the summary and every departure's verdicts here")
     a = p.parse_args(argv)
 
-    from policy.decode import DecodeConfig, branch_diverse, stale_departure
-    from policy.model import load_policy
-    from policy.provider import problem_inputs
-    from policy.screen import Screen
+    from sparserl_compile.policy.decode import DecodeConfig, branch_diverse, stale_departure
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.policy.provider import problem_inputs
+    from sparserl_compile.policy.screen import Screen
     from sparserl_compile import contract
     from sparserl_compile.fileio import write_json
     from sparserl_compile.suite import run_stamp
-    from training.data import DEFAULT_SUPERVISION, load_supervision, split
-    from training.rl import problems_from_records
+    from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision, split
+    from sparserl_compile.training.rl import problems_from_records
 
     model, tok = load_policy(a.checkpoint, "cpu")
     problems = problems_from_records(split(load_supervision(DEFAULT_SUPERVISION)).held_out[: a.records])

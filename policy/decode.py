@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from policy.encoder import PreparedStructure, StructureBatch
-from policy.tokenizer import prompt_text
+from sparserl_compile.policy.encoder import PreparedStructure, StructureBatch
+from sparserl_compile.policy.tokenizer import prompt_text
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def make_matcher(tokenizer, vocab_size: int, grammar_text: str | None = None,
     sample gets a ``deep_copy`` of that matcher in its initial state."""
     import llguidance
 
-    from policy.grammar import kernel_grammar
+    from sparserl_compile.policy.grammar import kernel_grammar
 
     text = grammar_text or kernel_grammar(op, dtype)
     key = (_tok_key(tokenizer), vocab_size, text)

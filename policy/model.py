@@ -24,7 +24,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
-from policy.encoder import StructureBatch, StructureEncoder, point_mlp
+from sparserl_compile.policy.encoder import StructureBatch, StructureEncoder, point_mlp
 
 #: the name ``LlamaModel.forward`` takes the KV cache under, and its output returns it under:
 #: ``cache`` from transformers 5.2x on (``past_key_values`` then warns that it is deprecated),
@@ -210,7 +210,7 @@ def build_policy(hp: PolicyHParams, seed: int = 0) -> SparseRLPolicy:
 
 def save_policy(model: SparseRLPolicy, tokenizer, directory: str | Path) -> Path:
     """Write ``config.json``, ``model.safetensors`` and ``tokenizer.json`` into ``directory``."""
-    from policy.tokenizer import save_tokenizer
+    from sparserl_compile.policy.tokenizer import save_tokenizer
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -222,7 +222,7 @@ def save_policy(model: SparseRLPolicy, tokenizer, directory: str | Path) -> Path
 
 def load_policy(directory: str | Path, device: str | torch.device = "cpu"):
     """Load a checkpoint folder: returns ``(model, tokenizer)``; safetensors only."""
-    from policy.tokenizer import load_tokenizer
+    from sparserl_compile.policy.tokenizer import load_tokenizer
 
     d = Path(directory)
     if not (d / "model.safetensors").is_file():

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.decode import (DEPARTURE_ROUNDS, DEPARTURE_STEPS, DecodeConfig, branch_diverse, check_samples,
+from sparserl_compile.policy.decode import (DEPARTURE_ROUNDS, DEPARTURE_STEPS, DecodeConfig, branch_diverse, check_samples,
                            format_diverse, generate, hint_diverse)
-from policy.encoder import prepare_structure
+from sparserl_compile.policy.encoder import prepare_structure
 from sparserl_compile import contract
 
 #: samples per miss when the runtime asks for its default (k=0): best-of-4
@@ -109,7 +109,7 @@ def grammar_for(op: str, dtype: str, indptr, indices, shape) -> str | None:
     graph), whose kernels could only fail; None when the pattern fits them all (the decoder's
     default grammar). Formats with parameters (SELL, BSR) stay: whether they fit depends on
     the parameters the kernel writes."""
-    from policy.grammar import kernel_grammar
+    from sparserl_compile.policy.grammar import kernel_grammar
     from sparserl_compile.formats import unfit_formats
 
     unfit = unfit_formats(_host(indptr), _host(indices), (int(shape[0]), int(shape[1])))
@@ -126,7 +126,7 @@ def problem_inputs(model, matrix, op: str, dtype: str, n: int, *, formats: bool 
     leaving out the entries of the matrix ``exclude``; None without ``references``);
     and the grammar fitted to the matrix (``grammar_for``; None without ``fit_formats``).
     ``matrix``: anything with ``indptr``, ``indices`` and ``shape``."""
-    from policy.retrieval import default_entries, reference_sources
+    from sparserl_compile.policy.retrieval import default_entries, reference_sources
 
     s, plausible = structure_and_formats(matrix.indptr, matrix.indices, matrix.shape, model.config.max_points,
                                          formats=formats)
@@ -157,7 +157,7 @@ class PolicyProvider:
                  departure_steps: int | None = DEPARTURE_STEPS, departure_rounds: int | None = DEPARTURE_ROUNDS):
         checkpoint_path = None
         if model is None:
-            from policy.model import load_policy
+            from sparserl_compile.policy.model import load_policy
 
             path = checkpoint_path = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINT
             if not (path / "model.safetensors").is_file():
@@ -211,7 +211,7 @@ class PolicyProvider:
             if samples != "branches":
                 raise ValueError(f"screen_workers={screen_workers} screens departures from the greedy kernel: it "
                                  f"needs samples='branches', not {samples!r}")
-            from policy.screen import Screen
+            from sparserl_compile.policy.screen import Screen
 
             self.screen = Screen(screen_workers)
         #: idle sandbox workers this provider asks the runtime to keep (``RuntimeConfig.sandbox_spare``
@@ -232,7 +232,7 @@ class PolicyProvider:
         tokenizer and each grammar, load the numba structure statistics and, on a GPU, the model's
         first kernels (together 2-3 s on an H100 in a fresh process: the first new structure's
         proposal paid them before). ``stats`` is left as it was."""
-        from policy.retrieval import problem_for
+        from sparserl_compile.policy.retrieval import problem_for
         from sparserl_compile import matrices
 
         m = matrices.generate("banded", n=256, half_bandwidth=1, seed=0)
@@ -264,7 +264,7 @@ class PolicyProvider:
                               features=np.asarray(feats.as_vector(), np.float32))
         dtype = contract.TORCH_DTYPES.get(str(problem.dtype).replace("torch.", ""), str(problem.dtype))
         n = int(getattr(problem, "n", 1) or 1)
-        from policy.retrieval import default_entries, nearest_hint, reference_sources
+        from sparserl_compile.policy.retrieval import default_entries, nearest_hint, reference_sources
         from sparserl_compile.search import pattern_of
 
         hint = None
@@ -285,7 +285,7 @@ class PolicyProvider:
                    if self.fit_formats and self.decode.constrained else None)
         out, seen = [], set()
         if self.samples == "hints":
-            from policy.retrieval import nearest_hints
+            from sparserl_compile.policy.retrieval import nearest_hints
 
             # one greedy candidate per hint, nearest first, until k distinct parseable kernels:
             # two hints often give one kernel (the policy copies its hint), so further hints

@@ -86,7 +86,7 @@ def reference_sources(features, op: str, dtype: str, n: int, entries, structure,
     Returned as a ``decode.Drafts``: with these, the kernels of the whole space for this product
     by their header lines, rendered when a sample first asks (60 points of an SpMM, about 3 ms),
     so that a sample whose header no draft has is drafted from the space's kernel of its header."""
-    from policy.decode import Drafts, format_key, format_of, header_of
+    from sparserl_compile.policy.decode import Drafts, format_key, format_of, header_of
     from sparserl_compile import contract, kernels
     from sparserl_compile.nearest import proposals
 

@@ -17,7 +17,7 @@ _SUBCOMMANDS = (
     "sparserl_compile.suite",      # bench
     "sparserl_compile.pregen",     # pregen
     "sparserl_compile.warmup",     # warm
-    "training.cli",                # train pretrain | sft | rl, eval
+    "sparserl_compile.training.cli",                # train pretrain | sft | rl, eval
 )
 
 

@@ -1,7 +1,7 @@
 """The ``"nearest"`` provider: the kernels that won on the most alike measured matrices.
 
 A table of measured problems (``TABLE``, ``sparserl_compile/data/neighbours.json.gz``, built
-by ``python -m training.neighbours`` from the H200 supervision file's *training* split, so no
+by ``python -m sparserl_compile.training.neighbours`` from the H200 supervision file's *training* split, so no
 held-out matrix is in it) holds, per (matrix, op, width): the op, dtype and width, the
 structure-feature vector (``structure.features(...).as_vector()``) and the verified variants
 ranked by their measured time (family, parameters, microseconds).
@@ -118,9 +118,9 @@ def load_table(path: str | Path = TABLE) -> list[Entry]:
         with gzip.open(p, "rt", encoding="utf-8") as fh:
             doc = json.load(fh)
     except FileNotFoundError:
-        raise FileNotFoundError(f"no neighbour table at {p}: build it with `python -m training.neighbours`") from None
+        raise FileNotFoundError(f"no neighbour table at {p}: build it with `python -m sparserl_compile.training.neighbours`") from None
     except (OSError, ValueError) as e:
-        raise ValueError(f"{p}: not a neighbour table ({e}); rebuild it with `python -m training.neighbours`") from None
+        raise ValueError(f"{p}: not a neighbour table ({e}); rebuild it with `python -m sparserl_compile.training.neighbours`") from None
     if doc.get("format") != TABLE_FORMAT:
         raise ValueError(f"{p}: table format {doc.get('format')!r}, expected {TABLE_FORMAT}; rebuild it")
     return [Entry(e["label"], e["op"], e["dtype"], int(e["n"]), np.asarray(e["features"], np.float64),

@@ -53,7 +53,7 @@ from sparserl_compile import contract
 #: provider name -> (module, class) imported on first use
 _LAZY = {
     "search": ("sparserl_compile.search", "SearchProvider"),
-    "policy": ("policy.provider", "PolicyProvider"),
+    "policy": ("sparserl_compile.policy.provider", "PolicyProvider"),
     "nearest": ("sparserl_compile.nearest", "NearestProvider"),
 }
 
@@ -131,7 +131,7 @@ def policy_available() -> str | None:
     missing = [m for m in POLICY_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         return (f"the policy needs {', '.join(missing)} (pip install 'sparserl[train]')")
-    from policy.provider import DEFAULT_CHECKPOINT
+    from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT
 
     if not (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
         return f"no policy checkpoint at {DEFAULT_CHECKPOINT}"
@@ -147,7 +147,7 @@ def shipped_policy_hash() -> str | None:
     once per process (a 16 MiB file: ~15 ms)."""
     if not _shipped_hash:
         try:
-            from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+            from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT, weights_sha256
 
             f = DEFAULT_CHECKPOINT / "model.safetensors"
             digest = weights_sha256(f) if f.is_file() else None

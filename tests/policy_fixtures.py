@@ -25,7 +25,7 @@ def kernel_source() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_tok():
-    from policy.tokenizer import TokenizerSpec, train_tokenizer
+    from sparserl_compile.policy.tokenizer import TokenizerSpec, train_tokenizer
 
     return train_tokenizer([CSR_SCALAR] * 10, TokenizerSpec(vocab_size=400))
 
@@ -34,14 +34,14 @@ def tiny_tok():
 def n_features() -> int:
     import numpy as np
 
-    from policy.encoder import structure_features
+    from sparserl_compile.policy.encoder import structure_features
 
     return len(structure_features(np.array([0, 1]), np.array([0]), (1, 1)))
 
 
 @pytest.fixture()
 def tiny_model(tiny_tok, n_features):
-    from policy.model import PolicyHParams, build_policy
+    from sparserl_compile.policy.model import PolicyHParams, build_policy
 
     return build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=0).eval()
 

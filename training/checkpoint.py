@@ -38,7 +38,7 @@ def has_state(directory: str | Path, stage: str | None = None) -> bool:
 def save_state(directory: str | Path, model, tokenizer, optimizer, state: TrainerState) -> Path:
     from safetensors.torch import save_file
 
-    from policy.model import save_policy
+    from sparserl_compile.policy.model import save_policy
 
     d = save_policy(model, tokenizer, directory)
     sd = optimizer.state_dict()

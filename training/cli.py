@@ -6,11 +6,11 @@ import argparse
 
 
 def add_cli(subparsers) -> None:
-    from training.config import add_dataclass_args, from_args
-    from training.evaluate import EvalConfig
-    from training.pretrain import PretrainConfig
-    from training.rl import RLConfig
-    from training.sft import SFTConfig
+    from sparserl_compile.training.config import add_dataclass_args, from_args
+    from sparserl_compile.training.evaluate import EvalConfig
+    from sparserl_compile.training.pretrain import PretrainConfig
+    from sparserl_compile.training.rl import RLConfig
+    from sparserl_compile.training.sft import SFTConfig
 
     train = subparsers.add_parser("train", help="train the policy (three stages)")
     stages = train.add_subparsers(dest="stage", metavar="STAGE", required=True)
@@ -21,28 +21,28 @@ def add_cli(subparsers) -> None:
         p.set_defaults(func=lambda a: _run(fn, from_args(cls, a)))
 
     def _pretrain(c):
-        from training.pretrain import pretrain
+        from sparserl_compile.training.pretrain import pretrain
         return pretrain(c)
 
     def _sft(c):
-        from training.sft import sft
+        from sparserl_compile.training.sft import sft
         return sft(c)
 
     def _rl(c):
-        from training.rl import rl
+        from sparserl_compile.training.rl import rl
         return rl(c)
 
     stage("pretrain", PretrainConfig, _pretrain, "stage 1: causal LM on the CUDA corpus")
     stage("sft", SFTConfig, _sft, "stage 2: matrix -> best verified kernel")
     stage("rl", RLConfig, _rl, "stage 3: PPO/GRPO on compile/correct/speed rewards")
-    from training.soup import add_parser as add_soup
+    from sparserl_compile.training.soup import add_parser as add_soup
     add_soup(stages)
 
     ev = subparsers.add_parser("eval", help="evaluate policy checkpoints on the held-out split")
     add_dataclass_args(ev, EvalConfig)
 
     def _eval(a):
-        from training.evaluate import run_eval
+        from sparserl_compile.training.evaluate import run_eval
         run_eval(from_args(EvalConfig, a))
         return 0
 
@@ -51,7 +51,7 @@ def add_cli(subparsers) -> None:
 
 def _run(fn, cfg) -> int:
     """Run a stage; under ``torchrun`` end the process group after it (``training/dist.py``)."""
-    from training import dist as tdist
+    from sparserl_compile.training import dist as tdist
 
     try:
         result = fn(cfg)

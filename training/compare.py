@@ -1,6 +1,6 @@
 """Paired comparison of two evaluated variants, record by record (``sparserl eval``'s ``per_record``).
 
-    python -m training.compare BASE.json:sft NEW.json:rl [MORE.json:name ...] [--metric greedy_fallback_fraction]
+    python -m sparserl_compile.training.compare BASE.json:sft NEW.json:rl [MORE.json:name ...] [--metric greedy_fallback_fraction]
 
 The held-out split has 42 records, and a kind has as few as 2, so a geometric mean moves with one
 matrix. This pairs each record's figure under the base variant with the same record's under
@@ -11,7 +11,7 @@ got better or worse by more than ``--tie`` (2 %). Metrics: ``greedy_fallback_fra
 greedy kernel counted as the cuSPARSE fallback, the default), ``greedy_fraction`` or
 ``best_of_k_fraction``.
 
-A ``python -m training.validation`` result pairs the same way, problem by problem, with
+A ``python -m sparserl_compile.training.validation`` result pairs the same way, problem by problem, with
 ``--metric value`` (the greedy kernel's speedup over cuSPARSE, a wrong one counted as 1.0).
 
 ``--metric compile_rate`` or ``correct_rate`` compares rates instead: each record's share of
@@ -27,13 +27,13 @@ have), then bootstrapped over records as above. ``--pair BASE OTHER`` (repeatabl
 positional arguments) compares matched pairs, each other against its own base (e.g. a speed-rewarded
 run against the control of the same seed), and with two or more pairs pools them the same way:
 
-    python -m training.compare --pair C.json:ctl1 R.json:run1 --pair C.json:ctl3 R.json:seed3
+    python -m sparserl_compile.training.compare --pair C.json:ctl1 R.json:run1 --pair C.json:ctl3 R.json:seed3
 
 Pairs scored on different problems (two draws of fresh validation problems) share no record to
 average over; ``--stack`` pools them by putting every pair's per-record log-ratios in one sample
 instead, bootstrapped over all those records:
 
-    python -m training.compare --stack --pair F96.json:temp F96.json:mixed --pair F48.json:temp F48.json:mixed
+    python -m sparserl_compile.training.compare --stack --pair F96.json:temp F96.json:mixed --pair F48.json:temp F48.json:mixed
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def stacked_pairs(pairs: list[tuple[list[dict], list[dict]]], metric: str = METR
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.compare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m sparserl_compile.training.compare", description=__doc__.split("\n")[0])
     p.add_argument("base", nargs="?", help="FILE.json:VARIANT, the variant compared against")
     p.add_argument("others", nargs="*", help="FILE.json:VARIANT, each compared with the base")
     p.add_argument("--pair", nargs=2, action="append", default=[], metavar=("BASE", "OTHER"),

@@ -84,7 +84,7 @@ class CostModel:
         else None."""
         if candidate.family is None or candidate.family not in self.families:
             return None
-        from policy.encoder import structure_features
+        from sparserl_compile.policy.encoder import structure_features
 
         f = structure_features(matrix.indptr, matrix.indices, matrix.shape)
         return self.predict(f, candidate.family, dict(candidate.params), n)
@@ -109,8 +109,8 @@ class CostModel:
 
 def rows_from_records(records) -> list:
     """Cost-model rows from supervision records (matrices loaded once each)."""
-    from policy.encoder import structure_features
-    from training.data import is_held_out
+    from sparserl_compile.policy.encoder import structure_features
+    from sparserl_compile.training.data import is_held_out
 
     feats, rows = {}, []
     for r in records:
@@ -124,13 +124,13 @@ def rows_from_records(records) -> list:
 
 
 def main(argv=None) -> int:
-    """``python -m training.cost_model DATA [--out PATH]``: fit on a supervision file, save,
+    """``python -m sparserl_compile.training.cost_model DATA [--out PATH]``: fit on a supervision file, save,
     print the fit report."""
     import argparse
 
-    from training.data import load_supervision
+    from sparserl_compile.training.data import load_supervision
 
-    ap = argparse.ArgumentParser(prog="python -m training.cost_model", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m sparserl_compile.training.cost_model", description=main.__doc__)
     ap.add_argument("data", help="supervision file (training/data.py formats)")
     ap.add_argument("--out", default=str(DEFAULT_PATH), help="where to write the model JSON")
     ap.add_argument("--ridge", type=float, default=300.0, help="ridge penalty (300: best held-out error of 1e-2..3e3 on the H200 file)")

@@ -1,6 +1,6 @@
 """Training curves of a shipped checkpoint, drawn from its ``training_log.json``.
 
-    python -m training.curves policy/checkpoints/retrieval --out docs/img/training_retrieval.png
+    python -m sparserl_compile.training.curves policy/checkpoints/retrieval --out docs/img/training_retrieval.png
 
 A checkpoint's ``training_log.json`` holds each stage's config and logged points (the
 trainer's ``trainer_state.json`` log, copied when the checkpoint was shipped): LM stages log

@@ -1,4 +1,4 @@
-"""Build ``.device_carry/`` for a training call on the device: ``python -m training.device_carry``.
+"""Build ``.device_carry/`` for a training call on the device: ``python -m sparserl_compile.training.device_carry``.
 
 The device cannot read ``../shared`` and a call carries at most 64 MiB, the tracked tree
 (about 45 MB on disk, two 15.6 MB checkpoints among it) included. The whole shared folder (35 MB) does
@@ -37,7 +37,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from training.data import SHARED_HELD_OUT
+from sparserl_compile.training.data import SHARED_HELD_OUT
 
 #: the ``shared:KIND`` sources of RL's problem mixes (docs/training-history.md, the fourteenth session's command)
 SHARED_MIX_KINDS = ("social_powerlaw", "gnn_citation", "road_planar", "mesh", "circuit")
@@ -55,8 +55,8 @@ def carry_selection(max_bytes: int = 1_000_000, held_out: bool = True, kinds=SHA
     """The shared matrices (``MatrixInfo``) a training call needs, by the rules of the module
     doc, in manifest order; [] without the shared folder."""
     from sparserl_compile import matrices
-    from training.data import DEFAULT_SUPERVISION, load_supervision
-    from training.unlabelled import shared_sources
+    from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision
+    from sparserl_compile.training.unlabelled import shared_sources
 
     records = load_supervision((supervision or DEFAULT_SUPERVISION).split(","))
     named = {r.matrix.name for r in records if r.matrix.source == "shared"}
@@ -111,7 +111,7 @@ def write_checkpoint(name: str, rev: str, dest: Path, repo: Path = REPO, pack: b
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.device_carry", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sparserl_compile.training.device_carry", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dest", default=str(REPO / ".device_carry"), help="the folder to fill (default .device_carry)")
     ap.add_argument("--max-bytes", type=int, default=1_000_000,
                     help="largest file of the mix kinds' matrices to copy (default 1 MB)")

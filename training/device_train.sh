@@ -14,11 +14,11 @@
 # runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 # SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
-# SFT_INIT and RL_INIT may name a checkpoint packed as .tgz (python -m training.device_carry --pack; 1.1 MB less to carry).
+# SFT_INIT and RL_INIT may name a checkpoint packed as .tgz (python -m sparserl_compile.training.device_carry --pack; 1.1 MB less to carry).
 # RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz;
 # RL_ARGS="--average-from N ..." the run's weights averaged from update N on: ckpt_rl_average.tgz.
 # FRESH="--count 48 --seed 7 --max-nnz 1000000 --mix ..." then scores what was trained on fresh validation
-# problems (python -m training.validation, FRESH_EVALUATOR: gpu) beside FRESH_CHECKPOINTS (default: the shipped
+# problems (python -m sparserl_compile.training.validation, FRESH_EVALUATOR: gpu) beside FRESH_CHECKPOINTS (default: the shipped
 # default checkpoint, as v3), in the same call: $OUT/fresh.json, paired later with training.compare.
 # SEEDS="1 2 3" trains one RL run per seed instead of one (rl_s<seed>, each RL_S; one per GPU at once
 # where several are visible, else in turn) and their weight average rl_soup (sparserl train soup),
@@ -37,7 +37,7 @@ OUT="${OUT:-$(pwd)/device_out}"
 RUNS="${RUNS:-/tmp/sr_runs}"
 SIZE="${SIZE:-default}"
 PT_S="${PT_S:-90}"; SFT_S="${SFT_S:-100}"; RL_S="${RL_S:-130}"
-DATA="${DATA:-$(python3 -c "from training.data import DEFAULT_SUPERVISION as d; print(d)")}"  # the stages' default files
+DATA="${DATA:-$(python3 -c "from sparserl_compile.training.data import DEFAULT_SUPERVISION as d; print(d)")}"  # the stages' default files
 # the logs stay out of $OUT (at most 8 files come back from a call; loose logs could crowd out a
 # checkpoint) and come back in logs.tgz
 LOGS_ROOT="$(mktemp -d)"; LOGS="$LOGS_ROOT/logs"; mkdir -p "$LOGS" "$RUNS" "$OUT"
@@ -66,7 +66,7 @@ timeout $((PT_S + 120)) $SR train pretrain --out-dir "$RUNS/pretrain" --size "$S
   --time-budget-s "$PT_S" >"$LOGS/pretrain.log" 2>&1
 echo "rc=$?"; grep -E "parameters|budget|step .*loss" "$LOGS/pretrain.log" | tail -4; keep pretrain
 fi
-unpacked() {  # a checkpoint folder as is; a .tgz of one (python -m training.device_carry --pack), unpacked once into $RUNS
+unpacked() {  # a checkpoint folder as is; a .tgz of one (python -m sparserl_compile.training.device_carry --pack), unpacked once into $RUNS
   case "$1" in
     *.tgz) local d="$RUNS/init_$(basename "$1" .tgz)"
            [ -f "$d/model.safetensors" ] || { mkdir -p "$d" && tar -xzf "$1" -C "$d"; } || { echo "cannot unpack $1" >&2; exit 2; }
@@ -174,8 +174,8 @@ if [ "${ABLATE:-0}" = 1 ]; then
 fi
 if [ -n "${FRESH:-}" ] && [ -n "$TRAINED" ]; then
   FRESH_ALL="${FRESH_CHECKPOINTS:-v3=policy/checkpoints/default},$TRAINED"
-  echo "== python -m training.validation --checkpoints $FRESH_ALL $FRESH"
-  timeout "${FRESH_TIMEOUT:-200}" python3 -m training.validation --checkpoints "$FRESH_ALL" $FRESH \
+  echo "== python -m sparserl_compile.training.validation --checkpoints $FRESH_ALL $FRESH"
+  timeout "${FRESH_TIMEOUT:-200}" python3 -m sparserl_compile.training.validation --checkpoints "$FRESH_ALL" $FRESH \
     --evaluator "${FRESH_EVALUATOR:-gpu}" --out "$OUT/fresh.json" >"$LOGS/fresh.log" 2>&1
   echo "rc=$?"; grep -E "^\[validation\]" "$LOGS/fresh.log"
   keep none

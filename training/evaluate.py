@@ -22,7 +22,7 @@ The report also holds every record's row under ``per_record`` (the greedy, greed
 and best-of-k fractions, compile and correct counts, and under ``failures`` each failed sample's
 stage, parse, compile or verify, with the evaluator's first error, cut to 200 characters, and
 the sample's first header line; each variant's summary counts them under ``failure_causes``), for
-paired comparisons of two variants record by record (``python -m training.compare``) and for
+paired comparisons of two variants record by record (``python -m sparserl_compile.training.compare``) and for
 reading why samples fail.
 
 ``--baselines nearest`` scores the ``"nearest"`` provider (winners of the most alike training
@@ -40,9 +40,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from training.config import opt, resolve_device
-from training.data import DEFAULT_SUPERVISION
-from training.rewards import normalized
+from sparserl_compile.training.config import opt, resolve_device
+from sparserl_compile.training.data import DEFAULT_SUPERVISION
+from sparserl_compile.training.rewards import normalized
 
 
 @dataclass
@@ -182,9 +182,9 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     departures of ``samples="branches"`` pass before they are scored (``EvalConfig.screen_workers``);
     each record's row lists the departures left out and why (``screened_out``): the screen's,
     and those ``decode.stale_departure`` leaves out with or without a screen."""
-    from policy.decode import DecodeConfig, check_samples, generate
-    from policy.provider import problem_inputs
-    from training.sft import default_render
+    from sparserl_compile.policy.decode import DecodeConfig, check_samples, generate
+    from sparserl_compile.policy.provider import problem_inputs
+    from sparserl_compile.training.sft import default_render
 
     check_samples(samples, model)
     if samples == "hints" and hint_entries is None:
@@ -198,7 +198,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         s, formats, refs, grammar = problem_inputs(model, m, pb.op, pb.dtype, pb.n, formats=samples == "formats",
                                                    entries=hint_entries, count=max(4, k) if samples == "hints" else 4,
                                                    fit_formats=fit_formats and constrained)
-        from policy.retrieval import hint_name, nearest_hint, nearest_points, problem_for
+        from sparserl_compile.policy.retrieval import hint_name, nearest_hint, nearest_points, problem_for
 
         hint = points = None
         if hint_entries is not None and getattr(model.config, "retrieval", False):
@@ -213,7 +213,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg,
                           grammar_text=grammar)
         if samples == "hints":
-            from policy.decode import hint_diverse
+            from sparserl_compile.policy.decode import hint_diverse
 
             # the first hint is the greedy sample's own: its sample is that one, not decoded twice
             sampled = greedy + (hint_diverse(model, tok, s, pb.op, pb.dtype, pb.n,
@@ -227,12 +227,12 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                 st.hint_samples += 1
                 st.hint_followed += normalized(r.text) == src
         elif samples == "formats":
-            from policy.decode import format_diverse
+            from sparserl_compile.policy.decode import format_diverse
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, formats, hint=hint,
                                      config=greedy_cfg, references=refs, grammar_text=grammar)
         elif samples == "branches":
-            from policy.decode import branch_diverse
+            from sparserl_compile.policy.decode import branch_diverse
 
             # the greedy kernel is the first of the k (as format_diverse's most likely format is)
             check = screen and screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)
@@ -317,7 +317,7 @@ def evaluate_nearest(table, problems, evaluator, *, k: int, space_sources=None, 
     """Per-kind stats of the ``"nearest"`` provider (``table``: its entries) scored exactly as
     the policy's samples are: its first proposal stands for "greedy", and best-of-k is over its
     first ``k`` proposals (the first included)."""
-    from policy.retrieval import problem_for
+    from sparserl_compile.policy.retrieval import problem_for
     from sparserl_compile.nearest import NearestProvider
 
     prov = NearestProvider(table, k=k)
@@ -336,12 +336,12 @@ def evaluate_nearest(table, problems, evaluator, *, k: int, space_sources=None, 
 
 
 def run_eval(cfg: EvalConfig, log=print) -> dict:
-    from policy.model import load_policy
-    from training.data import load_supervision, split
-    from training.soup import provenance
-    from training.rewards import measured_sources
-    from training.rl import make_evaluator, problems_from_records
-    from training.sft import default_render
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.training.data import load_supervision, split
+    from sparserl_compile.training.soup import provenance
+    from sparserl_compile.training.rewards import measured_sources
+    from sparserl_compile.training.rl import make_evaluator, problems_from_records
+    from sparserl_compile.training.sft import default_render
 
     both = split(load_supervision(cfg.data))
     records = both.held_out
@@ -359,14 +359,14 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     evaluator = make_evaluator(cfg.evaluator, cfg.workers, records=records)
     screen = None
     if cfg.screen_workers:
-        from policy.screen import Screen
+        from sparserl_compile.policy.screen import Screen
 
         screen = Screen(cfg.screen_workers)
     tables: list = []
 
     def train_entries():  # the training split as a nearest table (hints, the nearest baseline)
         if not tables:
-            from training.neighbours import entries_from_records
+            from sparserl_compile.training.neighbours import entries_from_records
 
             tables.append(entries_from_records(both.train))
         return tables[0]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from policy.encoder import PreparedStructure, StructureBatch
+from sparserl_compile.policy.encoder import PreparedStructure, StructureBatch
 
 
 @dataclass
@@ -119,8 +119,8 @@ def fit(model, tokenizer, make_batch, *, out_dir, stage: str, steps: int, lr: fl
     import math
     import time
 
-    from training import dist as tdist
-    from training.checkpoint import TrainerState, has_state, load_state, save_state
+    from sparserl_compile.training import dist as tdist
+    from sparserl_compile.training.checkpoint import TrainerState, has_state, load_state, save_state
 
     ctx = ctx or tdist.DistContext(device=device)
     device = ctx.device if ctx.distributed else device

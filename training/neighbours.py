@@ -1,7 +1,7 @@
 """Build the ``"nearest"`` provider's table and measure it offline on the held-out split.
 
-    python -m training.neighbours                  # build sparserl_compile/data/neighbours.json.gz
-    python -m training.neighbours --eval           # also: best-of-k on the held-out split
+    python -m sparserl_compile.training.neighbours                  # build sparserl_compile/data/neighbours.json.gz
+    python -m sparserl_compile.training.neighbours --eval           # also: best-of-k on the held-out split
 
 The table holds the *training* split of the supervision file (``data.split``): no held-out
 matrix is in it, so ``--eval`` measures generalization to unseen matrices, as ``sparserl eval``
@@ -22,12 +22,12 @@ import sys
 from collections import defaultdict
 
 from sparserl_compile.fileio import write_json
-from training import data
-from training.evaluate import geomean
+from sparserl_compile.training import data
+from sparserl_compile.training.evaluate import geomean
 
 DEFAULT_DATA = data.DEFAULT_SUPERVISION
 KS = (1, 2, 4, 8)
-RIDGE = 300.0  # the cost model's own default (python -m training.cost_model)
+RIDGE = 300.0  # the cost model's own default (python -m sparserl_compile.training.cost_model)
 
 
 def entries_from_records(records, feats: dict | None = None, loaded: dict | None = None):
@@ -73,7 +73,7 @@ def offline_eval(train, held_out, ks=KS) -> dict:
     """Fraction of the kernel-space best (geomean over held-out records) per k and per kind,
     for the nearest-neighbour proposals and the two baselines."""
     from sparserl_compile.nearest import point_key, proposals
-    from training import cost_model
+    from sparserl_compile.training import cost_model
 
     feats: dict = {}
     table = entries_from_records(train, feats)

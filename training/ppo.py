@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from policy.decode import Rollout, unpack_masks
-from policy.encoder import PreparedStructure, StructureBatch
+from sparserl_compile.policy.decode import Rollout, unpack_masks
+from sparserl_compile.policy.encoder import PreparedStructure, StructureBatch
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def ppo_update(model, ref_model, optimizer, batch: RolloutBatch, rewards: list[f
     loss and the gradients are summed over the ranks before clipping, so the update is the one
     process's update on the whole batch (up to float rounding). Stats are global.
     """
-    from training import dist as tdist
+    from sparserl_compile.training import dist as tdist
 
     on = ctx is not None and ctx.distributed
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import check_resume, opt, resolve_device, save_config
+from sparserl_compile.training.config import check_resume, opt, resolve_device, save_config
 
 
 @dataclass
@@ -42,8 +42,8 @@ class PretrainConfig:
 
 
 def hparams_for(size: str, vocab_size: int):
-    from policy.encoder import structure_features
-    from policy.model import PolicyHParams
+    from sparserl_compile.policy.encoder import structure_features
+    from sparserl_compile.policy.model import PolicyHParams
 
     n_feat = len(structure_features(np.array([0, 1]), np.array([0]), (1, 1)))
     if size == "tiny":
@@ -63,12 +63,12 @@ def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
     them by broadcast, draws the step's windows with the one-process rng and trains on its
     slice (DDP, ``lm.fit``).
     """
-    from policy.model import build_policy, load_policy
-    from policy.tokenizer import TokenizerSpec, train_tokenizer, wrap
-    from training import dist as tdist
-    from training.checkpoint import has_state
-    from training.corpus import build_corpus
-    from training.lm import LMExample, collate, fit
+    from sparserl_compile.policy.model import build_policy, load_policy
+    from sparserl_compile.policy.tokenizer import TokenizerSpec, train_tokenizer, wrap
+    from sparserl_compile.training import dist as tdist
+    from sparserl_compile.training.checkpoint import has_state
+    from sparserl_compile.training.corpus import build_corpus
+    from sparserl_compile.training.lm import LMExample, collate, fit
 
     ctx = tdist.setup(resolve_device(cfg.device))
     tdist.shard_bounds(cfg.batch_size, ctx, "sequences per step (--batch-size, the global batch)")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from training.lm import LMExample, collate, lm_loss
+from sparserl_compile.training.lm import LMExample, collate, lm_loss
 
 
 def pick_target(outcomes, margin: float = 0.05, speed: bool = True) -> int | None:

@@ -227,7 +227,7 @@ def measured_sources(record, matrix, render=None) -> dict[str, float | None]:
     """Normalized rendered source -> measured H200 us (None: the variant failed there) for the
     variants of one supervision record (the fastest where two variants render alike)."""
     if render is None:
-        from training.sft import default_render as render
+        from sparserl_compile.training.sft import default_render as render
     out: dict[str, float | None] = {}
     for v in record.variants:
         try:

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import check_resume, opt, resolve_device, save_config
-from training.data import DEFAULT_SUPERVISION
+from sparserl_compile.training.config import check_resume, opt, resolve_device, save_config
+from sparserl_compile.training.data import DEFAULT_SUPERVISION
 
 
 @dataclass
@@ -126,7 +126,7 @@ class RLResult:
 def problems_from_records(records, loaded: dict | None = None) -> list:
     """``RLProblem``s for records (matrices loaded once each; ``loaded``, MatrixRef -> CSR, is
     used and filled)."""
-    from training.rewards import RLProblem
+    from sparserl_compile.training.rewards import RLProblem
 
     out, cache = [], ({} if loaded is None else loaded)
     for r in records:
@@ -144,14 +144,14 @@ def make_evaluator(name: str, workers: int = 2, records=None, parallel_verify: b
     variants, the CPU evaluator for the rest). ``parallel_verify`` and ``prestart`` (start the
     workers now, in the background): ``SandboxEvaluator``'s; the measured evaluator's CPU
     evaluator, rarely asked, starts its workers on first use."""
-    from training import rewards
+    from sparserl_compile.training import rewards
 
     if name == "header":
         return rewards.HeaderEvaluator()
     if name in ("cpu", "gpu"):
         cm = None
         if name == "cpu":
-            from training.cost_model import CostModel
+            from sparserl_compile.training.cost_model import CostModel
 
             cm = CostModel.load_default()
         return rewards.SandboxEvaluator(name, workers=workers, cost_model=cm, parallel_verify=parallel_verify,
@@ -194,14 +194,14 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
         setup[part] = setup.get(part, 0.0) + now - since
         return now
 
-    from policy.decode import DecodeConfig, generate
-    from policy.model import load_policy
-    from policy.provider import problem_inputs
-    from training.checkpoint import TrainerState, has_state, load_state, save_state
-    from training.data import load_supervision, split
-    from training.ppo import PPOConfig, make_batch, ppo_update
-    from training import dist as tdist
-    from training.rewards import REWARDS
+    from sparserl_compile.policy.decode import DecodeConfig, generate
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.policy.provider import problem_inputs
+    from sparserl_compile.training.checkpoint import TrainerState, has_state, load_state, save_state
+    from sparserl_compile.training.data import load_supervision, split
+    from sparserl_compile.training.ppo import PPOConfig, make_batch, ppo_update
+    from sparserl_compile.training import dist as tdist
+    from sparserl_compile.training.rewards import REWARDS
 
     t = took("imports", t_begin)
     ctx = tdist.setup(resolve_device(cfg.device))
@@ -226,12 +226,12 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     t = took("models", t)
     average = None  # --average-from: the weights averaged along the run, checked before any data is read
     if cfg.average_from:
-        from training.soup import RunningAverage
+        from sparserl_compile.training.soup import RunningAverage
 
         average = RunningAverage.resume(out, cfg.average_from, state.step) if resume else RunningAverage(cfg.average_from)
     raft = cfg.algo == "raft"  # checked before any data, problem or evaluator worker is made
     if raft:
-        from training.raft import RaftBuffer
+        from sparserl_compile.training.raft import RaftBuffer
 
         if ctx.distributed:
             raise ValueError("--algo raft runs in one process (its replay buffer is not sharded); "
@@ -248,11 +248,11 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
         raise ValueError(f"--reward {cfg.reward!r}: use " + " or ".join(repr(k) for k in REWARDS))
     mix = vmix = None
     if cfg.unlabelled_mix or cfg.validate_mix:  # a bad mix fails before any data is read
-        from training.unlabelled import parse_mix
+        from sparserl_compile.training.unlabelled import parse_mix
 
         mix = parse_mix(cfg.unlabelled_mix) if cfg.unlabelled_mix else None
         vmix = parse_mix(cfg.validate_mix) if cfg.validate_mix else mix
-    from training.unlabelled import parse_spmm_widths
+    from sparserl_compile.training.unlabelled import parse_spmm_widths
 
     try:  # a bad width list fails before any data is read
         spmm_widths = parse_spmm_widths(cfg.unlabelled_spmm_n)
@@ -275,7 +275,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
         picked = [r for r in train_records() if _nnz(r, loaded) <= cfg.max_nnz] if cfg.max_nnz else train_records()
         problems = problems_from_records(picked, loaded) if cfg.labelled else []
         if cfg.unlabelled:
-            from training.unlabelled import unlabelled_problems
+            from sparserl_compile.training.unlabelled import unlabelled_problems
 
             problems += unlabelled_problems(cfg.unlabelled, cfg.seed, cfg.max_nnz,
                                             exclude_labels={r.matrix.label for r in train_records()}, mix=mix,
@@ -295,7 +295,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
         cleanup.callback(evaluator.close)
     screen = None
     if cfg.raft_screen:
-        from policy.screen import Screen
+        from sparserl_compile.policy.screen import Screen
 
         screen = Screen(cfg.raft_screen)
         cleanup.callback(screen.close)
@@ -303,7 +303,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     reward_fn = reward_fn or REWARDS[cfg.reward]
     validator = None
     if cfg.validate:
-        from training import validation
+        from sparserl_compile.training import validation
 
         vprobs = validation_problems if validation_problems is not None else validation.validation_problems(
             cfg.validate, cfg.seed, cfg.max_nnz, mix=vmix,
@@ -328,12 +328,12 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
     pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
     structs, hints, refs, formats, hint_entries = {}, {}, {}, {}, None
     if getattr(model.config, "retrieval", False):  # a policy trained with retrieval hints
-        from training.neighbours import entries_from_records
+        from sparserl_compile.training.neighbours import entries_from_records
 
         hint_entries = entries_from_records(train_records(), loaded=loaded)
     anchors = []
     if raft and cfg.raft_anchor:
-        from training.sft import build_examples
+        from sparserl_compile.training.sft import build_examples
 
         anchors, _ = build_examples(train_records(), tok, model.config.max_points, log=log,
                                     hint_entries=hint_entries, loaded=loaded,
@@ -369,7 +369,7 @@ def _rl(cfg: RLConfig, problems, evaluator, reward_fn, log, validation_problems,
                     entries=hint_entries or None, count=max(4, cfg.k) if raft else 4, fit_formats=False,
                     references=cfg.speculative, exclude=pb.label)
                 if hint_entries is not None:  # from the other matrices, as in SFT
-                    from policy.retrieval import nearest_hints, problem_for
+                    from sparserl_compile.policy.retrieval import nearest_hints, problem_for
 
                     # raft: one hint per candidate, the first is the greedy prompt's
                     hints[pi] = nearest_hints(structs[pi].features, pb.op, pb.dtype, pb.n, hint_entries,
@@ -463,7 +463,7 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     problem's plausible formats where the caller has them (``provider.plausible_formats``); ``screen``: a
     ``policy.screen.Screen`` the departures pass first (``--raft-screen``; its seconds are the part
     "screen" of ``seconds``)."""
-    from policy.decode import DecodeConfig, branch_diverse, format_diverse, generate, hint_diverse
+    from sparserl_compile.policy.decode import DecodeConfig, branch_diverse, format_diverse, generate, hint_diverse
 
     seconds = {} if seconds is None else seconds
 
@@ -493,7 +493,7 @@ def _raft_candidates(model, tok, structure, pb, hints, references, cfg: RLConfig
     n_formats = {"temperature": 0, "formats": cfg.k - 1, "mixed": (cfg.k - 1) // 2}[cfg.raft_explore]
     if n_formats > 0:
         if formats is None:
-            from policy.provider import plausible_formats
+            from sparserl_compile.policy.provider import plausible_formats
 
             formats = plausible_formats(pb.matrix.indptr, pb.matrix.indices, pb.matrix.shape)
         # the most likely format is the greedy kernel's own: ask for one more, and drop repeats;
@@ -554,9 +554,9 @@ def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin:
     the correctness-only control), the first and best of its rewards (``scores``) to ``rec``,
     and ``name`` to its switched problems when the target is not the first kernel, with the gain
     and the origin of its new target (``_tagged``: a format or a temperature sample, say)."""
-    from policy.decode import completion_ids
-    from training.lm import LMExample
-    from training.raft import o_us, pick_target
+    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.training.lm import LMExample
+    from sparserl_compile.training.raft import o_us, pick_target
 
     rec["first"].append(scores[0])
     rec["best"].append(max(scores))
@@ -575,7 +575,7 @@ def _raft_collect(buffer, tok, structure, rolls, outcomes, scores: list, margin:
 def _raft_step(model, optim, buffer, rec: dict, rewards: list, cfg: RLConfig, step: int, pad_id: int,
                device, anchors: list) -> dict:
     """One RAFT update (``raft.raft_update``) and its logged record."""
-    from training.raft import raft_update
+    from sparserl_compile.training.raft import raft_update
 
     loss = float("nan")
     if buffer.examples:

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import check_resume, opt, resolve_device, save_config
-from training.data import DEFAULT_SUPERVISION
+from sparserl_compile.training.config import check_resume, opt, resolve_device, save_config
+from sparserl_compile.training.data import DEFAULT_SUPERVISION
 
 
 @dataclass
@@ -93,10 +93,10 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
     k hints at inference gives a different candidate (``decode.hint_diverse``). With
     ``hint_tolerance`` t > 0 the target is the hinted point itself where the record measured it
     at most (1 + t) times its family's best."""
-    from policy.decode import completion_ids
-    from policy.encoder import prepare_structure
-    from policy.tokenizer import prompt_text
-    from training.lm import LMExample
+    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.encoder import prepare_structure
+    from sparserl_compile.policy.tokenizer import prompt_text
+    from sparserl_compile.training.lm import LMExample
 
     cache: dict = {}
     out, skipped = [], 0
@@ -114,7 +114,7 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
             continue
         hint = None
         if hint_entries is not None:
-            from policy.retrieval import nearest_hint, problem_for
+            from sparserl_compile.policy.retrieval import nearest_hint, problem_for
 
             hint = nearest_hint(s.features, r.op, r.dtype, r.n, hint_entries, exclude=r.matrix.label,
                                 problem=problem_for(r.op, r.dtype, r.n, m))
@@ -136,10 +136,10 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
 
 def _family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints: int, tolerance: float = 0.0) -> list:
     """``build_examples``' ``hints > 1`` examples of one record (see there)."""
-    from policy.decode import completion_ids
-    from policy.retrieval import hint_name, nearest_points, problem_for
-    from policy.tokenizer import prompt_text
-    from training.lm import LMExample
+    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.retrieval import hint_name, nearest_points, problem_for
+    from sparserl_compile.policy.tokenizer import prompt_text
+    from sparserl_compile.training.lm import LMExample
 
     ranked = ranked_variants(r, len(r.variants))
     out = []
@@ -168,11 +168,11 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     of the world size); every rank builds the same examples, draws the step's examples with
     the one-process rng and trains on its slice (DDP, token-count-weighted loss, ``lm.fit``).
     """
-    from policy.model import load_policy
-    from training import dist as tdist
-    from training.checkpoint import has_state
-    from training.data import load_supervision, split
-    from training.lm import collate, fit
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.training import dist as tdist
+    from sparserl_compile.training.checkpoint import has_state
+    from sparserl_compile.training.data import load_supervision, split
+    from sparserl_compile.training.lm import collate, fit
 
     if cfg.hints < 1 or (cfg.hints > 1 and not cfg.retrieval):
         raise ValueError(f"--hints {cfg.hints}: give N >= 1, and N > 1 only with --retrieval (the hints are "
@@ -199,7 +199,7 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     log(f"[sft] {cfg.data}: {parts.summary()}")
     entries, loaded = None, {}
     if cfg.retrieval or getattr(model.config, "retrieval", False):
-        from training.neighbours import entries_from_records
+        from sparserl_compile.training.neighbours import entries_from_records
 
         entries = entries_from_records(parts.train, loaded=loaded)
         model.config.retrieval = True  # saved with the checkpoint: the provider and eval give hints

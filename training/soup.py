@@ -68,7 +68,7 @@ def soup(inputs: list[tuple[str, float]], out_dir: str | Path) -> dict:
     into ``out_dir``; returns the provenance written to ``soup.json``."""
     from safetensors.torch import load_file
 
-    from policy.model import load_policy, save_policy
+    from sparserl_compile.policy.model import load_policy, save_policy
 
     if len(inputs) < 2:
         raise SoupError(f"a soup needs at least two checkpoints, got {len(inputs)}")
@@ -182,7 +182,7 @@ class RunningAverage:
         """Write the average as a policy folder ``<out_dir>/average`` (None before ``start``)."""
         import copy
 
-        from policy.model import save_policy
+        from sparserl_compile.policy.model import save_policy
 
         if self.sd is None:
             return None
@@ -198,7 +198,7 @@ class RunningAverage:
     def resume(cls, out_dir: str | Path, start: int, step: int) -> "RunningAverage":
         """The average a run saved in ``out_dir`` when it stopped at update ``step`` (a new one
         where none is due yet). Raises ValueError when the saved average does not end at ``step``."""
-        from policy.model import load_policy
+        from sparserl_compile.policy.model import load_policy
 
         avg = cls(start)
         d = Path(out_dir) / AVERAGE_DIR
@@ -251,7 +251,7 @@ def _cli(a) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m training.soup --checkpoints ... --out ...
-    ap = argparse.ArgumentParser(prog="python -m training.soup", description=__doc__.split("\n\n")[0])
+if __name__ == "__main__":  # python -m sparserl_compile.training.soup --checkpoints ... --out ...
+    ap = argparse.ArgumentParser(prog="python -m sparserl_compile.training.soup", description=__doc__.split("\n\n")[0])
     _arguments(ap)
     sys.exit(_cli(ap.parse_args()))

@@ -126,7 +126,7 @@ def shared_sources(kind: str | None = None) -> list:
     """The shared folder's training-side matrices (``MatrixInfo``) whose file is present, of
     ``kind`` when given; [] without the folder."""
     from sparserl_compile import matrices
-    from training.data import MatrixRef, is_held_out
+    from sparserl_compile.training.data import MatrixRef, is_held_out
 
     return [i for i in matrices.shared_manifest() if i.path.is_file() and (kind is None or i.kind == kind)
             and not is_held_out(MatrixRef("shared", name=i.name))]
@@ -162,8 +162,8 @@ def unlabelled_problems(count: int, seed: int = 0, max_nnz: int = 0, exclude_lab
     (default ``50 * count``) draws leave fewer than ``count``, or when a ``shared`` source has no
     matrix."""
     from sparserl_compile import matrices
-    from training.data import MatrixRef, is_held_out
-    from training.rewards import RLProblem
+    from sparserl_compile.training.data import MatrixRef, is_held_out
+    from sparserl_compile.training.rewards import RLProblem
 
     widths = parse_spmm_widths(spmm_widths)
     rng = np.random.default_rng(seed)

@@ -39,7 +39,7 @@ used. In the fifteenth session a run's best beat version 3 on its own 24 problem
 
 Several checkpoints on the same problems, in one process (so identical kernels score the same):
 
-    python -m training.validation --checkpoints sft=runs/sft,rl=runs/rl/best --count 24 --seed 1 \
+    python -m sparserl_compile.training.validation --checkpoints sft=runs/sft,rl=runs/rl/best --count 24 --seed 1 \
         --mix "rmat=1,shared:road_planar=1" --evaluator gpu --out validation.json
 
 (``--count``, ``--seed``, ``--max-nnz`` and ``--mix`` as the RL run's ``--validate``, ``--seed``,
@@ -61,7 +61,7 @@ def validation_problems(count: int, seed: int, max_nnz: int, exclude_labels=froz
                         spmm_widths=(32,)) -> list:
     """``count`` validation ``RLProblem``s (module doc), deterministic in ``seed``; SpMM widths as
     ``unlabelled_problems`` draws them (default N = 32, the draws of every earlier session)."""
-    from training.unlabelled import unlabelled_problems
+    from sparserl_compile.training.unlabelled import unlabelled_problems
 
     return unlabelled_problems(count, seed, max_nnz, exclude_labels=exclude_labels, mix=mix,
                                first_seed=VALIDATION_FIRST_SEED, spmm_widths=spmm_widths)
@@ -86,10 +86,10 @@ class Validator:
     def __call__(self, model, tok, step: int) -> dict:
         """One validation of ``model``: ``{"step", "score", "correct_rate", "timed", "problems",
         "rows"}`` (rows: label, op, n, compiled, correct, us, reference_us, value)."""
-        from policy.decode import DecodeConfig, generate
-        from policy.encoder import prepare_structure
-        from training.evaluate import geomean
-        from training.rewards import normalized
+        from sparserl_compile.policy.decode import DecodeConfig, generate
+        from sparserl_compile.policy.encoder import prepare_structure
+        from sparserl_compile.training.evaluate import geomean
+        from sparserl_compile.training.rewards import normalized
 
         cfg = DecodeConfig(greedy=True, max_new_tokens=self.max_new_tokens, constrained=self.constrained, trace=False)
         rows = []
@@ -98,7 +98,7 @@ class Validator:
             if i not in self._structs:
                 self._structs[i] = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
                 if self.speculative:  # drafts: decoding speed only, never which kernel comes out
-                    from policy.retrieval import default_entries, reference_sources
+                    from sparserl_compile.policy.retrieval import default_entries, reference_sources
 
                     self._refs[i] = reference_sources(self._structs[i].features, pb.op, pb.dtype, pb.n,
                                                       default_entries(), m, count=4)
@@ -148,7 +148,7 @@ def best_of(history: list[dict]) -> dict | None:
 def record(out_dir, history: list[dict], entry: dict, model, tok) -> bool:
     """Append ``entry`` to ``history``, save the policy to ``<out_dir>/best/`` when it beats
     every earlier entry, and write the history file. Returns whether it was the new best."""
-    from policy.model import save_policy
+    from sparserl_compile.policy.model import save_policy
 
     prior = best_of(history)
     new_best = better(entry, prior)
@@ -166,11 +166,11 @@ def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: 
             spmm_widths=(32,)) -> dict:
     """Validate every ``name=folder`` of ``checkpoints`` on the same ``count`` problems with one
     ``Validator`` -> ``{"problems": [labels], "checkpoints": {name: validation}}``."""
-    from policy.model import load_policy
-    from training.config import resolve_device
-    from training.rl import make_evaluator
-    from training.soup import provenance
-    from training.unlabelled import parse_mix
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.training.config import resolve_device
+    from sparserl_compile.training.rl import make_evaluator
+    from sparserl_compile.training.soup import provenance
+    from sparserl_compile.training.unlabelled import parse_mix
 
     pairs = [p.partition("=") for p in filter(None, checkpoints.split(","))]
     if not pairs or any(not name or not path for name, _, path in pairs):
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default="", help="write the result as JSON here")
     a = ap.parse_args(argv)
-    from training.unlabelled import parse_spmm_widths
+    from sparserl_compile.training.unlabelled import parse_spmm_widths
 
     try:
         widths = parse_spmm_widths(a.spmm_n)

@@ -3,7 +3,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from policy.encoder import StructureBatch, StructureEncoder, prepare_structure, sample_nonzeros
+from sparserl_compile.policy.encoder import StructureBatch, StructureEncoder, prepare_structure, sample_nonzeros
 from sparserl_compile.matrices import banded, load_npz, rmat, shared_manifest
 
 

@@ -1,7 +1,7 @@
 import torch
 
-from policy.encoder import StructureBatch, prepare_structure
-from policy.model import PolicyHParams, build_policy, load_policy, save_policy
+from sparserl_compile.policy.encoder import StructureBatch, prepare_structure
+from sparserl_compile.policy.model import PolicyHParams, build_policy, load_policy, save_policy
 from sparserl_compile.matrices import banded
 
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from policy.decode import DecodeConfig
-from policy.provider import DEFAULT_CHECKPOINT, PolicyProvider
+from sparserl_compile.policy.decode import DecodeConfig
+from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT, PolicyProvider
 from sparserl_compile import contract
 from sparserl_compile.matrices import banded
 
@@ -29,8 +29,8 @@ def test_the_grammar_leaves_out_the_formats_the_matrix_does_not_fit(tiny_model, 
     """A matrix that does not convert to DIA (scattered columns) is decoded under a grammar
     without DIA; one that fits every format under the default grammar (None); fit_formats=False
     keeps the default grammar everywhere."""
-    from policy import provider as prov_mod
-    from policy.grammar import kernel_grammar
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.grammar import kernel_grammar
     from sparserl_compile.matrices import uniform_random
 
     scattered = uniform_random(20000, 20000, 4)
@@ -65,8 +65,8 @@ def test_branch_candidates_are_the_greedy_kernel_and_its_departures(tiny_model, 
                                                                    monkeypatch):
     """samples="branches": the candidates are ``decode.branch_diverse``'s (greedy, untraced, under
     the matrix's grammar), each kept once and only when it parses, like every other mode's."""
-    from policy import provider as prov_mod
-    from policy.decode import Rollout
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.decode import Rollout
 
     calls = []
     other = kernel_source.replace("block=256 work=rows per_block=256", "block=128 work=rows per_block=128")
@@ -87,8 +87,8 @@ def test_candidates_are_drafted_from_a_kernel_of_every_format(tiny_model, tiny_t
     """The provider decodes against drafts that include a kernel of every contract format the
     nearest entries have a point of (a departure may switch format, a sample may leave the
     nearest winners'), in branch and temperature modes alike."""
-    from policy import provider as prov_mod
-    from policy.decode import format_of
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.decode import format_of
 
     drafts = {}
 
@@ -114,9 +114,9 @@ def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model,
     """screen_workers: the provider's branch_diverse gets a screen that checks departures for the
     problem's pattern, op, dtype and width with its ``Screen``; what it left out is counted in
     ``stats.screened_out``. A screen for another sampling mode is refused."""
-    from policy import provider as prov_mod
-    from policy.decode import Rollout
-    from policy.screen import Screen
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.decode import Rollout
+    from sparserl_compile.policy.screen import Screen
 
     asked = []
 
@@ -135,9 +135,9 @@ def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model,
         greedy.extra["screened_out"] = [(3, 7, why) for why in screen(["a", "b"])]
         return [greedy]
 
-    import policy.screen
+    import sparserl_compile.policy.screen as screen_mod
 
-    monkeypatch.setattr(policy.screen, "Screen", FakeScreen)
+    monkeypatch.setattr(screen_mod, "Screen", FakeScreen)
     monkeypatch.setattr(prov_mod, "branch_diverse", fake_branches)
     prov = PolicyProvider(model=tiny_model, tokenizer=tiny_tok, samples="branches", speculative=False,
                           screen_workers=3)
@@ -153,8 +153,8 @@ def test_departures_are_cut_at_the_providers_budget_in_its_rounds(tiny_model, ti
     """Branches mode hands ``branch_diverse`` the provider's forward budget per departure
     (``decode.DEPARTURE_STEPS`` by default; None: no limit) and its rounds of replacements
     (``decode.DEPARTURE_ROUNDS``; None: branch_diverse's own); nonsense values are refused."""
-    from policy import provider as prov_mod
-    from policy.decode import DEPARTURE_ROUNDS, DEPARTURE_STEPS
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.decode import DEPARTURE_ROUNDS, DEPARTURE_STEPS
 
     asked = []
 
@@ -184,7 +184,7 @@ _ = np
 def test_checkpoint_hash_is_the_weights_sha256(tmp_path, tiny_model, tiny_tok):
     import hashlib
 
-    from policy.model import save_policy
+    from sparserl_compile.policy.model import save_policy
 
     save_policy(tiny_model, tiny_tok, tmp_path)
     prov = PolicyProvider(checkpoint=tmp_path, device="cpu")
@@ -195,8 +195,8 @@ def test_checkpoint_hash_is_the_weights_sha256(tmp_path, tiny_model, tiny_tok):
 def test_a_kernel_written_twice_is_proposed_once(tiny_model, tiny_tok, kernel_source, monkeypatch):
     """Two samples (e.g. two hints) that give the same kernel are one candidate: selection
     would compile, verify and time it twice for nothing."""
-    from policy import provider as prov_mod
-    from policy.decode import Rollout
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.decode import Rollout
 
     other = kernel_source.rstrip() + "\n// another kernel"
     rolls = [Rollout([], [1], text, [0.0], True) for text in (kernel_source, kernel_source, other)]
@@ -212,9 +212,9 @@ def _hint_provider(tiny_model, tiny_tok, kernel_source, monkeypatch):
     stubbed and records the hints of each hint_diverse call. Returns (provider, texts, groups)."""
     import copy
 
-    from policy import provider as prov_mod
-    from policy import retrieval
-    from policy.decode import Rollout
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy import retrieval
+    from sparserl_compile.policy.decode import Rollout
 
     texts = {f"h{i}": kernel_source.rstrip() + f"\n// {'same' if i < 3 else i}" for i in range(10)}
     groups = []
@@ -247,9 +247,9 @@ def test_hint_fill_up_stops_at_its_time_budget(tiny_model, tiny_tok, kernel_sour
     first k hints are always decoded, later ones only while the proposal is under budget."""
     import copy
 
-    from policy import provider as prov_mod
-    from policy import retrieval
-    from policy.decode import Rollout
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy import retrieval
+    from sparserl_compile.policy.decode import Rollout
 
     asked = []
 
@@ -275,8 +275,8 @@ def test_structure_and_formats_from_one_features_pass():
     as each computed on its own; without formats, () and the plain structure."""
     import numpy as np
 
-    from policy.encoder import prepare_structure
-    from policy.provider import plausible_formats, structure_and_formats
+    from sparserl_compile.policy.encoder import prepare_structure
+    from sparserl_compile.policy.provider import plausible_formats, structure_and_formats
     from sparserl_compile.matrices import banded
 
     m = banded(300, 3)
@@ -307,8 +307,8 @@ def test_problem_inputs_leave_out_the_excluded_matrix_and_skip_drafts_when_asked
     """RL prepares its problems with ``problem_inputs`` as evaluation does: ``exclude`` leaves a
     matrix's own table entries out of the drafts (the table without them gives the same drafts),
     and ``references=False`` decodes without drafts (None)."""
-    from policy.provider import problem_inputs
-    from policy.retrieval import default_entries, reference_sources
+    from sparserl_compile.policy.provider import problem_inputs
+    from sparserl_compile.policy.retrieval import default_entries, reference_sources
     from sparserl_compile.nearest import nearest_entries
 
     entries = default_entries()
@@ -348,7 +348,7 @@ def test_warm_up_pays_the_first_decoding_and_leaves_the_counts(monkeypatch):
     import threading
     from dataclasses import replace
 
-    from policy.retrieval import problem_for
+    from sparserl_compile.policy.retrieval import problem_for
 
     prov = PolicyProvider(device="cpu")
     asked = []

@@ -5,8 +5,8 @@ import copy
 import numpy as np
 import pytest
 
-from policy import retrieval
-from policy.tokenizer import KERNEL, STRUCTURE, prompt_text
+from sparserl_compile.policy import retrieval
+from sparserl_compile.policy.tokenizer import KERNEL, STRUCTURE, prompt_text
 from sparserl_compile.nearest import Entry
 
 
@@ -33,9 +33,9 @@ def test_nearest_hint_skips_the_matrix_itself_and_other_ops():
 
 
 def test_sft_examples_carry_hints_from_other_matrices(tiny_tok):
-    from training import data
-    from training.neighbours import entries_from_records
-    from training.sft import build_examples
+    from sparserl_compile.training import data
+    from sparserl_compile.training.neighbours import entries_from_records
+    from sparserl_compile.training.sft import build_examples
 
     def rec(n, family):
         return data.SupervisionRecord(data.MatrixRef("generated", "banded", (("half_bandwidth", 1), ("n", n))),
@@ -61,9 +61,9 @@ def test_sft_examples_carry_hints_from_other_matrices(tiny_tok):
 def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_tok):
     """SFT --hints N: one example per nearest other matrix's winner, target the record's fastest
     variant of that family; a family the record never measured gives no example."""
-    from training import data
-    from training.neighbours import entries_from_records
-    from training.sft import build_examples
+    from sparserl_compile.training import data
+    from sparserl_compile.training.neighbours import entries_from_records
+    from sparserl_compile.training.sft import build_examples
 
     def rec(n, *variants):  # points of the matrices' kernel spaces (hints are filtered to those)
         return data.SupervisionRecord(data.MatrixRef("generated", "banded", (("half_bandwidth", 1), ("n", n))),
@@ -107,8 +107,8 @@ def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_
 
 
 def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkeypatch):
-    from policy import provider as prov_mod
-    from policy.decode import DecodeConfig
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.decode import DecodeConfig
     from sparserl_compile.matrices import banded
 
     seen = []
@@ -143,7 +143,7 @@ def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkey
 
 
 def test_retrieval_flag_round_trips_through_a_checkpoint(tiny_model, tiny_tok, tmp_path):
-    from policy.model import load_policy, save_policy
+    from sparserl_compile.policy.model import load_policy, save_policy
 
     m = copy.deepcopy(tiny_model)
     m.config.retrieval = True
@@ -175,7 +175,7 @@ def test_reference_sources_render_the_nearest_winners_hint_first():
 def test_reference_sources_add_a_draft_of_each_asked_format():
     """``formats``: after the first ``count``, the nearest proposal of each asked format the first
     ones lack (format_diverse's forced formats then have drafts of their own format)."""
-    from policy.decode import format_of
+    from sparserl_compile.policy.decode import format_of
     from sparserl_compile.matrices import banded
 
     m = banded(64, 2)
@@ -197,7 +197,7 @@ def test_reference_sources_draft_every_format_by_default():
     """Without ``formats`` the drafts include the nearest proposal of every format the entries
     have (a departure or a sample may leave the nearest winners' format); ``formats=()``: the
     first ``count`` proposals alone."""
-    from policy.decode import format_of
+    from sparserl_compile.policy.decode import format_of
     from sparserl_compile.matrices import banded
 
     m = banded(64, 2)
@@ -247,9 +247,9 @@ def test_hints_given_a_problem_are_points_its_pattern_can_run():
 
 def test_provider_hint_samples_condition_each_candidate_on_another_winner(tiny_model, tiny_tok, monkeypatch):
     """samples="hints": one greedy candidate per nearest winner, each with that winner as its hint."""
-    from policy import decode as decode_mod
-    from policy import provider as prov_mod
-    from policy.decode import DecodeConfig
+    from sparserl_compile.policy import decode as decode_mod
+    from sparserl_compile.policy import provider as prov_mod
+    from sparserl_compile.policy.decode import DecodeConfig
     from sparserl_compile.matrices import banded
 
     seen = []

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from policy.screen import PROBE_ROWS, Screen, probe_pattern
+from sparserl_compile.policy.screen import PROBE_ROWS, Screen, probe_pattern
 from sparserl_compile import kernels, matrices
 
 

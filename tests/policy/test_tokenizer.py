@@ -1,4 +1,4 @@
-from policy.tokenizer import EOS, KERNEL, PAD, STRUCTURE, load_tokenizer, prompt_text, save_tokenizer
+from sparserl_compile.policy.tokenizer import EOS, KERNEL, PAD, STRUCTURE, load_tokenizer, prompt_text, save_tokenizer
 
 
 def test_special_tokens_have_fixed_ids(tiny_tok):

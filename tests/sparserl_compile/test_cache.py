@@ -372,7 +372,7 @@ def test_entries_built_by_the_shipped_policy_serve_every_process(tmp_path, monke
 
 
 def test_the_shipped_policy_hash_is_its_weights_sha256():
-    from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+    from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT, weights_sha256
     from sparserl_compile import providers
 
     f = DEFAULT_CHECKPOINT / "model.safetensors"

@@ -58,7 +58,7 @@ def test_table_round_trips_and_bad_files_say_how_to_rebuild(tmp_path):
     path = nearest.save_table(t, tmp_path / "t.json.gz", source="test")
     (back,) = nearest.load_table(path)
     assert back.label == "a" and back.ranked == t[0].ranked and np.array_equal(back.features, t[0].features)
-    with pytest.raises(FileNotFoundError, match="python -m training.neighbours"):
+    with pytest.raises(FileNotFoundError, match="python -m sparserl_compile.training.neighbours"):
         nearest.load_table(tmp_path / "absent.json.gz")
     (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
     with pytest.raises(ValueError, match="not a neighbour table"):

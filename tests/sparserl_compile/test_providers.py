@@ -58,7 +58,7 @@ def test_the_default_is_the_policy_and_its_cache_hash_needs_no_model(monkeypatch
     none before (the lookup stands in until then)."""
     if providers.policy_available() is not None:
         pytest.skip(f"the policy cannot load here: {providers.policy_available()}")
-    from policy.provider import DEFAULT_CHECKPOINT, weights_sha256
+    from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT, weights_sha256
 
     built = _counting_resolve(monkeypatch)
     d = providers.DefaultProvider()

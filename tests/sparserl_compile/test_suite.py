@@ -40,7 +40,7 @@ def test_generated_estimates_are_close(monkeypatch):
 
 @pytest.mark.parametrize("which", ["grid", "grid2"])
 def test_grids_hold_some_out_and_state_their_sizes(which):
-    from training.data import MatrixRef, is_held_out
+    from sparserl_compile.training.data import MatrixRef, is_held_out
 
     grid = suite.suite_specs(which)
     names = [s.name for s in grid]

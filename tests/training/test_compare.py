@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from training.compare import load_rows, main, paired, pooled, pooled_pairs
+from sparserl_compile.training.compare import load_rows, main, paired, pooled, pooled_pairs
 
 
 def _rows(values, metric="greedy_fallback_fraction"):
@@ -128,7 +128,7 @@ def test_the_command_compares_matched_pairs(tmp_path, capsys):
 def test_pairs_on_different_problems_are_stacked_not_averaged(tmp_path, capsys):
     """Two draws of validation problems share no record: averaging over the pairs has nothing to
     average, and the command says so and names --stack, which puts both draws' records together."""
-    from training.compare import stacked_pairs
+    from sparserl_compile.training.compare import stacked_pairs
 
     base1, other1 = _rows([1.0, 1.0]), _rows([2.0, 1.0])  # draw 1: m0 doubles
     base2 = [dict(r, label="d2_" + r["label"]) for r in _rows([1.0, 1.0, 1.0])]  # draw 2: other records

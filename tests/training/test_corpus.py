@@ -1,4 +1,4 @@
-from training.corpus import _walk, build_corpus, cuda_toolkit_roots, save_corpus
+from sparserl_compile.training.corpus import _walk, build_corpus, cuda_toolkit_roots, save_corpus
 
 
 def test_corpus_is_deduplicated_capped_and_counted(tmp_path, monkeypatch):

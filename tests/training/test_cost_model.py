@@ -1,6 +1,6 @@
 import numpy as np
 
-from training.cost_model import CostModel
+from sparserl_compile.training.cost_model import CostModel
 
 
 def test_fits_a_known_relation_and_roundtrips(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from training import curves
+from sparserl_compile.training import curves
 
 ROOT = Path(__file__).resolve().parents[2]
 

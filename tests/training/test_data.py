@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from training.data import (MatrixRef, is_held_out, load_supervision, record_from_json, record_to_json,
+from sparserl_compile.training.data import (MatrixRef, is_held_out, load_supervision, record_from_json, record_to_json,
                            split)
 
 REC = {"matrix": {"source": "generated", "generator": "banded", "kwargs": {"n": 64, "half_bandwidth": 2, "seed": 0}},
@@ -47,13 +47,13 @@ def test_shared_split_holds_out_per_kind(shared_matrices):
     assert held.isdisjoint({r.matrix.name for r in s.train})
     for kind, names in kinds.items():
         assert (len(names) >= 4) == bool(held & set(names)), kind
-    from training.data import SHARED_HELD_OUT, shared_held_out_by_rule
+    from sparserl_compile.training.data import SHARED_HELD_OUT, shared_held_out_by_rule
 
     assert held == SHARED_HELD_OUT == shared_held_out_by_rule()  # the frozen list is the rule's
 
 
 def test_shared_split_does_not_move_with_a_partial_manifest():
-    from training.data import SHARED_HELD_OUT, shared_held_out_by_rule
+    from sparserl_compile.training.data import SHARED_HELD_OUT, shared_held_out_by_rule
 
     full = {"a1": "k", "a2": "k", "a3": "k", "hep-th": "k", "zz": "k"}
     assert shared_held_out_by_rule(full) == {"hep-th"}
@@ -150,7 +150,7 @@ def test_real_h200_file_loads_and_splits():
 
 
 def test_default_is_the_h200_files_and_a_comma_list_concatenates(tmp_path):
-    from training.data import DEFAULT_SUPERVISION
+    from sparserl_compile.training.data import DEFAULT_SUPERVISION
 
     root = REAL.parents[2]
     files = [root / p for p in DEFAULT_SUPERVISION.split(",")]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from training import device_carry
-from training.data import SHARED_HELD_OUT
+from sparserl_compile.training import device_carry
+from sparserl_compile.training.data import SHARED_HELD_OUT
 
 REC = {"matrix": {"source": "generated", "generator": "banded", "kwargs": {"n": 64, "half_bandwidth": 2, "seed": 0}},
        "op": "spmv", "dtype": "f32", "n": 1, "reference_us": 30.0,
@@ -26,8 +26,8 @@ def test_the_selection_is_what_earlier_device_runs_carried(shared_matrices):
 def test_the_selection_draws_the_recorded_fresh_problems(shared_matrices, tmp_path, monkeypatch):
     from pathlib import Path
 
-    from training.unlabelled import parse_mix
-    from training.validation import validation_problems
+    from sparserl_compile.training.unlabelled import parse_mix
+    from sparserl_compile.training.validation import validation_problems
 
     recorded = Path(__file__).resolve().parents[2] / "benchmarks/results/h200_validation_fresh48_session16_2026-12-04.json"
     assert device_carry.main(["--dest", str(tmp_path / "carry"), "--no-held-out"]) in (0, 1)

@@ -96,7 +96,7 @@ def test_the_runs_never_take_the_64_mib_a_call_returns(tmp_path):
 
 
 def test_a_packed_start_checkpoint_is_unpacked_once_and_trained_from(tmp_path):
-    """RL_INIT may name a .tgz (python -m training.device_carry --pack): every seed starts from
+    """RL_INIT may name a .tgz (python -m sparserl_compile.training.device_carry --pack): every seed starts from
     its weights, unpacked into RUNS."""
     src = tmp_path / "v1"
     src.mkdir()

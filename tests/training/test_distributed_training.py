@@ -42,7 +42,7 @@ class _EvenLength:
     as correct, so the rewards of a step vary and the advantages are not all zero."""
 
     def __call__(self, problem, sources):
-        from training.rewards import KernelOutcome
+        from sparserl_compile.training.rewards import KernelOutcome
 
         return [KernelOutcome(True, True, len(s) % 2 == 0) for s in sources]
 
@@ -53,10 +53,10 @@ def _reward(o):
 
 def write_inputs(base: Path) -> None:
     """The SFT/RL starting checkpoint and the supervision file (the test process writes them)."""
-    from policy.model import PolicyHParams, build_policy, save_policy
-    from policy.tokenizer import TokenizerSpec, train_tokenizer
+    from sparserl_compile.policy.model import PolicyHParams, build_policy, save_policy
+    from sparserl_compile.policy.tokenizer import TokenizerSpec, train_tokenizer
     from policy_fixtures import CSR_SCALAR, structure_dependent_supervision
-    from training.pretrain import hparams_for
+    from sparserl_compile.training.pretrain import hparams_for
 
     tok = train_tokenizer([CSR_SCALAR] * 10, TokenizerSpec(vocab_size=400))
     n_feat = hparams_for("tiny", 400).n_features
@@ -67,12 +67,12 @@ def write_inputs(base: Path) -> None:
 
 def run_stages(base: Path, tag: str) -> dict:
     """Pretrain (4 steps, resumed to 6), SFT, RL and a budget-capped pretrain into ``base/tag``."""
-    import training.checkpoint as ck
+    import sparserl_compile.training.checkpoint as ck
     from sparserl_compile.matrices import banded
-    from training.pretrain import PretrainConfig, pretrain
-    from training.rewards import RLProblem
-    from training.rl import RLConfig, rl
-    from training.sft import SFTConfig, sft
+    from sparserl_compile.training.pretrain import PretrainConfig, pretrain
+    from sparserl_compile.training.rewards import RLProblem
+    from sparserl_compile.training.rl import RLConfig, rl
+    from sparserl_compile.training.sft import SFTConfig, sft
 
     saves = []
     orig = ck.save_state
@@ -115,7 +115,7 @@ def run_stages(base: Path, tag: str) -> dict:
 
 
 def _params(d: Path) -> dict[str, torch.Tensor]:
-    from policy.model import load_policy
+    from sparserl_compile.policy.model import load_policy
 
     return load_policy(d)[0].state_dict()
 
@@ -183,7 +183,7 @@ def test_time_budget_cap_is_agreed_across_ranks(runs):
 
 
 def test_batch_not_divisible_by_world_size_is_a_clear_error():
-    from training.dist import DistContext, shard
+    from sparserl_compile.training.dist import DistContext, shard
 
     with pytest.raises(ValueError, match="multiple of the world size"):
         shard(list(range(5)), DistContext(rank=0, world_size=2), "sequences per step")
@@ -191,7 +191,7 @@ def test_batch_not_divisible_by_world_size_is_a_clear_error():
 
 
 if __name__ == "__main__":  # one rank of the launch in the `runs` fixture
-    from training import dist as tdist
+    from sparserl_compile.training import dist as tdist
 
     base = Path(sys.argv[1])
     result = run_stages(base, "ddp")

@@ -2,11 +2,11 @@
 
 import pytest
 
-from policy.decode import DecodeConfig, generate
-from policy.encoder import prepare_structure
-from training.evaluate import evaluate_policy
-from training.rewards import normalized as _norm
-from training.rewards import KernelOutcome, RLProblem
+from sparserl_compile.policy.decode import DecodeConfig, generate
+from sparserl_compile.policy.encoder import prepare_structure
+from sparserl_compile.training.evaluate import evaluate_policy
+from sparserl_compile.training.rewards import normalized as _norm
+from sparserl_compile.training.rewards import KernelOutcome, RLProblem
 from sparserl_compile.matrices import banded
 
 
@@ -144,7 +144,7 @@ def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tin
     import numpy as np
 
     from sparserl_compile.nearest import Entry
-    from training.sft import default_render
+    from sparserl_compile.training.sft import default_render
 
     m = banded(32, 1)
     pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
@@ -174,7 +174,7 @@ def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tin
     assert st.summary()["hint_follow_rate"] == 0.0
 
     # a model that writes exactly its hint's point: every sample followed
-    import policy.decode as dec
+    import sparserl_compile.policy.decode as dec
 
     def writes_the_hint(model, tok, s, op, dtype, n, k=1, config=None, hint=None, **kw):
         fam, _, rest = hint.partition("[")
@@ -196,7 +196,7 @@ def test_nearest_baseline_is_scored_like_the_policy():
     from sparserl_compile.search import SearchProvider
     from sparserl_compile.runtime import make_problem
     from sparserl_compile.structure import features, fingerprint
-    from training.evaluate import evaluate_nearest
+    from sparserl_compile.training.evaluate import evaluate_nearest
 
     m = banded(64, 2)
     pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
@@ -215,7 +215,7 @@ def test_nearest_baseline_is_scored_like_the_policy():
 
 
 def test_overall_pools_every_kind():
-    from training.evaluate import KindStats, _summaries, overall
+    from sparserl_compile.training.evaluate import KindStats, _summaries, overall
 
     a = KindStats(samples=4, compiled=4, correct=3, records=1, greedy_correct=1, measured_frac_greedy=[0.5])
     b = KindStats(samples=2, compiled=1, correct=1, records=1, measured_frac_greedy=[0.125])
@@ -232,10 +232,10 @@ def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features
     scored per kind and pooled, the nearest baseline beside it, and the JSON is on disk."""
     import json
 
-    from policy.model import PolicyHParams, build_policy, save_policy
+    from sparserl_compile.policy.model import PolicyHParams, build_policy, save_policy
     from policy_fixtures import structure_dependent_supervision
-    from training.data import load_supervision, split
-    from training.evaluate import EvalConfig, run_eval
+    from sparserl_compile.training.data import load_supervision, split
+    from sparserl_compile.training.evaluate import EvalConfig, run_eval
 
     ckpt = tmp_path / "ckpt"
     save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, ckpt)
@@ -262,7 +262,7 @@ def test_run_eval_writes_a_report_with_an_all_row(tmp_path, tiny_tok, n_features
     import hashlib  # which weights were scored: the folder and their SHA-256 (a soup also names its inputs)
     assert rep["checkpoints"] == {"tiny": {"path": str(ckpt), "model_sha256": hashlib.sha256(
         (ckpt / "model.safetensors").read_bytes()).hexdigest()}}
-    from training.compare import load_rows  # the report still reads as an eval report, not a validation result
+    from sparserl_compile.training.compare import load_rows  # the report still reads as an eval report, not a validation result
     assert load_rows(f"{out}:tiny") == rows
 
 
@@ -286,7 +286,7 @@ def test_untraced_samples_decodes_the_temperature_samples_untraced_in_one_batch(
     """By default the k temperature samples are traced and one at a time (the earlier reports'
     draws); untraced_samples decodes them untraced and speculatively in one batch (the same
     distribution). The greedy kernel is untraced either way."""
-    from policy import decode
+    from sparserl_compile.policy import decode
 
     seen = []
     real = decode.generate

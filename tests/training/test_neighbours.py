@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sparserl_compile import nearest
-from training import data, neighbours
+from sparserl_compile.training import data, neighbours
 
 
 def rec(generator, kwargs, variants, op="spmv", n=1):
@@ -42,7 +42,7 @@ def test_offline_eval_reads_fractions_off_the_measurements():
 
 
 def test_table_and_rl_problems_share_one_load_per_matrix(monkeypatch):
-    from training.rl import problems_from_records
+    from sparserl_compile.training.rl import problems_from_records
 
     loads = []
     real = data.MatrixRef.load

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from policy_fixtures import structure_dependent_supervision
-from policy.model import PolicyHParams, build_policy, load_policy, save_policy
+from sparserl_compile.policy.model import PolicyHParams, build_policy, load_policy, save_policy
 from sparserl_compile.matrices import banded
-from training.lm import LMExample, collate, lm_loss
-from training.raft import RaftBuffer, pick_target, raft_update
-from training.rewards import KernelOutcome, RLProblem
-from training.rl import RLConfig, rl
+from sparserl_compile.training.lm import LMExample, collate, lm_loss
+from sparserl_compile.training.raft import RaftBuffer, pick_target, raft_update
+from sparserl_compile.training.rewards import KernelOutcome, RLProblem
+from sparserl_compile.training.rl import RLConfig, rl
 
 QUIET = lambda *a: None  # noqa: E731
 
@@ -114,10 +114,10 @@ def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok
     """Three hints per problem; the evaluator times the second hint's kernel 5x faster than the
     first's and calls the third's wrong. After the run, the first hint's prompt is far likelier
     to write the kernel that the second hint's prompt wrote at the first update."""
-    import policy.retrieval as retrieval
-    from policy.decode import completion_ids
-    from policy.encoder import prepare_structure
-    from policy.tokenizer import prompt_text
+    import sparserl_compile.policy.retrieval as retrieval
+    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.encoder import prepare_structure
+    from sparserl_compile.policy.tokenizer import prompt_text
 
     hints = ["csr_scalar[block=32]", "csr_scalar[block=128]", "csr_scalar[block=512]"]
     monkeypatch.setattr(retrieval, "nearest_hints", lambda *a, **kw: hints[: a[5]])
@@ -143,9 +143,9 @@ def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_p
     """A policy trained without hints: the candidates are the greedy kernel and k - 1 samples of
     the same prompt (expert iteration); the evaluator times the first sample 5x faster than the
     greedy kernel, and after the run those samples are far likelier under the greedy prompt."""
-    from policy.decode import completion_ids
-    from policy.encoder import prepare_structure
-    from policy.tokenizer import prompt_text
+    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.encoder import prepare_structure
+    from sparserl_compile.policy.tokenizer import prompt_text
 
     r, seen, logs, m, init, model = _raft_run(tmp_path, tiny_tok, n_features, retrieval=False, steps=4,
                                               raft_steps=8, raft_anchor=1)
@@ -221,7 +221,7 @@ def test_raft_format_exploration_spends_candidates_on_other_formats(tmp_path, ti
     """``--raft-explore formats``: after the greedy kernel, each candidate is the greedy kernel of
     another plausible format (forced header); ``mixed`` draws half of them so and samples the
     rest. The faster candidate still becomes the target."""
-    from policy.provider import plausible_formats
+    from sparserl_compile.policy.provider import plausible_formats
 
     r, seen, logs, m, *_ = _raft_run(tmp_path, tiny_tok, n_features, retrieval=False, steps=2, raft_steps=1,
                                      raft_anchor=0, explore=explore)
@@ -243,8 +243,8 @@ def test_raft_samples_are_drafted_unless_sample_drafts_is_off(monkeypatch, sampl
     default (speculatively, one at a time), and in one undrafted batch with --no-sample-drafts."""
     from types import SimpleNamespace
 
-    import policy.decode as decode
-    from training.rl import _raft_candidates
+    import sparserl_compile.policy.decode as decode
+    from sparserl_compile.training.rl import _raft_candidates
 
     calls = []
 
@@ -268,8 +268,8 @@ def test_raft_batch_drafts_decodes_the_samples_and_format_candidates_together(mo
     DecodeConfig.batch_drafts (speculatively in one batch); the greedy kernel, one sample, is not."""
     from types import SimpleNamespace
 
-    import policy.decode as decode
-    from training.rl import _raft_candidates
+    import sparserl_compile.policy.decode as decode
+    from sparserl_compile.training.rl import _raft_candidates
 
     seen = []
 
@@ -296,8 +296,8 @@ def test_raft_branch_exploration_spends_the_candidates_on_the_greedy_kernels_dep
     again), tagged "branch", with their decoding seconds under "branch"."""
     from types import SimpleNamespace
 
-    import policy.decode as decode
-    from training.rl import _raft_candidates
+    import sparserl_compile.policy.decode as decode
+    from sparserl_compile.training.rl import _raft_candidates
 
     seen = []
 
@@ -338,9 +338,9 @@ def test_raft_screen_checks_the_departures_for_the_problems_matrix(monkeypatch):
     Without branch exploration the flag is refused before any data is read."""
     from types import SimpleNamespace
 
-    import policy.decode as decode
-    from policy.screen import Screen
-    from training.rl import _raft_candidates
+    import sparserl_compile.policy.decode as decode
+    from sparserl_compile.policy.screen import Screen
+    from sparserl_compile.training.rl import _raft_candidates
 
     asked = []
 

@@ -1,6 +1,6 @@
 import pytest
 
-from training.rewards import (KernelOutcome, compile_reward, correctness_only_reward, correctness_reward,
+from sparserl_compile.training.rewards import (KernelOutcome, compile_reward, correctness_only_reward, correctness_reward,
                               hierarchical_reward, speed_reward)
 
 BAD = KernelOutcome(False, False, False)
@@ -36,7 +36,7 @@ def test_cpu_evaluator_scores_every_sample_in_order():
     repeated source is run once and its copies share its outcome."""
     from sparserl_compile.kernels import render
     from sparserl_compile.matrices import banded
-    from training.rewards import RLProblem, SandboxEvaluator
+    from sparserl_compile.training.rewards import RLProblem, SandboxEvaluator
 
     m = banded(40, 2)
     good = render("csr_scalar", "spmv", "f32", {"block": 64}, m)
@@ -68,7 +68,7 @@ def test_cpu_evaluator_verifies_on_all_workers_at_once():
     CPU): the same outcomes, in order, as one after another."""
     from sparserl_compile.kernels import render
     from sparserl_compile.matrices import banded
-    from training.rewards import RLProblem, SandboxEvaluator
+    from sparserl_compile.training.rewards import RLProblem, SandboxEvaluator
 
     m = banded(40, 2)
     good = render("csr_scalar", "spmv", "f32", {"block": 64}, m)
@@ -94,7 +94,7 @@ def test_sandbox_evaluator_starts_its_workers_before_the_first_reward():
     and decodes); the first reward runs on them. prestart=False leaves the start to the first use."""
     from sparserl_compile.kernels import render
     from sparserl_compile.matrices import banded
-    from training.rewards import RLProblem, SandboxEvaluator
+    from sparserl_compile.training.rewards import RLProblem, SandboxEvaluator
 
     m = banded(40, 2)
     good = render("csr_scalar", "spmv", "f32", {"block": 64}, m)
@@ -118,8 +118,8 @@ def test_measured_evaluator_replays_h200_outcomes_and_delegates_the_rest():
     aside); a failed point counts as wrong; anything else goes to the inner evaluator."""
     from sparserl_compile.kernels import render
     from sparserl_compile.matrices import banded
-    from training.data import MatrixRef, SupervisionRecord, Variant
-    from training.rewards import HeaderEvaluator, MeasuredEvaluator, RLProblem
+    from sparserl_compile.training.data import MatrixRef, SupervisionRecord, Variant
+    from sparserl_compile.training.rewards import HeaderEvaluator, MeasuredEvaluator, RLProblem
 
     m = banded(40, 2)
     ref = MatrixRef(source="generated", generator="banded", kwargs=(("n", 40), ("half_bandwidth", 2)))

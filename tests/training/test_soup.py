@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from policy.model import PolicyHParams, build_policy, load_policy, save_policy
+from sparserl_compile.policy.model import PolicyHParams, build_policy, load_policy, save_policy
 from sparserl_compile.cli import main
-from training.soup import SoupError, parse_inputs, provenance, soup
+from sparserl_compile.training.soup import SoupError, parse_inputs, provenance, soup
 
 
 @pytest.fixture()

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from policy_fixtures import CSR_SCALAR, structure_dependent_supervision
-from policy.model import PolicyHParams, build_policy, load_policy, save_policy
-from training.pretrain import PretrainConfig, pretrain
-from training.rewards import KernelOutcome, RLProblem
-from training.rl import RLConfig, rl
-from training.sft import SFTConfig, sft
+from sparserl_compile.policy.model import PolicyHParams, build_policy, load_policy, save_policy
+from sparserl_compile.training.pretrain import PretrainConfig, pretrain
+from sparserl_compile.training.rewards import KernelOutcome, RLProblem
+from sparserl_compile.training.rl import RLConfig, rl
+from sparserl_compile.training.sft import SFTConfig, sft
 from sparserl_compile.matrices import banded
 
 QUIET = lambda *a: None  # noqa: E731

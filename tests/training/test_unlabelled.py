@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from training.data import MatrixRef, is_held_out
-from training.unlabelled import FIRST_SEED, derive_shared, parse_mix, parse_spmm_widths, unlabelled_problems
+from sparserl_compile.training.data import MatrixRef, is_held_out
+from sparserl_compile.training.unlabelled import FIRST_SEED, derive_shared, parse_mix, parse_spmm_widths, unlabelled_problems
 
 
 def _ref(label_problem):
@@ -73,7 +73,7 @@ def test_a_mix_draws_only_its_sources():
 
 def test_shared_structures_come_from_the_training_side_only(shared_matrices):
     from sparserl_compile import matrices
-    from training.data import SHARED_HELD_OUT
+    from sparserl_compile.training.data import SHARED_HELD_OUT
 
     mix = parse_mix("shared:social_powerlaw=1,shared:gnn_citation=1")
     ps = unlabelled_problems(8, seed=7, max_nnz=300_000, mix=mix)

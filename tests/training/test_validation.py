@@ -6,12 +6,12 @@ import json
 import pytest
 
 from policy_fixtures import structure_dependent_supervision
-from policy.model import PolicyHParams, build_policy, load_policy, save_policy
+from sparserl_compile.policy.model import PolicyHParams, build_policy, load_policy, save_policy
 from sparserl_compile.matrices import banded, block_diagonal
-from training import validation
-from training.rewards import KernelOutcome, RLProblem
-from training.rl import RLConfig, rl
-from training.unlabelled import FIRST_SEED, unlabelled_problems
+from sparserl_compile.training import validation
+from sparserl_compile.training.rewards import KernelOutcome, RLProblem
+from sparserl_compile.training.rl import RLConfig, rl
+from sparserl_compile.training.unlabelled import FIRST_SEED, unlabelled_problems
 
 QUIET = lambda *a: None  # noqa: E731
 
