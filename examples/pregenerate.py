@@ -62,6 +62,7 @@ import torch
 
 import sparserl_compile as sr
 from sparserl_compile import bench, cache, matrices, pregen, providers, runtime
+from sparserl_compile.problem import make_problem
 
 #: the serving GPU assumed when none is named and this machine has none (the H200 image:
 #: CUDA 13 driver, NVRTC 13.0); a wrong driver/NVRTC version makes every lookup miss
@@ -277,7 +278,7 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                            "kernel" if after.kernel_calls > before.kernel_calls else "reference wins")
             else:
                 key = runtime.cache_key(
-                    runtime.make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
+                    make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
                                          target.arch), target)
                 entry = runtime.lookup(store, key)  # as the GPU runtime looks it up
                 found = entry is not None

@@ -28,7 +28,7 @@ def nearest_points(features, op: str, dtype: str, n: int, entries, count: int = 
     """The first ``count`` proposals of the nearest entries (``nearest.proposals`` order: the
     nearest entry's winner first, then the next entries' winners, then runners-up; no
     repeats) as ``(family, ((param, value), ...))`` keys; fewer when the table has fewer, none
-    when no entry fits. ``problem`` (a ``providers.Problem``, e.g. from ``problem_for``): only
+    when no entry fits. ``problem`` (a ``problem.Problem``, e.g. from ``problem_for``): only
     points it can run (``nearest.suitable``: in its pruned kernel space, its pattern converts
     to their padded format), as the ``"nearest"`` provider proposes them; a hint the matrix
     cannot run only wastes a candidate. ``space``: the problem's pruned kernel space, when the
@@ -56,10 +56,10 @@ def nearest_hint(features, op: str, dtype: str, n: int, entries, exclude: str | 
 
 
 def problem_for(op: str, dtype: str, n: int, matrix):
-    """The ``providers.Problem`` of ``op`` at width ``n`` on a CSR ``matrix`` (anything with
+    """The ``problem.Problem`` of ``op`` at width ``n`` on a CSR ``matrix`` (anything with
     ``indptr``, ``indices`` and ``shape``), for ``nearest_points(problem=...)`` outside the
     runtime (training and evaluation)."""
-    from sparserl_compile.runtime import make_problem
+    from sparserl_compile.problem import make_problem
     from sparserl_compile.structure import fingerprint
 
     return make_problem(op, dtype, 1 if op == "spmv" else int(n), matrix.indptr, matrix.indices, matrix.shape,

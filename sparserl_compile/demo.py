@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from sparserl_compile.problem import make_problem
 
 DEMO_MATRICES = (
     ("stencil2d_32", "stencil2d", {"n": 32}),
@@ -91,7 +92,7 @@ def _one_product(name, gen, kw, op, width, prov, pool, executor, device, arch, k
     t0 = time.perf_counter()
     m = matrices.generate(gen, seed=0, **kw)
     fp = structure.fingerprint(m.indptr, m.indices, m.shape)
-    problem = runtime.make_problem(op, "f32", width, m.indptr, m.indices, m.shape, fp, arch)
+    problem = make_problem(op, "f32", width, m.indptr, m.indices, m.shape, fp, arch)
     cands = prov.candidates(problem, k if prov.name == "policy" else 0)
     choice = select.choose(problem, cands, executor=executor, pool=pool) if cands else None
     recs = choice.record.get("candidates", []) if choice else []

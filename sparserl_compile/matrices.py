@@ -54,7 +54,7 @@ def shared_manifest(directory: Path | None = None) -> list[MatrixInfo]:
 
 def load_npz(path: str | os.PathLike) -> sp.csr_matrix:
     """Load a CSR ``.npz`` (keys indptr, indices, data, shape) without pickle."""
-    from sparserl_compile.tensor import check_csr_arrays
+    from sparserl_compile.structure import check_csr_arrays
 
     with np.load(path, allow_pickle=False) as z:
         keys = set(z.files)

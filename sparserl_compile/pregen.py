@@ -49,6 +49,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from sparserl_compile import matrices
+from sparserl_compile.problem import make_problem
 
 MATRIX_SUFFIXES = (".npz", ".mtx", ".mtx.gz", ".mm")
 
@@ -200,7 +201,7 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
         m = it.matrix
         fp = fps.get(it.name) or structure.fingerprint(m.indptr, m.indices, m.shape)
         fps[it.name] = fp
-        problem = runtime.make_problem(op, dtype, n, m.indptr, m.indices, m.shape, fp, target.arch)
+        problem = make_problem(op, dtype, n, m.indptr, m.indices, m.shape, fp, target.arch)
         key = runtime.cache_key(problem, target)
         hit = store.get(key)
         if hit is not None:

@@ -49,6 +49,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from sparserl_compile import contract
+from sparserl_compile.problem import Problem
 
 #: provider name -> (module, class) imported on first use
 _LAZY = {
@@ -56,42 +57,6 @@ _LAZY = {
     "policy": ("sparserl_compile.policy.provider", "PolicyProvider"),
     "nearest": ("sparserl_compile.nearest", "NearestProvider"),
 }
-
-
-@dataclass(frozen=True, eq=False)
-class Problem:
-    """One product to find a kernel for (the pattern, not the values).
-
-    ``eq=False``: problems hold numpy arrays and compare by identity; key them by
-    ``fingerprint`` and the scalar fields.
-    """
-
-    op: str  # "spmv" | "spmm"
-    dtype: str  # contract value dtype: "f32" | "f16" | "bf16"
-    n: int  # dense width (1 for spmv)
-    n_rows: int
-    n_cols: int
-    nnz: int
-    indptr: np.ndarray  # int32, n_rows + 1 entries, on the host
-    indices: np.ndarray  # int32, nnz entries, sorted within rows
-    fingerprint: str  # structure.fingerprint(indptr, indices, (n_rows, n_cols))
-    arch: str  # "sm_90", ... or "cpu"
-
-    def __post_init__(self) -> None:
-        if self.op not in contract.OPS:
-            raise ValueError(f"Problem.op={self.op!r}; expected one of {contract.OPS}")
-        if self.dtype not in contract.DTYPES:
-            raise ValueError(
-                f"Problem.dtype={self.dtype!r}; expected one of {tuple(contract.DTYPES)} "
-                "(float64 products always use the reference and never reach a provider)"
-            )
-        if self.indptr.dtype != np.int32 or self.indices.dtype != np.int32:
-            raise ValueError("Problem.indptr and Problem.indices must be int32 numpy arrays")
-        if self.indptr.size != self.n_rows + 1 or self.indices.size != self.nnz:
-            raise ValueError(
-                f"Problem arrays do not match its shape: indptr has {self.indptr.size} entries "
-                f"(n_rows + 1 = {self.n_rows + 1}), indices {self.indices.size} (nnz = {self.nnz})"
-            )
 
 
 @runtime_checkable

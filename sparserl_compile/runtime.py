@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from sparserl_compile import contract, providers
+from sparserl_compile.problem import Problem, make_problem
 from sparserl_compile.bench import csr_tensor
 from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
 from sparserl_compile.structure import fingerprint as _fingerprint
@@ -556,19 +557,7 @@ def _plan_for(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
         return ReferencePlan(f"kernel path failed: {type(e).__name__}: {e}")
 
 
-def make_problem(op: str, dtype: str, n: int, indptr, indices, shape, fp: str, arch: str) -> providers.Problem:
-    """The ``Problem`` for one product, from a host (numpy) or torch CSR pattern."""
-    def host(a):
-        if isinstance(a, torch.Tensor):
-            a = a.detach().cpu().numpy()
-        return np.ascontiguousarray(a, dtype=np.int32)
-
-    ip, ix = host(indptr), host(indices)
-    return providers.Problem(op=op, dtype=dtype, n=int(n), n_rows=int(shape[0]), n_cols=int(shape[1]),
-                             nnz=int(ix.size), indptr=ip, indices=ix, fingerprint=fp, arch=arch)
-
-
-def _problem(op, crow, col, val, x, n_rows, n_cols, fp) -> providers.Problem:
+def _problem(op, crow, col, val, x, n_rows, n_cols, fp) -> Problem:
     dname = str(val.dtype).removeprefix("torch.")
     return make_problem(op, contract.TORCH_DTYPES[dname], 1 if x.dim() == 1 else int(x.shape[1]),
                         crow, col, (n_rows, n_cols), fp, device_arch(x.device))
@@ -612,7 +601,7 @@ def policy_hash(provider) -> str:
     return str(getattr(provider, "checkpoint_hash", None) or "none")
 
 
-def cache_key(problem: providers.Problem, target: Target):
+def cache_key(problem: Problem, target: Target):
     """The disk-cache key of ``problem`` on ``target`` under the active provider."""
     from sparserl_compile import cache
     from sparserl_compile.kernels import KERNEL_SPACE_VERSION
@@ -655,7 +644,7 @@ def _local_target_memo(device: torch.device) -> Target:
     return _targets[k]
 
 
-def search_entry(problem: providers.Problem, key, *, candidates=None, executor: str | None = None):
+def search_entry(problem: Problem, key, *, candidates=None, executor: str | None = None):
     """Ask the active provider (or take ``candidates``), select, and return the cache entry.
 
     The entry holds the winning kernel (cubin, source, header, times) or, with ``cubin=None``,

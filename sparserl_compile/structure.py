@@ -68,6 +68,50 @@ def fingerprint(indptr, indices, shape) -> str:
     return h.hexdigest()
 
 
+INT32_MAX = 2**31 - 1
+
+
+def check_csr_arrays(crow: np.ndarray, col: np.ndarray, nnz_values: int, shape) -> None:
+    """Raise ``ValueError`` naming the first broken CSR invariant (host int64 arrays)."""
+    n_rows, n_cols = shape
+    if n_rows > INT32_MAX or n_cols > INT32_MAX or col.size > INT32_MAX:
+        raise ValueError(
+            f"shape {n_rows}x{n_cols} with nnz={col.size} does not fit int32 indices; sparserl "
+            "kernels index with int32: split the matrix into blocks below 2^31"
+        )
+    if crow.size != n_rows + 1:
+        raise ValueError(
+            f"crow_indices has {crow.size} entries but the shape {n_rows}x{n_cols} needs "
+            f"n_rows + 1 = {n_rows + 1}: pass the matching shape"
+        )
+    if col.size != nnz_values:
+        raise ValueError(
+            f"{col.size} column indices but {nnz_values} values: the CSR tensor is malformed"
+        )
+    if crow[0] != 0:
+        raise ValueError(f"crow_indices[0] ({crow[0]}) != 0: the CSR tensor is malformed")
+    if crow[-1] != col.size:
+        raise ValueError(
+            f"crow_indices[-1] ({crow[-1]}) != nnz ({col.size}): the CSR tensor is malformed; "
+            "build it with check_invariants=True"
+        )
+    if n_rows:
+        bad = np.flatnonzero(np.diff(crow) < 0)
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(
+                f"crow_indices is not non-decreasing: crow_indices[{k + 1}] ({crow[k + 1]}) < "
+                f"crow_indices[{k}] ({crow[k]}); the CSR tensor is malformed"
+            )
+    if col.size:
+        lo, hi = int(col.min()), int(col.max())
+        if lo < 0 or hi >= n_cols:
+            raise ValueError(
+                f"column indices span [{lo}, {hi}] but n_cols is {n_cols}: an index is out of "
+                "range; fix the indices or pass the right shape"
+            )
+
+
 def check_csr(indptr, indices, shape) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Host int32 copies of a CSR pattern, checked; raises ``ValueError`` saying what is wrong.
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from sparserl_compile.fileio import write_json
+from sparserl_compile.problem import Problem
 
 OPS_WIDTHS = {"spmv": (1,), "spmm": (8, 32, 128)}
 
@@ -299,7 +300,7 @@ def _problem(m, op: str, n: int, dtype: str, arch: str):
     ip = np.ascontiguousarray(m.indptr, np.int32)
     ix = np.ascontiguousarray(m.indices, np.int32)
     fp = structure.fingerprint(ip, ix, m.shape)
-    return providers.Problem(op, dtype, 1 if op == "spmv" else n, int(m.shape[0]), int(m.shape[1]),
+    return Problem(op, dtype, 1 if op == "spmv" else n, int(m.shape[0]), int(m.shape[1]),
                              int(ix.size), ip, ix, fp, arch)
 
 

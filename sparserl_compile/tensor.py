@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from sparserl_compile import runtime as _runtime
+from sparserl_compile.structure import check_csr_arrays
 from sparserl_compile.structure import fingerprint as _fingerprint
 
 aten = torch.ops.aten
@@ -219,47 +220,6 @@ def _host_i64(a) -> np.ndarray:
     if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"a CSR index is {int(a.max())}, beyond any matrix sparserl takes (int32 indices)")
     return a.astype(np.int64, copy=False).ravel()
-
-
-def check_csr_arrays(crow: np.ndarray, col: np.ndarray, nnz_values: int, shape) -> None:
-    """Raise ``ValueError`` naming the first broken CSR invariant (host int64 arrays)."""
-    n_rows, n_cols = shape
-    if n_rows > _INT32_MAX or n_cols > _INT32_MAX or col.size > _INT32_MAX:
-        raise ValueError(
-            f"shape {n_rows}x{n_cols} with nnz={col.size} does not fit int32 indices; sparserl "
-            "kernels index with int32: split the matrix into blocks below 2^31"
-        )
-    if crow.size != n_rows + 1:
-        raise ValueError(
-            f"crow_indices has {crow.size} entries but the shape {n_rows}x{n_cols} needs "
-            f"n_rows + 1 = {n_rows + 1}: pass the matching shape"
-        )
-    if col.size != nnz_values:
-        raise ValueError(
-            f"{col.size} column indices but {nnz_values} values: the CSR tensor is malformed"
-        )
-    if crow[0] != 0:
-        raise ValueError(f"crow_indices[0] ({crow[0]}) != 0: the CSR tensor is malformed")
-    if crow[-1] != col.size:
-        raise ValueError(
-            f"crow_indices[-1] ({crow[-1]}) != nnz ({col.size}): the CSR tensor is malformed; "
-            "build it with check_invariants=True"
-        )
-    if n_rows:
-        bad = np.flatnonzero(np.diff(crow) < 0)
-        if bad.size:
-            k = int(bad[0])
-            raise ValueError(
-                f"crow_indices is not non-decreasing: crow_indices[{k + 1}] ({crow[k + 1]}) < "
-                f"crow_indices[{k}] ({crow[k]}); the CSR tensor is malformed"
-            )
-    if col.size:
-        lo, hi = int(col.min()), int(col.max())
-        if lo < 0 or hi >= n_cols:
-            raise ValueError(
-                f"column indices span [{lo}, {hi}] but n_cols is {n_cols}: an index is out of "
-                "range; fix the indices or pass the right shape"
-            )
 
 
 def _is_canonical(crow: np.ndarray, col: np.ndarray) -> bool:

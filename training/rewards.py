@@ -109,7 +109,7 @@ class RLProblem:
     best_space_us: float | None = None
 
     def runtime_problem(self, arch: str = "cpu"):
-        from sparserl_compile.providers import Problem
+        from sparserl_compile.problem import Problem
         from sparserl_compile.structure import fingerprint
 
         m = self.matrix

@@ -10,6 +10,7 @@ import torch
 from example_loader import load_example
 
 import sparserl_compile as sr
+from sparserl_compile.problem import make_problem
 
 llm = load_example("pruned_llm")
 
@@ -204,6 +205,6 @@ def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, calib, tm
     store = cache.KernelCache(tmp_path / "kernels")
     for m in weights.values():
         w = m.weight
-        p = runtime.make_problem("spmm", "f32", 2, w.crow.numpy(), w.col.numpy(), (w.n_rows, w.n_cols),
+        p = make_problem("spmm", "f32", 2, w.crow.numpy(), w.col.numpy(), (w.n_rows, w.n_cols),
                                  w.fingerprint, "sm_90")
         assert store.get(runtime.cache_key(p, target)) is not None

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparserl_compile import matrices, nearest, providers
-from sparserl_compile.runtime import make_problem
+from sparserl_compile.problem import make_problem
 from sparserl_compile.search import SearchProvider
 from sparserl_compile.structure import features, fingerprint
 

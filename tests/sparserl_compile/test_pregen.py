@@ -9,6 +9,7 @@ import scipy.sparse as sp
 
 from sparserl_compile import cache, matrices, pregen, runtime
 from sparserl_compile.cli import main
+from sparserl_compile.problem import make_problem
 
 TARGET = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
 
@@ -84,7 +85,7 @@ def test_cpu_build_machine_run_writes_untimed_entries_and_resumes(tmp_path):
     m = items[0].matrix
     from sparserl_compile import structure
 
-    problem = runtime.make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape,
+    problem = make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape,
                                    structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
     entry = store.get(runtime.cache_key(problem, TARGET))
     assert entry is not None and entry.cubin and "sparserl_kernel" in entry.source

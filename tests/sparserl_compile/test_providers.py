@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from sparserl_compile import contract, providers, runtime
+from sparserl_compile.problem import Problem
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +137,7 @@ def _problem():
 
     indptr = np.array([0, 1, 2], np.int32)
     indices = np.array([0, 1], np.int32)
-    return providers.Problem("spmv", "f32", 1, 2, 2, 2, indptr, indices, "fp", "cpu")
+    return Problem("spmv", "f32", 1, 2, 2, 2, indptr, indices, "fp", "cpu")
 
 
 def test_prewarm_warms_the_provider_up(monkeypatch):

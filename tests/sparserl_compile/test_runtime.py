@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import sparserl_compile as S
 from sparserl_compile import contract, providers, runtime
 from sparserl_compile.structure import fingerprint
+from sparserl_compile.problem import Problem
 
 
 @pytest.fixture(autouse=True)
@@ -142,13 +143,13 @@ def test_problem_validation():
     kw = dict(op="spmm", dtype="f32", n=4, n_rows=30, n_cols=20, nnz=m.nnz,
               indptr=m.indptr.astype(np.int32), indices=m.indices.astype(np.int32),
               fingerprint="x", arch="sm_90")
-    assert providers.Problem(**kw).nnz == m.nnz
+    assert Problem(**kw).nnz == m.nnz
     with pytest.raises(ValueError, match="float64 products always use the reference"):
-        providers.Problem(**{**kw, "dtype": "f64"})
+        Problem(**{**kw, "dtype": "f64"})
     with pytest.raises(ValueError, match="do not match its shape"):
-        providers.Problem(**{**kw, "n_rows": 31})
+        Problem(**{**kw, "n_rows": 31})
     with pytest.raises(ValueError, match="int32"):
-        providers.Problem(**{**kw, "indptr": m.indptr.astype(np.int64)})
+        Problem(**{**kw, "indptr": m.indptr.astype(np.int64)})
 
 
 def test_transposed_pattern_is_memoized_with_its_own_fingerprint():

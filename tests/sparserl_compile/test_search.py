@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sparserl_compile import matrices, structure
-from sparserl_compile.providers import Problem
+from sparserl_compile.problem import Problem
 from sparserl_compile.search import SearchProvider
 
 

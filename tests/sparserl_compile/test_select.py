@@ -9,7 +9,7 @@ import pytest
 from faults import FAULTS, GOOD, candidate
 from sparserl_compile import matrices, structure
 from sparserl_compile.contract import Candidate, parse_header
-from sparserl_compile.providers import Problem
+from sparserl_compile.problem import Problem
 from sparserl_compile.sandbox import SandboxResult
 from sparserl_compile.select import Evaluation, choose, decide
 from test_verify import needs_simt

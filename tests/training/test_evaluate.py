@@ -194,7 +194,7 @@ def test_nearest_baseline_is_scored_like_the_policy():
 
     from sparserl_compile.nearest import Entry
     from sparserl_compile.search import SearchProvider
-    from sparserl_compile.runtime import make_problem
+    from sparserl_compile.problem import make_problem
     from sparserl_compile.structure import features, fingerprint
     from sparserl_compile.training.evaluate import evaluate_nearest
 
