@@ -25,7 +25,7 @@ fi
 
 # numba's disk cache, as `make setup` writes it: otherwise the first process here (a test, a
 # benchmark's first case) would also compile sparserl's numba code (seconds)
-python3 -m sparserl_compile.cli warm >"$LOGS/warm.log" 2>&1; head -1 "$LOGS/warm.log"
+python3 -m sparserl_compile.commands.cli warm >"$LOGS/warm.log" 2>&1; head -1 "$LOGS/warm.log"
 
 echo "== versions"
 python3 - <<'EOF' 2>&1 | tee "$LOGS/versions.log"
@@ -84,7 +84,7 @@ run_hook llm "${LLM:-}" "${LLM_TIMEOUT:-400}" 40 "^ *warn\|UserWarning" \
 for i in "" 2; do
   v="EVAL$i"
   run_hook "eval$i" "${!v:-}" "${EVAL_TIMEOUT:-300}" 40 "^ *warn\|Warning\|Loading weights" \
-    python3 -m sparserl_compile.cli eval --out "$BENCH_DIR/eval$i.json"
+    python3 -m sparserl_compile.commands.cli eval --out "$BENCH_DIR/eval$i.json"
 done
 
 # Cold start per provider: COLD="args of benchmarks/cold_start.py"
@@ -132,7 +132,7 @@ run_hook drafts "${DRAFTS:-}" "${DRAFTS_TIMEOUT:-240}" 8 "Warning\|warn\|Loading
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then
 echo "== sparserl bench $*"
-python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
+python3 -m sparserl_compile.commands.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
 BENCH_RC=$?
 tail -30 "$LOGS/bench.log"
 fi
@@ -140,7 +140,7 @@ fi
 if [ -n "${BENCH2:-}" ]; then
   echo "== sparserl bench $BENCH2"
   sleep 1  # results files are named by the second
-  python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" $BENCH2 >"$LOGS/bench2.log" 2>&1
+  python3 -m sparserl_compile.commands.cli bench --out "$BENCH_DIR" $BENCH2 >"$LOGS/bench2.log" 2>&1
   BENCH_RC="$BENCH_RC/$?"
   tail -20 "$LOGS/bench2.log"
 fi

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     from sparserl_compile.policy.retrieval import default_entries, reference_sources
     from sparserl_compile.bench import sync
     from sparserl_compile.fileio import write_json
-    from sparserl_compile.suite import run_stamp
+    from sparserl_compile.version import run_stamp
     from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision, split
     from sparserl_compile.training.rl import problems_from_records
 

@@ -28,7 +28,7 @@ from faults import FAULTS, GOOD, candidate  # noqa: E402
 from sparserl_compile import matrices  # noqa: E402
 from sparserl_compile.fileio import write_json  # noqa: E402
 from sparserl_compile.sandbox import SandboxJob, SandboxPool  # noqa: E402
-from sparserl_compile.suite import run_stamp  # noqa: E402
+from sparserl_compile.version import run_stamp  # noqa: E402
 
 
 def measure(spare: int, executor: str, reps: int, pause_s: float) -> dict:

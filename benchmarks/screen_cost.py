@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from sparserl_compile.policy.model import load_policy
     from sparserl_compile.policy.screen import Screen
     from sparserl_compile.fileio import write_json
-    from sparserl_compile.suite import run_stamp
+    from sparserl_compile.version import run_stamp
     from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision, split
     from sparserl_compile.training.rl import problems_from_records
 

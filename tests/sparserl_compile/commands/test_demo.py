@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparserl_compile import demo, select
+from sparserl_compile import select
+from sparserl_compile.commands import demo
 
 
 @pytest.mark.slow

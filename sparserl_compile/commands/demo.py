@@ -66,14 +66,14 @@ def run(provider_name: str | None = None, n: int = 16, k: int = 4, quick: bool =
     import torch
 
     import sparserl_compile as sr
-    from sparserl_compile import runtime, select
+    from sparserl_compile import problem, select
     from sparserl_compile.sandbox import SandboxPool
 
     prov = _provider(provider_name)
     sr.set_provider(prov)
     executor = select.default_executor()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    arch = runtime.device_arch(torch.device(device))
+    arch = problem.device_arch(torch.device(device))
     rows: list[DemoRow] = []
     with SandboxPool(1) as pool:  # one worker for every candidate: no process start per product
         for name, gen, kw in DEMO_MATRICES[:2] if quick else DEMO_MATRICES:
@@ -87,7 +87,7 @@ def _one_product(name, gen, kw, op, width, prov, pool, executor, device, arch, k
     import torch
 
     import sparserl_compile as sr
-    from sparserl_compile import matrices, runtime, select, structure
+    from sparserl_compile import matrices, select, structure
 
     t0 = time.perf_counter()
     m = matrices.generate(gen, seed=0, **kw)

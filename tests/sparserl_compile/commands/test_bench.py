@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparserl_compile import suite
+from sparserl_compile.commands import bench as suite
 from test_verify import needs_simt
 
 _REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "report.py"

@@ -1,14 +1,11 @@
-"""``sparserl warm``: compile sparserl's numba code into its disk cache once, where the package
-is installed, instead of in the first process that uses it.
+"""sparserl warm: compile sparserl's numba code into its disk cache once per install, instead
+of in the first process that uses it.
 
 The format converters (``formats``) and the structure statistics (``structure``) run under numba
-with ``cache=True``: the first process after an install compiles them (about 5 s on the
-development CPU) and writes numba's disk cache; every later process loads it (about 0.3 s).
-Until then the cost lands on a user's first product on a new structure, in the process and in
-its sandbox worker: on an H100 host the first process after install took 12.1 s for its first
-new structure, later fresh processes 6.7 s; after ``sparserl warm`` the first process took
-5.7 s (``benchmarks/process_first_call.py``, docs/benchmarks.md). ``runtime.prewarm`` hides
-it only in processes that call it.
+with ``cache=True``: the first process after an install compiles them (seconds) and writes
+numba's disk cache; every later process loads it. Until then the cost lands on a user's first
+product on a new structure, in the process and in its sandbox worker; ``miss.prewarm`` hides it
+only in processes that call it.
 
 Where numba keeps the cache: ``NUMBA_CACHE_DIR`` when set, else a ``__pycache__`` beside the
 sources when writable, else a per-user directory. An image whose package directory the
@@ -21,6 +18,7 @@ cache: set ``NUMBA_CACHE_DIR`` to a directory the serving user can write and run
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -82,7 +80,9 @@ def warm() -> dict:
 
 def add_cli(sub) -> None:
     p = sub.add_parser("warm", help="compile sparserl's numba code into its disk cache (once per install)",
-                       description=__doc__.splitlines()[0])
+                       description="Compile sparserl's numba code (format converters, structure statistics) "
+                                   "into numba's disk cache once per install, instead of in the first "
+                                   "process that uses it.")
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(func=_cli)
 
@@ -100,6 +100,6 @@ def _cli(args) -> int:
         write_json(args.json, r)
     if missing:
         print(f"sparserl warm: no cache index on disk for {', '.join(missing)}: numba could not write "
-              "its cache; set NUMBA_CACHE_DIR to a directory this user can write and run it again")
+              "its cache; set NUMBA_CACHE_DIR to a directory this user can write and run it again", file=sys.stderr)
         return 1
     return 0

@@ -10,7 +10,7 @@ import sys
 def _warm(tmp_path, name):
     out = tmp_path / f"{name}.json"
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # an empty cache: a fresh install
-    r = subprocess.run([sys.executable, "-m", "sparserl_compile.cli", "warm", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "sparserl_compile.commands.cli", "warm", "--json", str(out)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(out.read_text()), r.stdout

@@ -28,8 +28,6 @@ import gc
 import gzip
 import json
 import math
-import os
-import subprocess
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,6 +37,7 @@ import numpy as np
 
 from sparserl_compile.fileio import write_json
 from sparserl_compile.problem import Problem
+from sparserl_compile.version import machine_info, versions
 
 OPS_WIDTHS = {"spmv": (1,), "spmm": (8, 32, 128)}
 
@@ -232,70 +231,8 @@ def suite_specs(which: str, *, quick: bool = False, max_nnz: int | None = None,
     return sorted(specs, key=lambda s: s.nnz_estimate)
 
 
-# ------------------------------------------------------------------ environment
-
-def machine_info() -> dict:
-    info: dict = {"host": os.uname().nodename}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            p = torch.cuda.get_device_properties(0)
-            info.update(gpu=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
-                        sms=p.multi_processor_count, l2_bytes=getattr(p, "L2_cache_size", None),
-                        memory_bytes=p.total_memory)
-    except Exception as e:  # noqa: BLE001
-        info["gpu_error"] = str(e)[:200]
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            sm, sm_max, mem, drv = [s.strip() for s in out.stdout.splitlines()[0].split(",")]
-            info.update(sm_clock=sm, sm_clock_max=sm_max, mem_clock=mem, driver=drv)
-    except (OSError, subprocess.SubprocessError, ValueError):
-        pass
-    return info
-
-
-def run_stamp() -> dict:
-    """Where and when a measurement ran, for a result file: ``machine_info()`` and the UTC start."""
-    return {"machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    v: dict = {}
-    for dist in ("torch", "cuda-core", "cuda-bindings", "numpy", "scipy", "sparserl"):
-        try:
-            v[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            v[dist] = None
-    try:
-        import torch
-
-        v["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
-    try:
-        from sparserl_compile import compiler
-
-        v["nvrtc"] = ".".join(map(str, compiler.nvrtc_version()))
-    except Exception:  # noqa: BLE001
-        v["nvrtc"] = None
-    try:
-        from sparserl_compile import kernels
-
-        v["kernel_space"] = getattr(kernels, "KERNEL_SPACE_VERSION", None)
-    except Exception:  # noqa: BLE001
-        v["kernel_space"] = None
-    return v
-
-
-# ------------------------------------------------------------------ one matrix
-
 def _problem(m, op: str, n: int, dtype: str, arch: str):
-    from sparserl_compile import providers, structure
+    from sparserl_compile import structure
 
     ip = np.ascontiguousarray(m.indptr, np.int32)
     ix = np.ascontiguousarray(m.indices, np.int32)

@@ -1,7 +1,7 @@
-"""The ``sparserl`` command.
+"""sparserl: sparse matrix products with CUDA kernels written for each matrix's structure.
 
-Each subcommand lives beside the code it drives and registers itself through an
-``add_cli(subparsers)`` function that sets ``func`` on its parser; this file only lists them.
+Each subcommand module in this package registers itself through an ``add_cli(subparsers)``
+function that sets ``func`` on its parser; this file only lists them.
 """
 
 from __future__ import annotations
@@ -12,17 +12,20 @@ import sys
 
 # (module, what it adds); imported lazily so `sparserl cache ls` does not import the policy.
 _SUBCOMMANDS = (
-    "sparserl_compile.demo",       # demo
-    "sparserl_compile.cache",      # cache ls | show | clear | verify
-    "sparserl_compile.suite",      # bench
-    "sparserl_compile.pregen",     # pregen
-    "sparserl_compile.warmup",     # warm
-    "sparserl_compile.training.cli",                # train pretrain | sft | rl, eval
+    "sparserl_compile.commands.demo",    # demo
+    "sparserl_compile.commands.cache",   # cache ls | show | clear | verify | merge
+    "sparserl_compile.commands.bench",   # bench
+    "sparserl_compile.commands.pregen",  # pregen, target
+    "sparserl_compile.commands.warm",    # warm
+    "sparserl_compile.training.cli",     # train pretrain | sft | rl, eval
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparserl_compile.version import version
+
     parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sparserl {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _SUBCOMMANDS:
         try:
@@ -36,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # answered without importing every subcommand
+        from sparserl_compile.version import version
+
+        print(f"sparserl {version()}")
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
