@@ -61,6 +61,7 @@ before a ``__syncthreads`` its block still reaches is reported as divergence.
 
 from sparserl_compile.simt.errors import (
     BarrierDivergence,
+    GlobalMemoryRace,
     MisalignedAccess,
     OutOfBounds,
     SharedMemoryExceeded,
@@ -80,5 +81,5 @@ __all__ = [
     "compile_kernel", "compile_many", "SimtKernel", "LaunchStats",
     "SimtError", "SimtUnavailable", "SimtRefused", "SimtCompileError", "SimtFault",
     "OutOfBounds", "MisalignedAccess", "BarrierDivergence", "WarpMaskError",
-    "SharedMemoryRace", "SharedMemoryExceeded", "StepLimitExceeded", "Timeout",
+    "SharedMemoryRace", "GlobalMemoryRace", "SharedMemoryExceeded", "StepLimitExceeded", "Timeout",
 ]
