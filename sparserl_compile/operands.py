@@ -127,35 +127,133 @@ def _seeds(seed: int, key) -> list[int]:
     return [int(s) for s in np.random.SeedSequence([seed, tag]).generate_state(4, np.uint64) >> np.uint64(1)]
 
 
-def _mixture(torch, g, numel: int, parts, device):
-    """float64 values: magnitude per element by category (``parts``: (probability, magnitude
-    kind) in order, the rest "plain"), random sign, from uniforms drawn with ``g``."""
-    u = torch.rand(int(numel), generator=g, device=device, dtype=torch.float64)
-    m = torch.rand(int(numel), generator=g, device=device, dtype=torch.float64)
-    sign = torch.where(torch.rand(int(numel), generator=g, device=device) < 0.5, -1.0, 1.0).double()
-    out = 0.5 + m  # plain: [0.5, 1.5)
+class _Numpy:
+    """The few array operations the special sets need, on the host (numpy, scipy)."""
+
+    def __init__(self, seed: int, p, dtype: str):
+        self.rng, self.p, self.dtype = np.random.default_rng(seed), p, dtype
+        self.where, self.exp2, self.ceil, self.log2 = np.where, np.exp2, np.ceil, np.log2
+
+    def rand(self, n: int):
+        return self.rng.random(int(n))
+
+    def randint(self, hi: int, n: int):
+        return self.rng.integers(0, hi, int(n))
+
+    def full(self, n: int, v: float):
+        return np.full(int(n), v)
+
+    def rows(self):
+        return np.repeat(np.arange(self.p.shape[0]), np.diff(self.p.indptr))
+
+    def rounded(self, a):
+        return to_dtype(a, self.dtype)[1]
+
+    def row_absmax(self, vals, x):
+        """max over columns of sum_j |a_ij x_j| per row (float64)."""
+        a = sp.csr_matrix((np.abs(vals), self.p.indices, self.p.indptr), shape=self.p.shape)
+        out = a @ np.abs(x)
+        return out.max(axis=1, initial=0.0) if out.ndim == 2 else out
+
+
+class _Torch:
+    """The same operations with torch on ``device`` (the GPU executor draws where it runs)."""
+
+    def __init__(self, torch, seed: int, p, dtype: str, device):
+        self.t, self.p, self.dtype, self.device = torch, p, dtype, device
+        self.g = torch.Generator(device=device)
+        self.g.manual_seed(int(seed))
+        self.where, self.exp2, self.ceil, self.log2 = torch.where, torch.exp2, torch.ceil, torch.log2
+
+    def rand(self, n: int):
+        return self.t.rand(int(n), generator=self.g, device=self.device, dtype=self.t.float64)
+
+    def randint(self, hi: int, n: int):
+        return self.t.randint(0, hi, (int(n),), generator=self.g, device=self.device)
+
+    def full(self, n: int, v: float):
+        return self.t.full((int(n),), v, dtype=self.t.float64, device=self.device)
+
+    def rows(self):
+        lengths = self.t.from_numpy(np.diff(self.p.indptr).astype(np.int64)).to(self.device)
+        return self.t.repeat_interleave(self.t.arange(self.p.shape[0], device=self.device), lengths)
+
+    def rounded(self, a):
+        return a.to(getattr(self.t, contract.TORCH_NAMES[self.dtype])).double()
+
+    def row_absmax(self, vals, x):
+        out = _product(self.t, _csr64(self.t, self.p, vals.abs(), self.device), x.abs())
+        if out.dim() == 1:
+            return out
+        return out.amax(dim=1) if out.shape[1] else out.sum(dim=1)
+
+
+def _categories(B, n: int, parts):
+    """float64 values with random sign whose magnitude is chosen per element by category:
+    ``parts`` is (probability, kind) in order, the rest "plain" ([0.5, 1.5)); kinds "zero",
+    "small" (below 0.25), "large", "tiny" (``LARGE``/``TINY`` of the dtype times [1, 2)),
+    "nan", "inf", "-inf" (signs as named)."""
+    u, m, sgn = B.rand(n), B.rand(n), B.rand(n)
+    large, tiny = LARGE[B.dtype], TINY[B.dtype]
+    out = 0.5 + m
     lo = 0.0
     for prob, kind in parts:
         sel = (u >= lo) & (u < lo + prob)
         lo += prob
-        out = torch.where(sel, _magnitude(torch, kind, m), out)
-    return out * sign
+        mag = {"zero": 0.0 * m, "small": 0.25 * m, "large": (1.0 + m) * large, "tiny": (1.0 + m) * tiny}.get(kind)
+        if mag is None:
+            mag = B.full(n, {"nan": float("nan"), "inf": float("inf"), "-inf": float("inf")}[kind])
+        out = B.where(sel, mag, out)
+    out = B.where(sgn < 0.5, -out, out)
+    lo = 0.0
+    for prob, kind in parts:  # the named signs of the non-finite kinds
+        sel = (u >= lo) & (u < lo + prob)
+        lo += prob
+        if kind in ("inf", "-inf"):
+            out = B.where(sel, B.full(n, float(kind)), out)
+    return out
 
 
-def _magnitude(torch, kind: str, m):
-    """Magnitudes of one category from uniforms ``m`` in [0, 1): kinds "zero", "small"
-    (below 0.25), "large:<v>" and "tiny:<v>" (``v`` times [1, 2))."""
-    if kind == "zero":
-        return torch.zeros_like(m)
-    if kind == "small":
-        return m * 0.25
-    name, v = kind.split(":")
-    return (1.0 + m) * float(v)
+def _special(B, key: str, x_shape):
+    """(vals, x flat) of special set ``key``, float64 values of the storage type."""
+    p = B.p
+    nnz, n_x = p.nnz, int(np.prod(x_shape))
+    if key == "ranges":
+        x = B.rounded(_categories(B, n_x, [(0.10, "zero"), (0.15, "large"), (0.10, "small"), (0.07, "tiny")]))
+        mixed = _categories(B, nnz, [(0.10, "zero"), (0.25, "small"), (0.10, "large")])
+        regime = B.randint(10, p.shape[0])[B.rows()] if nnz else B.randint(10, 0)
+        # per row: 0-3 mixed, 4-5 all subnormal-range, 6-7 all below 0.25, 8 all zero, 9 plain
+        u = B.rand(nnz)
+        vals = B.where(regime < 4, mixed, 0.5 + u)
+        vals = B.where((regime == 4) | (regime == 5), (1.0 + u) * TINY[B.dtype], vals)
+        vals = B.where((regime == 6) | (regime == 7), 0.25 * u, vals)
+        vals = B.where(regime == 8, 0.0 * u, vals)
+        vals = B.rounded(B.where(B.rand(nnz) < 0.5, -vals, vals))
+        if nnz:  # each row scaled by a power of two: sum_j |a_ij x_j| <= ROW_LIMIT / 2
+            worst = B.row_absmax(vals, x.reshape(x_shape))
+            k = B.ceil(B.log2(B.where(worst > 0, worst, 1.0) / (ROW_LIMIT[B.dtype] / 2)))
+            k = B.where(k > 0, k, 0.0 * k)
+            vals = B.rounded(vals * B.exp2(-k)[B.rows()])
+        return vals, x
+    if key == "nonfinite":
+        frac = min(0.2, 0.35 * max(p.shape[0], 1) / max(nnz, 1))  # ~0.35 non-finite terms per row from each side
+        parts = [(frac / 3, "nan"), (frac / 3, "inf"), (frac / 3, "-inf"), (0.1, "zero")]
+        return B.rounded(_categories(B, nnz, parts)), B.rounded(_categories(B, n_x, parts))
+    raise ValueError(f"value set {key!r}; the special sets are {SPECIAL}")
 
 
-def _row_of(torch, p, device):
-    lengths = torch.from_numpy(np.diff(p.indptr).astype(np.int64)).to(device)
-    return torch.repeat_interleave(torch.arange(p.shape[0], device=device), lengths)
+def special_operands(torch, key: str, p, x_shape, dtype: str, seed: int, device):
+    """(vals, x flat) of special set ``key`` as tensors of the kernel's storage type on
+    ``device`` (module docstring): the GPU executor's."""
+    vals, x = _special(_Torch(torch, _seeds(seed, key)[0], p, dtype, device), key, x_shape)
+    st = getattr(torch, contract.TORCH_NAMES[dtype])
+    return vals.to(st), x.to(st)
+
+
+def special_host_operands(key: str, p, x_shape, dtype: str, seed: int):
+    """(vals, x) of special set ``key`` as the CPU executor's storage arrays (``to_dtype``)."""
+    vals, x = _special(_Numpy(_seeds(seed, key)[0], p, dtype), key, x_shape)
+    return to_dtype(vals, dtype)[0], to_dtype(x, dtype)[0].reshape(x_shape)
 
 
 def _csr64(torch, p, values, device):
@@ -168,64 +266,6 @@ def _csr64(torch, p, values, device):
 
 def _product(torch, a, x):
     return torch.mv(a, x) if x.dim() == 1 else torch.mm(a, x)
-
-
-def _to_storage(torch, t64, dtype: str):
-    return t64.to(getattr(torch, contract.TORCH_NAMES[dtype]))
-
-
-def special_operands(torch, key: str, p, x_shape, dtype: str, seed: int, device):
-    """(vals, x flat) of special set ``key`` as tensors of the kernel's storage type on
-    ``device`` (module docstring)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(_seeds(seed, key)[0])
-    nnz, n_x = p.nnz, int(np.prod(x_shape))
-    large, tiny = f"large:{LARGE[dtype]!r}", f"tiny:{TINY[dtype]!r}"
-    if key == "ranges":
-        x = _mixture(torch, g, n_x, [(0.10, "zero"), (0.15, large), (0.10, "small"), (0.07, tiny)], device)
-        mixed = _mixture(torch, g, nnz, [(0.10, "zero"), (0.25, "small"), (0.10, large)], device)
-        small = _mixture(torch, g, nnz, [(1.0, "small")], device)
-        tinies = _mixture(torch, g, nnz, [(1.0, tiny)], device)
-        plain = _mixture(torch, g, nnz, [], device)
-        row_of = _row_of(torch, p, device)
-        regime = torch.randint(0, 10, (p.shape[0],), generator=g, device=device)[row_of]
-        vals = torch.where(regime < 4, mixed, plain)
-        vals = torch.where((regime == 4) | (regime == 5), tinies, vals)
-        vals = torch.where((regime == 6) | (regime == 7), small, vals)
-        vals = torch.where(regime == 8, torch.zeros_like(vals), vals)
-        x_s = _to_storage(torch, x, dtype)
-        vals = _scale_rows(torch, p, _to_storage(torch, vals, dtype).double(), x_s.double().reshape(x_shape),
-                           row_of, ROW_LIMIT[dtype], device)
-        return _to_storage(torch, vals, dtype), x_s
-    if key == "nonfinite":
-        rows = max(p.shape[0], 1)
-        frac = min(0.2, 0.35 * rows / max(nnz, 1))  # about 0.35 non-finite terms per row from each side
-        nf = [(frac / 3, "nan"), (frac / 3, "inf"), (frac / 3, "-inf"), (0.1, "zero")]
-        return (_to_storage(torch, _nonfinite(torch, g, nnz, nf, device), dtype),
-                _to_storage(torch, _nonfinite(torch, g, n_x, nf, device), dtype))
-    raise ValueError(f"value set {key!r}; the special sets are {SPECIAL}")
-
-
-def _nonfinite(torch, g, numel: int, parts, device):
-    base = _mixture(torch, g, numel, [], device)
-    u = torch.rand(int(numel), generator=g, device=device, dtype=torch.float64)
-    lo = 0.0
-    for prob, kind in parts:
-        v = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "zero": 0.0}[kind]
-        base = torch.where((u >= lo) & (u < lo + prob), torch.full_like(base, v), base)
-        lo += prob
-    return base
-
-
-def _scale_rows(torch, p, vals64, x64, row_of, limit: float, device):
-    """``vals64`` with each row scaled by a power of two so that sum_j |a_ij x_j| <= limit / 2."""
-    if p.nnz == 0:
-        return vals64
-    absref = _product(torch, _csr64(torch, p, vals64.abs(), device), x64.abs())
-    if absref.dim() == 2:
-        absref = absref.amax(dim=1)
-    k = torch.ceil(torch.log2(absref.clamp_min(1e-300) / (limit / 2))).clamp_min(0)
-    return vals64 * torch.exp2(-k)[row_of]
 
 
 # ------------------------------------------------------------------ references
@@ -246,14 +286,6 @@ def storage_tensor(torch, a: np.ndarray, dtype: str, device: str = "cuda"):
 def as_storage(torch, a, dtype: str, device: str = "cuda"):
     """A storage array as a tensor on ``device``; a tensor (already there) as it is."""
     return a if isinstance(a, torch.Tensor) else storage_tensor(torch, a, dtype, device)
-
-
-def tensor_to_storage(torch, t, dtype: str) -> np.ndarray:
-    """A storage-typed tensor as the CPU executor's numpy storage array (bf16 as uint16)."""
-    t = t.detach().cpu().contiguous()
-    if dtype == "bf16":
-        return t.view(torch.int16).numpy().view(np.uint16).copy()
-    return t.numpy().copy()
 
 
 def device_reference(torch, p, vals, x, dtype: str, device: str = "cuda"):
@@ -307,11 +339,7 @@ class ValueSet:
     def _host_operands(self):
         if self._vals is None:
             if self.special:
-                import torch
-
-                v, x = special_operands(torch, self.key, self.p, self.x_shape, self.dtype, self.seed, "cpu")
-                self._vals = tensor_to_storage(torch, v, self.dtype)
-                self._x = tensor_to_storage(torch, x, self.dtype).reshape(self.x_shape)
+                self._vals, self._x = special_host_operands(self.key, self.p, self.x_shape, self.dtype, self.seed)
             else:
                 rng = np.random.default_rng([self.seed, self.key])
                 self._vals = to_dtype(_random_operand(rng, self.p.nnz), self.dtype)[0]

@@ -131,16 +131,21 @@ class GpuRunner:
     executor = "gpu"
 
     def __init__(self, candidate, header, pattern, fd, n: int, cubin: bytes | None = None,
-                 widest: int | None = None):
+                 widest: int | None = None, *, device: str = "cuda", kernel=None):
+        """``device``/``kernel``: where the arrays live and what launches there (a loaded
+        cubin by default); the tests run this runner's logic on CPU tensors with a CPU-executor
+        kernel in place of the cubin."""
         import torch
 
         from sparserl_compile import launcher
         from sparserl_compile.guarded import Regions
 
-        self.torch = torch
+        self.torch, self.device = torch, device
         self.header, self.pattern, self.fd, self.n = header, pattern, fd, n
         self.compile_log = ""
-        if cubin is None:
+        if kernel is not None:
+            self.kernel, self.cubin = kernel, cubin
+        elif cubin is None:
             from sparserl_compile import compiler
 
             major, minor = torch.cuda.get_device_capability()
@@ -149,14 +154,15 @@ class GpuRunner:
             except compiler.CompileError as e:
                 raise Fail("compile", f"NVRTC rejected the kernel:\n{getattr(e, 'log', e)}") from None
             cubin, self.compile_log = res.cubin, getattr(res, "log", "") or ""
-        self.cubin = cubin
-        try:
-            self.kernel = launcher.load(cubin, header)
-        except launcher.LaunchError as e:
-            raise Fail("compile", str(e)) from None
-        self.regions = Regions(torch, "cuda")
+        if kernel is None:
+            self.cubin = cubin
+            try:
+                self.kernel = launcher.load(cubin, header)
+            except launcher.LaunchError as e:
+                raise Fail("compile", str(e)) from None
+        self.regions = Regions(torch, device)
         self.oob = f"{self.regions.mode}: {self.regions.reason}"
-        self.structure = {k: torch.from_numpy(np.ascontiguousarray(v)).to("cuda") for k, v in fd.arrays.items()}
+        self.structure = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in fd.arrays.items()}
         self.widest = max(n, widest or n)
         self.last = None
 
@@ -179,9 +185,9 @@ class GpuRunner:
             self.regions.region("x", self.pattern.shape[1] * self.widest * es)
             self.regions.region("y", self.pattern.shape[0] * self.widest * es)
         arrays = {k: self._place(k, t, placement) for k, t in self.structure.items()}
-        vt = as_storage(torch, vals, dtype)
+        vt = as_storage(torch, vals, dtype, self.device)
         vfmt = self._place("vals", self.fd.gather_values(vt).contiguous(), placement)
-        xt = as_storage(torch, x, dtype)
+        xt = as_storage(torch, x, dtype, self.device)
         if op != "spmv":
             xt = xt.reshape(self.pattern.shape[1], -1)[:, :w]
         xt = self._place("x", xt.contiguous(), placement)
@@ -199,7 +205,8 @@ class GpuRunner:
         args = self.fd.kernel_args(op, w, arrays, vfmt, xt.reshape(-1), y)
         try:
             self.kernel.launch(args, self.header.launch.grid(self.fd.scalars, w))
-            torch.cuda.synchronize()
+            if self.regions.device.type == "cuda":
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - CUDA errors surface as RuntimeError or LaunchError
             msg = f"{type(e).__name__}: {e}"
             if "illegal" in msg.lower() and self.regions.mode == "vmm":
@@ -254,11 +261,12 @@ class GpuRunner:
         from sparserl_compile.bench import csr_tensor
 
         p = self.pattern
-        vt = as_storage(torch, vals, dtype)
-        xt = as_storage(torch, x, dtype)
+        vt = as_storage(torch, vals, dtype, self.device)
+        xt = as_storage(torch, x, dtype, self.device)
         if self.header.op != "spmv":
             xt = xt.reshape(p.shape[1], -1)[:, :w].contiguous()
-        a = csr_tensor(torch, torch.from_numpy(p.indptr).cuda(), torch.from_numpy(p.indices).cuda(), vt, p.shape)
+        a = csr_tensor(torch, torch.from_numpy(p.indptr).to(self.device), torch.from_numpy(p.indices).to(self.device),
+                       vt, p.shape)
         out = torch.mv(a, xt) if xt.dim() == 1 else torch.mm(a, xt)
         return out.double()
 

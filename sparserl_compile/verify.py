@@ -282,9 +282,10 @@ def _lenient(runner, pad, x_w):
     torch = runner.torch
     if not hasattr(runner, "_pad_t"):
         c = pad.tocsr()
-        runner._pad_t = torch.sparse_csr_tensor(torch.from_numpy(c.indptr.astype(np.int64)).cuda(),
-                                                torch.from_numpy(c.indices.astype(np.int64)).cuda(),
-                                                torch.from_numpy(c.data).cuda(), size=c.shape)
+        dev = runner.device
+        runner._pad_t = torch.sparse_csr_tensor(torch.from_numpy(c.indptr.astype(np.int64)).to(dev),
+                                                torch.from_numpy(c.indices.astype(np.int64)).to(dev),
+                                                torch.from_numpy(c.data).to(dev), size=c.shape)
     bad = (~torch.isfinite(x_w.float())).float()
     out = torch.mv(runner._pad_t, bad) if bad.dim() == 1 else torch.mm(runner._pad_t, bad)
     return out > 0
@@ -349,30 +350,51 @@ def verify(candidate: Candidate, matrix, *, op: str | None = None, dtype: str | 
     """
     t0 = time.perf_counter()
     passed: list[str] = []
-    errs: list[float] = []
-    notes: list[str] = []
     op = op or candidate.header.op
     dtype = dtype or candidate.header.dtype
     n = 1 if op == "spmv" else int(n)
     widths = (1,) if op == "spmv" else tuple(int(w) for w in (widths or (n,)))
     if widths[0] != n:
         raise ValueError(f"widths={widths}: the first width verified must be the call's n={n}")
-    keys: tuple = tuple(range(value_sets)) + (operands.SPECIAL if special else ())
-    done: list[int] = []
-    phases = dict.fromkeys(("prepare", "values", "runs", "widths", "cusparse"), 0.0)
-    log, oob, runner = "", "", None
     try:
         runner = prepare(candidate, matrix, op=op, dtype=dtype, executor=executor, n=n, cubin=cubin,
                          static=static, passed=passed, widths=widths)
-        phases["prepare"] = time.perf_counter() - t0
-        log, oob = runner.compile_log, runner.oob
+    except Fail as f:
+        return VerifyResult(False, f"{f.check}: {f.reason}", f.check, tuple(passed), (), executor, n, value_sets,
+                            seconds=time.perf_counter() - t0, phases={"prepare": time.perf_counter() - t0})
+    try:
+        return run_checks(runner, widths=widths, value_sets=value_sets, seed=seed, special=special,
+                          compare_cusparse=compare_cusparse, passed=passed, t0=t0)
+    finally:
+        if runner_out is not None:
+            runner_out.append(runner)
+        else:
+            runner.close()
+
+
+def run_checks(runner, *, widths: tuple[int, ...], value_sets: int = 3, seed: int = 0, special: bool = True,
+               compare_cusparse: bool = True, passed: list[str] | None = None,
+               t0: float | None = None) -> VerifyResult:
+    """The runs of ``verify`` (check 7 of the module docstring) on a prepared runner."""
+    t0 = time.perf_counter() if t0 is None else t0
+    passed = [] if passed is None else passed
+    op, dtype, n = runner.header.op, runner.header.dtype, widths[0]
+    executor = runner.executor
+    errs: list[float] = []
+    notes: list[str] = []
+    keys: tuple = tuple(range(value_sets)) + (operands.SPECIAL if special else ())
+    done: list[int] = []
+    phases = dict.fromkeys(("prepare", "values", "runs", "widths", "cusparse"), 0.0)
+    phases["prepare"] = time.perf_counter() - t0
+    log, oob = runner.compile_log, runner.oob
+    try:
         ctx = _Context(runner, op, dtype, seed, max(widths), phases)
         cmp = executor == "gpu" and compare_cusparse
         for key in keys:
             err, cmp = ctx.full(key, n, notes, cmp)
             if err is not None:
                 errs.append(err)
-        ctx.stale(keys, n)
+        stale = ctx.stale(keys, n)
         done.append(n)
         rotation = keys[:1] + (operands.SPECIAL if special else keys[1:])
         for i, w in enumerate(widths[1:]):
@@ -380,9 +402,7 @@ def verify(candidate: Candidate, matrix, *, op: str | None = None, dtype: str | 
             done.append(w)
         passed += [c for c in ("launch", "bounds", "race", "inputs", "written", "nonfinite", "error_bound",
                                "deterministic") if c != "nonfinite" or special]
-        if cmp:
-            passed.append("cusparse")
-        passed.append("stale")
+        passed += (["cusparse"] if cmp else []) + (["stale"] if stale else [])
         reason = (f"passed {len(passed)} checks on {len(keys)} value sets at {len(widths)} width"
                   f"{'s' if len(widths) > 1 else ''}")
         return VerifyResult(True, reason, None, tuple(passed), tuple(errs), executor, n, value_sets, log,
@@ -390,12 +410,6 @@ def verify(candidate: Candidate, matrix, *, op: str | None = None, dtype: str | 
     except Fail as f:
         return VerifyResult(False, f"{f.check}: {f.reason}", f.check, tuple(passed), tuple(errs), executor, n,
                             value_sets, log, time.perf_counter() - t0, tuple(notes), phases, tuple(done), keys, oob)
-    finally:
-        if runner is not None:
-            if runner_out is not None:
-                runner_out.append(runner)
-            else:
-                runner.close()
 
 
 class _Context:
@@ -413,8 +427,9 @@ class _Context:
     def operands(self, key):
         t = time.perf_counter()
         vs = operands.value_set(self.p, self.lengths, self.x_shape, self.dtype, self.seed, key)
-        vals, x = vs.device_operands() if self.gpu else (vs.vals, vs.x)
-        ref, absref, bound = vs.device() if self.gpu else vs.host()
+        dev = getattr(self.runner, "device", "cuda")
+        vals, x = vs.device_operands(dev) if self.gpu else (vs.vals, vs.x)
+        ref, absref, bound = vs.device(dev) if self.gpu else vs.host()
         self.phases["values"] += time.perf_counter() - t
         return vs, vals, x, (ref, absref, bound)
 
@@ -478,10 +493,11 @@ class _Context:
         self.run(vs, vals, x, w, self.expect(vs, refs, x, w), placement, "")
         self.phases["widths"] += time.perf_counter() - t
 
-    def stale(self, keys, w: int) -> None:
-        """Two calls into one output buffer that is never poisoned, with different operands."""
+    def stale(self, keys, w: int) -> bool:
+        """Two calls into one output buffer that is never poisoned, with different operands
+        (False: not run, for a ``zero_output=1`` kernel or a single value set)."""
         if self.zero_out or len(keys) < 2:
-            return
+            return False
         a, b = keys[0], keys[1]
         vs_a, vals_a, x_a, refs_a = self.operands(a)
         vs_b, vals_b, x_b, refs_b = self.operands(b)
@@ -489,7 +505,8 @@ class _Context:
         size = self.p.shape[0] * (1 if self.op == "spmv" else w)
         if self.gpu:  # the first call's output starts as zeros, as new memory often does
             torch = self.runner.torch
-            zeros = torch.zeros(size, dtype=torch.int32 if self.dtype == "f32" else torch.int16, device="cuda")
+            zeros = torch.zeros(size, dtype=torch.int32 if self.dtype == "f32" else torch.int16,
+                                device=self.runner.device)
         else:
             zeros = np.zeros(size, dtype=POISON[self.dtype][0])
         try:
@@ -502,6 +519,7 @@ class _Context:
                 raise Fail("stale", f"{f.reason}; the kernel answered from what y already held") from None
             raise
         self.phases["runs"] += time.perf_counter() - t
+        return True
 
 
 def _first(mask) -> int:

@@ -262,3 +262,107 @@ def test_good_kernels_pass_on_gpu_with_cusparse_agreement(shared_matrices):
             assert "cusparse" in r.checks_passed or r.notes
 
 
+
+
+# ------------------------------------------------------------------ the GPU executor's logic, on CPU tensors
+
+class _SimtOnTensors:
+    """A CPU-executor kernel in place of a loaded cubin: launched on CPU tensors as the
+    launcher launches on CUDA tensors, so the GPU runner's own logic (guarded regions,
+    poison, placements, the checks on tensors) runs here. Unguarded by simt, so a write
+    beside an array lands in the region's fill, where the GPU runner must find it."""
+
+    def __init__(self, source: str):
+        from sparserl_compile import simt
+
+        self.k = simt.compile_kernel(source)
+        self.h = self.k.header.launch
+
+    def launch(self, args, grid):
+        self.k.launch(grid, (self.h.block, 1, 1), self.h.smem, [_host_view(a) for a in args], guard=False)
+
+    def bind(self, fixed, grid):
+        return lambda x, y: self.launch(list(fixed) + [x, y], grid)
+
+
+def _host_view(a):
+    import torch
+
+    if not isinstance(a, torch.Tensor):
+        return a
+    return a.view(torch.int16).numpy().view(np.uint16) if a.dtype == torch.bfloat16 else a.numpy()
+
+
+def _gpu_twin(source: str, m, n: int = 1, widths=None, **kw):
+    from sparserl_compile import formats
+    from sparserl_compile.runners import GpuRunner
+
+    cand = candidate(source)
+    pat = verify.Pattern.of(m)
+    fd = formats.convert(pat.indptr, pat.indices, pat.shape, cand.header.format, cand.header.params)
+    widths = widths or (n,)
+    runner = GpuRunner(cand, cand.header, pat, fd, n, b"", widest=max(widths), device="cpu",
+                       kernel=_SimtOnTensors(source))
+    try:
+        return verify.run_checks(runner, widths=widths, **kw), runner
+    finally:
+        runner.close()
+
+
+@needs_simt
+def test_gpu_runner_logic_passes_a_good_kernel_and_fails_each_cheat_on_cpu_tensors():
+    m = matrices.stencil2d(10)
+    r, runner = _gpu_twin(GOOD, m)
+    assert r.ok, r.reason
+    assert r.executor == "gpu" and r.oob.startswith("zones") and "stale" in r.checks_passed
+    r, _ = _gpu_twin(SPMM_GOOD, m, n=6, widths=verify.widths_to_verify("spmm", 6))
+    assert r.ok and r.widths == (6, 5, 7, 8), r.reason
+    body = "  if (row < n_rows) {\n"
+    cheats = {
+        "stale": GOOD.replace(body, body + "    if (y[row] == y[row]) { return; }\n", 1),
+        "bounds": GOOD.replace("    y[row] = acc;\n", "    y[row] = acc;\n    (&y[0])[n_rows + 3] = acc;\n", 1),
+        "nonfinite": GOOD.replace("acc += vals[k] * x[col_idx[k]];",
+                                  "float p = vals[k] * x[col_idx[k]]; if (p - p == 0.0f) { acc += p; }", 1),
+        "error_bound": GOOD.replace("acc += vals[k] * x[col_idx[k]];",
+                                    "acc += vals[k] * min(max(x[col_idx[k]], -2.0f), 2.0f);", 1),
+    }
+    for check, src in cheats.items():
+        assert src != GOOD, check
+        r, _ = _gpu_twin(src, m)
+        assert not r.ok and r.failed == check, (check, r.reason)
+    r, _ = _gpu_twin(FAULTS["writes_input"].source, m)
+    assert not r.ok and r.failed == "inputs", r.reason
+
+
+@needs_simt
+def test_gpu_runner_times_into_re_poisoned_outputs_on_cpu_tensors():
+    """``timing_fns``: each call writes its own output, and ``poison`` refills them all, so a
+    timed call never finds an answer in y (run here on CPU tensors)."""
+    import torch
+
+    m = matrices.stencil2d(10)
+    src = GOOD.replace("  if (row < n_rows) {\n", "  if (row < n_rows) {\n    if (y[row] == y[row]) { y[row] = -7.0f; return; }\n", 1)
+    cand = candidate(src)
+    from sparserl_compile import formats
+    from sparserl_compile.runners import GpuRunner
+
+    pat = verify.Pattern.of(m)
+    fd = formats.convert(pat.indptr, pat.indices, pat.shape, "csr", {})
+    runner = GpuRunner(cand, cand.header, pat, fd, 1, b"", device="cpu", kernel=_SimtOnTensors(src))
+    try:
+        vs = verify.operands.value_set(pat, np.diff(pat.indptr), (pat.shape[1],), "f32", 0, 0)
+        call, poison, out_bytes = runner.timing_fns(*vs.device_operands("cpu"), "f32")
+        assert out_bytes == 100 * 4
+        ref = vs.device("cpu")[0]
+        poison()
+        call(0)
+        call(1)
+        y0 = runner.last[0][-1]
+        assert torch.allclose(y0.double(), ref, rtol=1e-5)
+        call(0)  # not re-poisoned: the kernel finds its answer and marks it
+        assert bool((y0 == -7.0).all())
+        poison()
+        call(0)
+        assert torch.allclose(y0.double(), ref, rtol=1e-5)
+    finally:
+        runner.close()
