@@ -143,6 +143,10 @@ class Region:
         return None
 
 
+#: device index -> (mode, reason) of the first ``Regions`` there
+_PROBED: dict[int, tuple[str, str]] = {}
+
+
 class Regions:
     """The regions of one runner, by array name, on ``device`` ("cuda:i" or "cpu")."""
 
@@ -154,12 +158,17 @@ class Regions:
             self.mode, self.reason = self._probe()
 
     def _probe(self) -> tuple[str, str]:
-        try:
-            m = _vmm_map(self._index(), 1)
-        except Exception as e:  # noqa: BLE001 - the driver API missing, old or refusing
-            return "zones", f"CUDA virtual memory management unavailable ({type(e).__name__}: {str(e)[:160]})"
-        _vmm_unmap(m)
-        return "vmm", f"{GUARD_BYTES >> 30} GiB unmapped on each side of every array"
+        """Whether this process can map guarded regions on the device (tried once per device)."""
+        dev = self._index()
+        if dev not in _PROBED:
+            try:
+                _vmm_unmap(_vmm_map(dev, 1))
+            except Exception as e:  # noqa: BLE001 - the driver API missing, old or refusing
+                _PROBED[dev] = ("zones", f"CUDA virtual memory management unavailable ({type(e).__name__}: "
+                                         f"{str(e)[:160]}); {ZONE_BYTES >> 10} KiB of fill on each side of every array")
+            else:
+                _PROBED[dev] = ("vmm", f"{GUARD_BYTES >> 30} GiB unmapped on each side of every array")
+        return _PROBED[dev]
 
     def _index(self) -> int:
         return self.device.index if self.device.index is not None else self.torch.cuda.current_device()

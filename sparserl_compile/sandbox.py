@@ -77,6 +77,8 @@ class SandboxJob:
     static: bool = True  # False skips the static checks (fault-injection tests only)
     #: dense widths to verify, ``n`` first (``verify.widths_to_verify``); () = just ``n``
     widths: tuple[int, ...] = ()
+    #: False leaves out the special value sets (``operands.SPECIAL``): measurements of their cost only
+    special: bool = True
     #: GPU sleep (us) before each timed call, so no host path enters a timing (bench.time_fn);
     #: None: ``bench.HIDE_HOST_US``
     hide_host_us: float | None = None
@@ -145,7 +147,7 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
     try:
         vr = V.verify(job.candidate, pattern, op=job.op, dtype=job.dtype, executor=job.executor, n=job.n,
                       value_sets=job.value_sets, seed=job.seed, static=job.static, runner_out=runners,
-                      widths=tuple(job.widths) or None)
+                      widths=tuple(job.widths) or None, special=job.special)
         return _after_verify(job, pattern, vr, runners[0] if runners else None, t0)
     finally:
         for r in runners:

@@ -289,6 +289,21 @@ def _hot_ok(r: SandboxResult, ref_hot_us: float | None, margin: float) -> bool:
     return g is not None and ref_hot_us is not None and g < (1.0 - margin) * ref_hot_us
 
 
+def outdated(record: dict) -> str | None:
+    """Why a cached verdict's record (``Choice.record``) was decided by rules older than
+    ``decide``'s, or None. Only a kept kernel can be outdated: the rules only grew stricter,
+    so a verdict that the reference wins stands. A kept kernel must list the widths it was
+    verified at and, if timed, the reference's hot figure it beat."""
+    chosen = record.get("chosen")
+    if chosen is None or not record.get("candidates"):
+        return None
+    if "widths_verified" not in record:
+        return "it was verified at one width only, not at every width of its bucket"
+    if record.get("reference_us") is not None and record.get("reference_hot_us") is None:
+        return "it was not compared with the reference with a hot L2"
+    return None
+
+
 def choose(problem, candidates: list[Candidate], *, executor: str | None = None, time: bool = True,
            timeout_s: float = 60.0, margin: float = DEFAULT_MARGIN, pool: SandboxPool | None = None,
            value_sets: int = 3, seed: int = 0) -> Choice:

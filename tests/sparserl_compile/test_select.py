@@ -272,3 +272,16 @@ def test_parallel_verify_agrees_with_the_default_order_on_gpu():
     assert all(r.kernel_us > 0 for r in par.results if r.ok) and par.reference_us() > 0
     assert set(par.parts) == {"verify", "reference", "time"}
     print(f"\nstencil2d_300, 3 candidates: default order {seq.seconds:.2f} s, parallel verify {par.seconds:.2f} s")
+
+
+def test_records_of_older_rules_are_told_apart():
+    from sparserl_compile.select import outdated
+
+    c = decide(CANDS, Evaluation((_hot(9.0), _hot(7.0)), _ref_hot(10.0), 1.0))
+    assert outdated(c.record) is None
+    old = {k: v for k, v in c.record.items() if k not in ("widths_verified", "reference_hot_us")}
+    assert "one width" in outdated(old)
+    assert "hot L2" in outdated({**old, "widths_verified": [1]})
+    assert outdated({"chosen": None, "candidates": [{}], "rule": "reference wins"}) is None
+    untimed = decide(CANDS, Evaluation((SandboxResult("ok"),), None, 1.0))
+    assert outdated(untimed.record) is None and untimed.record["widths_verified"] == []
