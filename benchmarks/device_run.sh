@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] [DECODE="..."] [RAFT_DECODE="..."] [PROPOSE="..."] [DRAFTS="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+# Everything a GPU machine runs, in one call:
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -25,7 +25,7 @@ fi
 
 # numba's disk cache, as `make setup` writes it: otherwise the first process here (a test, a
 # benchmark's first case) would also compile sparserl's numba code (seconds)
-python3 -m sparserl_compile.cli warm >"$LOGS/warm.log" 2>&1; head -1 "$LOGS/warm.log"
+python3 -m sparserl_compile.commands.cli warm >"$LOGS/warm.log" 2>&1; head -1 "$LOGS/warm.log"
 
 echo "== versions"
 python3 - <<'EOF' 2>&1 | tee "$LOGS/versions.log"
@@ -84,7 +84,7 @@ run_hook llm "${LLM:-}" "${LLM_TIMEOUT:-400}" 40 "^ *warn\|UserWarning" \
 for i in "" 2; do
   v="EVAL$i"
   run_hook "eval$i" "${!v:-}" "${EVAL_TIMEOUT:-300}" 40 "^ *warn\|Warning\|Loading weights" \
-    python3 -m sparserl_compile.cli eval --out "$BENCH_DIR/eval$i.json"
+    python3 -m sparserl_compile.commands.cli eval --out "$BENCH_DIR/eval$i.json"
 done
 
 # Cold start per provider: COLD="args of benchmarks/cold_start.py"
@@ -107,32 +107,10 @@ run_hook pregen "${PREGEN:-}" "${PREGEN_TIMEOUT:-300}" 60 "Warning\|warn" \
 [ -z "${PREGEN:-}" ] || [ ! -d "$PREGEN_CACHE" ] \
   || tar czf "$OUT/pregen_cache.tgz" -C "$(dirname "$PREGEN_CACHE")" "$(basename "$PREGEN_CACHE")"
 
-# Policy decoding, plain vs speculative (the k samples also in one batch): DECODE="args of
-# benchmarks/decode_speed.py", e.g. "--k 4"
-run_hook decode "${DECODE:-}" "${DECODE_TIMEOUT:-180}" 20 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/decode_speed.py --json "$BENCH_DIR/decode_speed.json"
-
-# RAFT's candidate decoding by origin, format candidates plain vs drafted (needs the shared
-# matrices: SPARSERL_SHARED_MATRICES): RAFT_DECODE="args of benchmarks/raft_decode_speed.py", e.g. "--device cuda"
-# (add --traced-samples to time the samples traced as before, --batched-samples in one undrafted batch,
-# --batch-drafts the drafted samples and format candidates speculatively in one batch)
-run_hook raft_decode "${RAFT_DECODE:-}" "${RAFT_DECODE_TIMEOUT:-300}" 12 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/raft_decode_speed.py --json "$BENCH_DIR/raft_decode_speed.json"
-
-# The policy provider's proposal, its candidates one at a time vs in one batch:
-# PROPOSE="args of benchmarks/propose_speed.py", e.g. "--device cuda"
-run_hook propose "${PROPOSE:-}" "${PROPOSE_TIMEOUT:-240}" 12 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/propose_speed.py --json "$BENCH_DIR/propose_speed.json"
-
-# Decoding with and without a draft of every format, on the held-out records:
-# DRAFTS="args of benchmarks/format_drafts.py", e.g. "--k 4 --device cuda"
-run_hook drafts "${DRAFTS:-}" "${DRAFTS_TIMEOUT:-240}" 8 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/format_drafts.py --json "$BENCH_DIR/format_drafts.json"
-
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then
 echo "== sparserl bench $*"
-python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
+python3 -m sparserl_compile.commands.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
 BENCH_RC=$?
 tail -30 "$LOGS/bench.log"
 fi
@@ -140,7 +118,7 @@ fi
 if [ -n "${BENCH2:-}" ]; then
   echo "== sparserl bench $BENCH2"
   sleep 1  # results files are named by the second
-  python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" $BENCH2 >"$LOGS/bench2.log" 2>&1
+  python3 -m sparserl_compile.commands.cli bench --out "$BENCH_DIR" $BENCH2 >"$LOGS/bench2.log" 2>&1
   BENCH_RC="$BENCH_RC/$?"
   tail -20 "$LOGS/bench2.log"
 fi

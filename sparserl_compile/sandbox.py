@@ -529,7 +529,7 @@ class SandboxPool:
     def start(self, wait: bool = False, count: int = 1) -> None:
         """Start workers in the background now, up to ``count`` (plus ``spare``) idle or starting ones (e.g. the
         pool's ``workers`` before a first ``map``), so the first jobs do not wait for them
-        (``runtime.prewarm``, RL's reward workers while the policy decodes); ``wait=True``
+        (``miss.prewarm``, RL's reward workers while the policy decodes); ``wait=True``
         returns once ``count`` are up (or none is starting any more)."""
         with self._lock:
             if self._closed:
