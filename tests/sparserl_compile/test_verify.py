@@ -317,6 +317,11 @@ def test_gpu_runner_logic_passes_a_good_kernel_and_fails_each_cheat_on_cpu_tenso
     assert r.executor == "gpu" and r.oob.startswith("zones") and "stale" in r.checks_passed
     r, _ = _gpu_twin(SPMM_GOOD, m, n=6, widths=verify.widths_to_verify("spmm", 6))
     assert r.ok and r.widths == (6, 5, 7, 8), r.reason
+    for name, e in _edge_cases().items():  # empty rows and patterns: zero-byte arrays in their regions
+        r, _ = _gpu_twin(GOOD, e)
+        assert r.ok, (name, r.reason)
+        r, _ = _gpu_twin(SPMM_GOOD, e, n=3, widths=(3, 4))
+        assert r.ok, (name, r.reason)
     body = "  if (row < n_rows) {\n"
     cheats = {
         "stale": GOOD.replace(body, body + "    if (y[row] == y[row]) { return; }\n", 1),
