@@ -9,7 +9,9 @@ bump it whenever a template's text changes.
 
 Families (module: names): ``csr``: csr_scalar, csr_vector, csr_rowgroup, csr_smem;
 ``balanced``: csr_part, merge; ``padded``: ell, sell; ``dia``: dia; ``bsr``: bsr, bsr_wmma;
-``baked``: baked (only with a structure of at most ``baked.MAX_NNZ`` nonzeros).
+``baked``: baked (only with a structure of at most ``baked.MAX_NNZ`` nonzeros);
+``split``: csr_split (SpMM on graphs: hub rows apart, merged short rows, locality order);
+``tcw``: tcw_wmma (SpMM on tensor cores over condensed row windows, f16/bf16).
 
 All values are f32, f16 (``__half``) or bf16 (``__nv_bfloat16``) and accumulate in float.
 SpMM kernels are correct for any dense width ``n`` with ``n % n_align == 0`` (header line 2).
@@ -41,10 +43,10 @@ Idioms. The templates keep to this small set, which the policy grammar
 from __future__ import annotations
 
 from sparserl_compile import contract
-from sparserl_compile.kernels import baked, balanced, bsr, csr, dia, padded
+from sparserl_compile.kernels import baked, balanced, bsr, csr, dia, padded, split, tcw
 from sparserl_compile.kernels.template import Family
 
-KERNEL_SPACE_VERSION = "1"
+KERNEL_SPACE_VERSION = "2"
 
 FAMILIES: tuple[Family, ...] = (
     *csr.FAMILIES,
@@ -53,6 +55,8 @@ FAMILIES: tuple[Family, ...] = (
     *dia.FAMILIES,
     *bsr.FAMILIES,
     *baked.FAMILIES,
+    *split.FAMILIES,
+    *tcw.FAMILIES,
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
