@@ -13,16 +13,19 @@ def test_defaults_and_quick(monkeypatch, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
     a = graph_kernels.parse_args([])
     assert a.graphs[:2] == ("rmat:20:16", "rmat:18:8") and a.widths == (32, 64, 128, 256)
-    assert a.dtypes == ("f32", "bf16") and a.max_points == 3 and a.out == str(tmp_path / "graph_kernels.json")
+    assert a.dtypes == ("f32", "bf16") and a.max_points == 3 and a.max_graph_points == 6
+    assert a.out == str(tmp_path / "graph_kernels.json")
     q = graph_kernels.parse_args(["--quick", "--out", "x.json"])
-    assert q.graphs == ("rmat:18:8", "wiki-Vote", "cora_adj") and q.widths == (64, 128) and q.max_points == 2
+    assert q.graphs == ("rmat:18:8", "wiki-Vote", "cora_adj") and q.widths == (64, 128)
+    assert (q.max_points, q.max_graph_points) == (2, 4)
     assert q.out == "x.json"
     c = graph_kernels.parse_args(["--graphs", "rmat:12:4,cora_adj", "--widths", "16,512", "--dtypes", "f16"])
     assert c.graphs == ("rmat:12:4", "cora_adj") and c.widths == (16, 512) and c.dtypes == ("f16",)
 
 
 @pytest.mark.parametrize("argv", [["--graphs", "rmat:40:8"], ["--graphs", "rmat:18"], ["--graphs", "a/b"],
-                                  ["--dtypes", "f64"], ["--widths", "0"], ["--widths", "x"], ["--max-points", "0"]])
+                                  ["--dtypes", "f64"], ["--widths", "0"], ["--widths", "x"], ["--max-points", "0"],
+                                  ["--max-graph-points", "0"], ["--reps", "2"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         graph_kernels.parse_args(argv)
@@ -53,6 +56,9 @@ def test_choose_points_caps_each_family_and_rotates():
     assert len([c for c in got if c.family == "a"]) == 3
     seen = {c.name for k in range(10) for c in graph_kernels.choose_points(cands, 3, offset=k) if c.family == "a"}
     assert seen == {f"a{i}" for i in range(10)}  # successive problems sample every point
+    graph = [_C("csr_split", i) for i in range(10)] + cands
+    got = graph_kernels.choose_points(graph, 2, max_graph_points=5)
+    assert [len([c for c in got if c.family == f]) for f in ("csr_split", "a", "b")] == [5, 2, 2]
 
 
 def _problem(graph="rmat20_e16", n=128, nnz=16_000_000, torch_us=1000.0, points=()):
