@@ -120,10 +120,11 @@ FORMATS: dict[str, Format] = {
         Format(
             "csr_split", ("n_rows", "n_cols", "n_hubs", "n_parts"),
             ("row_id", "piece_ptr", "srow_ptr", "scol", "sval"), "sval", ("parts",),
-            ("order", "piece", "hub", "warps"),
-            doc="CSR stored in processing order (graphformats.py): stored row k is the user's "
-            "row row_id[k], its entries srow_ptr[k]..srow_ptr[k+1]-1 of scol/sval; rows "
-            "0..n_hubs-1 are the hub rows (length >= hub), one per block of `warps` warps; the "
+            ("order", "piece", "hub", "warps", "split"),
+            doc="CSR stored in processing order (graphformats.py): stored row k adds into the "
+            "user's row row_id[k], its entries srow_ptr[k]..srow_ptr[k+1]-1 of scol/sval; "
+            "stored rows 0..n_hubs-1 are chunks of the hub rows (length >= hub; a hub row is cut "
+            "into min(split, ceil(length/hub)) chunks), one per block of `warps` warps; the "
             "other stored rows are cut into pieces of at most `piece` work, piece p covering "
             "stored rows piece_ptr[p]..piece_ptr[p+1]-1, one per warp after the hub blocks; "
             "n_parts = n_hubs*warps + pieces; order: 1 natural, 2 degree, 3 rcm, 4 bfs",

@@ -60,7 +60,7 @@ DEFAULT_PARAMS: dict[str, dict[str, int]] = {
     "merge": {"items_per_part": 1024},
     "sell": {"C": 32, "sigma": 256},
     "bsr": {"R": 4, "C": 4},
-    "csr_split": {"order": 1, "piece": 64, "hub": 1024, "warps": 8},
+    "csr_split": {"order": 1, "piece": 64, "hub": 1024, "warps": 8, "split": 1},
     "tcw": {"order": 1, "H": 16},
 }
 
@@ -512,7 +512,7 @@ def warm() -> float:
     structure.features(ip, ix, (n, n))
     for fmt, params in (("csr_part", None), ("merge", None), ("ell", None), ("sell", {"C": 4, "sigma": 8}),
                         ("dia", None), ("bsr", {"R": 2, "C": 2}),
-                        ("csr_split", {"order": 4, "piece": 4, "hub": 3, "warps": 2}), ("tcw", {"order": 2, "H": 4})):
+                        ("csr_split", {"order": 4, "piece": 4, "hub": 3, "warps": 2, "split": 2}), ("tcw", {"order": 2, "H": 4})):
         try:
             convert(ip, ix, (n, n), fmt, params, max_fill=1e9)
         except FormatNotSuitable:  # pragma: no cover - the warm-up pattern suits every format

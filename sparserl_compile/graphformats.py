@@ -20,15 +20,18 @@ Row orders (the ``order`` header parameter of both layouts):
 
 Layouts (``n_rows``/``n_cols``/``nnz`` of the CSR input):
 
-* ``csr_split`` (parameters ``order``, ``piece``, ``hub``, ``warps``): the CSR rows stored
-  in processing order: the hub rows (length >= ``hub``) first, in the row order, then the
-  other rows in the row order. ``row_id[k]`` is the user's row of stored row ``k``;
-  ``srow_ptr`` (``n_rows + 1``), ``scol`` and the values follow the stored order. Stored rows
-  ``[n_hubs, n_rows)`` are cut greedily into pieces of at most ``piece`` work (a row's work
-  is its length, at least 1; a longer row is a piece of its own): ``piece_ptr`` holds
-  ``n_pieces + 1`` stored-row bounds. ``n_parts = n_hubs * warps + n_pieces``: launched with
-  ``warps`` warps per block over ``parts``, the first ``n_hubs`` blocks take one hub row each
-  (all warps of the block), every later warp one piece.
+* ``csr_split`` (parameters ``order``, ``piece``, ``hub``, ``warps``, ``split``): the CSR
+  rows stored in processing order: the hub rows (length >= ``hub``) first, in the row order,
+  each cut into ``min(split, ceil(length / hub))`` chunks of near-equal length (one chunk,
+  the whole row, for ``split = 1``), then the other rows in the row order. Stored row ``k``
+  (a row or a hub chunk) belongs to the user's row ``row_id[k]``; ``srow_ptr`` (stored rows
+  + 1 entries), ``scol`` and the values follow the stored order. The ``n_hubs`` hub chunks
+  come first; the later stored rows are cut greedily into pieces of at most ``piece`` work
+  (a row's work is its length, at least 1; a longer row is a piece of its own):
+  ``piece_ptr`` holds ``n_pieces + 1`` stored-row bounds. ``n_parts = n_hubs * warps +
+  n_pieces``: launched with ``warps`` warps per block over ``parts``, the first ``n_hubs``
+  blocks take one hub chunk each (all warps of the block), every later warp one piece. With
+  ``split > 1`` the chunks of one row are summed into it (``atomicAdd``, ``zero_output``).
 * ``tcw`` (parameters ``order``, ``H``): condensed row windows for tensor cores (TC-GNN,
   DTC-SpMM). The rows in the row order are cut into ``n_parts = ceil(n_rows / H)`` windows of
   ``H`` rows; ``row_id[w*H + r]`` is the user's row of row ``r`` of window ``w`` (-1 past
@@ -171,37 +174,35 @@ def row_order(ip: np.ndarray, ix: np.ndarray, shape, order: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def _split_layout(ip, ix, stored, n_hubs, piece):
-    n_rows = stored.size
-    srow_ptr = np.empty(n_rows + 1, np.int64)
+def _split_layout(ix, starts, ends, n_hubs, piece):
+    n = starts.size
+    srow_ptr = np.empty(n + 1, np.int64)
     srow_ptr[0] = 0
-    for k in range(n_rows):
-        r = stored[k]
-        srow_ptr[k + 1] = srow_ptr[k] + ip[r + 1] - ip[r]
-    vm = np.empty(srow_ptr[n_rows], np.int64)
-    scol = np.empty(srow_ptr[n_rows], np.int32)
-    for k in range(n_rows):
-        r = stored[k]
+    for k in range(n):
+        srow_ptr[k + 1] = srow_ptr[k] + ends[k] - starts[k]
+    vm = np.empty(srow_ptr[n], np.int64)
+    scol = np.empty(srow_ptr[n], np.int32)
+    for k in range(n):
         q = srow_ptr[k]
-        for p in range(ip[r], ip[r + 1]):
+        for p in range(starts[k], ends[k]):
             vm[q] = p
             scol[q] = ix[p]
             q += 1
-    pp = np.empty(n_rows - n_hubs + 1, np.int32)
+    pp = np.empty(n - n_hubs + 1, np.int32)
     pp[0] = n_hubs
-    n = 1
+    m = 1
     acc = 0
-    for k in range(n_hubs, n_rows):
+    for k in range(n_hubs, n):
         w = max(srow_ptr[k + 1] - srow_ptr[k], 1)
         if acc > 0 and acc + w > piece:
-            pp[n] = k
-            n += 1
+            pp[m] = k
+            m += 1
             acc = 0
         acc += w
-    if pp[n - 1] != n_rows:
-        pp[n] = n_rows
-        n += 1
-    return srow_ptr, scol, vm, pp[:n]
+    if pp[m - 1] != n:
+        pp[m] = n
+        m += 1
+    return srow_ptr, scol, vm, pp[:m]
 
 
 def split(ip, ix, shape, p: dict[str, int]):
@@ -210,15 +211,23 @@ def split(ip, ix, shape, p: dict[str, int]):
     if p["warps"] > MAX_WARPS:
         raise ValueError(f"csr_split: warps={p['warps']} exceeds the {MAX_WARPS} warps of a 1024-thread block")
     order = row_order(ip, ix, shape, p["order"])
-    lengths = np.diff(ip)
-    hub = lengths[order] >= p["hub"]
-    stored = np.concatenate([order[hub], order[~hub]]).astype(np.int32)
-    n_hubs = int(hub.sum())
-    srow_ptr, scol, vm, piece_ptr = _split_layout(ip, ix, stored, n_hubs, p["piece"])
+    lengths = np.diff(ip).astype(np.int64)
+    is_hub = lengths[order] >= p["hub"]
+    hubs, rest = order[is_hub], order[~is_hub]
+    L = lengths[hubs]
+    cuts = np.minimum(p["split"], np.maximum(-(-L // p["hub"]), 1))  # chunks per hub row
+    owner = np.repeat(np.arange(hubs.size), cuts)
+    j = np.arange(owner.size) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # chunk index within its row
+    base = ip[hubs].astype(np.int64)[owner]
+    starts = np.concatenate([base + (L[owner] * j) // cuts[owner], ip[rest].astype(np.int64)])
+    ends = np.concatenate([base + (L[owner] * (j + 1)) // cuts[owner], ip[rest + 1].astype(np.int64)])
+    n_hubs = int(owner.size)
+    srow_ptr, scol, vm, piece_ptr = _split_layout(ix, starts, ends, n_hubs, p["piece"])
     n_pieces = int(piece_ptr.size - 1)
     scalars = {"n_rows": n_rows, "n_cols": n_cols, "n_hubs": n_hubs,
                "n_parts": n_hubs * p["warps"] + n_pieces}
-    arrays = {"row_id": stored, "piece_ptr": piece_ptr, "srow_ptr": srow_ptr, "scol": scol}
+    arrays = {"row_id": np.concatenate([hubs[owner], rest]).astype(np.int32), "piece_ptr": piece_ptr,
+              "srow_ptr": srow_ptr, "scol": scol}
     return scalars, arrays, vm
 
 

@@ -18,7 +18,9 @@ cannot run, by structure rules computed once per pattern (``structure.features``
   variation at least ``SPLIT_MIN_CV``: graphs, circuits, not meshes or stencils) and widths of
   at least ``GRAPH_MIN_N``; a point whose lanes span more columns than ``n`` is dropped when a
   narrower vector of the dtype fits (its extra lanes would idle); order 3 (RCM) is dropped
-  for rectangular matrices, where it falls back to order 4.
+  for rectangular matrices, where it falls back to order 4; the hub-row variants (wide hub
+  blocks, hub rows cut into atomically summed chunks) only where some row reaches their hub
+  threshold.
 * ``tcw_wmma`` (tensor cores): widths of at least ``GRAPH_MIN_N``, and a point whose warp
   spans more columns than ``n`` is dropped when the narrower one fits; the same RCM rule.
 
@@ -144,6 +146,8 @@ def _graph_rule(c: Candidate, f, n: int) -> str | None:
         return "graph families: wider than n"
     if c.family == "csr_split" and f.row_cv < SPLIT_MIN_CV:
         return "csr_split: rows too regular"
+    if c.family == "csr_split" and f.row_max < p["hub"] and (p["split"] > 1 or p["warps"] > 8):
+        return "csr_split: no hub rows for its hub blocks"
     return None
 
 

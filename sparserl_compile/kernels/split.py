@@ -15,7 +15,10 @@ and the other rows cut into pieces of about ``piece`` nonzeros. The kernel ``csr
 * a hub row (length >= ``hub``) gets a whole block: its ``warps`` warps take interleaved
   32-entry chunks of the row and add their partial sums in shared memory in a fixed order
   (deterministic, no atomics, so the same kernel serves f16/bf16), hub blocks first so they
-  start before the many small pieces;
+  start before the many small pieces. One block per hub bounds how fast the longest row can
+  go; with ``split = 16`` (f32 only) a hub row is cut into up to 16 chunks, one block each,
+  whose sums are added into the zeroed output with ``atomicAdd`` (``zero_output=1``: the
+  runtime clears ``y`` first, the price of spreading a hub over the GPU);
 * the row order (``order``: natural, degree, RCM, BFS) decides which rows run together, and
   so how often a gathered row of ``X`` is still in the L2; results go to ``row_id[row]``.
 
@@ -34,17 +37,21 @@ FULL = "0xffffffff"
 UNROLL = 4
 
 _VS = {"f32": (1, 2, 4), "f16": (2, 4, 8), "bf16": (2, 4, 8)}
-_ALLOWED = {"v": (1, 2, 4, 8), "order": (1, 2, 3, 4), "piece": (32, 128), "hub": (512, 4096), "warps": (4, 8, 16)}
+_ALLOWED = {"v": (1, 2, 4, 8), "order": (1, 2, 3, 4), "piece": (32, 128), "hub": (512, 4096), "warps": (4, 8, 16),
+            "split": (1, 16)}
 
 
 def space(op: str, dtype: str) -> list[dict]:
     """Every width of vector, every order, two piece sizes; one block shape (8 warps, hubs from
-    512 nonzeros) plus, for the widest vector, a wider hub block (16 warps, hubs from 4096)."""
+    512 nonzeros, whole hub rows) plus, for the widest vector, a wider hub block (16 warps, hubs
+    from 4096); for f32 also hub rows cut into up to 16 chunks summed with atomicAdd."""
     if op != "spmm":
         return []
-    pts = [{"v": v, "order": o, "piece": p, "hub": 512, "warps": 8}
+    pts = [{"v": v, "order": o, "piece": p, "hub": 512, "warps": 8, "split": 1}
            for v in _VS[dtype] for o in (1, 2, 3, 4) for p in (32, 128)]
-    pts += [{"v": _VS[dtype][-1], "order": o, "piece": 128, "hub": 4096, "warps": 16} for o in (3, 4)]
+    pts += [{"v": _VS[dtype][-1], "order": o, "piece": 128, "hub": 4096, "warps": 16, "split": 1} for o in (3, 4)]
+    if dtype == "f32":
+        pts += [{"v": v, "order": o, "piece": 128, "hub": 512, "warps": 8, "split": 16} for v in _VS[dtype] for o in (2, 4)]
     return pts
 
 
@@ -103,8 +110,9 @@ def _steps(dtype: str, v: int, j: str, count: int) -> list[str]:
     return lines
 
 
-def _hub(dtype: str, v: int, w: int) -> list[str]:
-    """One hub row per block: warps take interleaved 32-entry chunks, shared-memory sum."""
+def _hub(dtype: str, v: int, w: int, atomic: bool) -> list[str]:
+    """One hub row (or, with ``atomic``, one chunk of it) per block: warps take interleaved
+    32-entry chunks, shared-memory sum in a fixed order; a chunk is added into ``y``."""
     body = [
         "int h = blockIdx.x;",
         "int start = __ldg(&srow_ptr[h]);",
@@ -123,7 +131,11 @@ def _hub(dtype: str, v: int, w: int) -> list[str]:
     body += ["__syncthreads();", "if (warp == 0 && col_ok) {", f"    for (int q = 1; q < {w}; ++q) {{"]
     body += [f"        a{i} += part[(q * 32 + lane) * {v} + {i}];" for i in range(v)]
     body += ["    }", "    long long yo = (long long)__ldg(&row_id[h]) * n + c;"]
-    body += t.indent(store_y(dtype, v, "yo"), 1) + ["}", "return;"]
+    if atomic:
+        body += [f"    atomicAdd(&y[yo + {i}], a{i});" for i in range(v)]
+    else:
+        body += t.indent(store_y(dtype, v, "yo"), 1)
+    body += ["}", "return;"]
     return body
 
 
@@ -162,10 +174,13 @@ def render(op: str, dtype: str, params: dict, structure=None):
     if op != "spmm":
         raise ValueError("csr_split renders SpMM only; for SpMV use csr_vector, csr_part or merge")
     t.check_params("csr_split", params, _ALLOWED)
-    v, w = params["v"], params["warps"]
+    v, w, atomic = params["v"], params["warps"], params["split"] > 1
     if v not in _VS[dtype]:
         raise ValueError(f"csr_split: v={v} is not one of {list(_VS[dtype])} for dtype {dtype} "
                          "(columns per lane: one 4-, 8- or 16-byte load)")
+    if atomic and dtype != "f32":
+        raise ValueError(f"csr_split: split={params['split']} sums hub chunks with atomicAdd(float*), "
+                         f"which the kernel language has for f32 only (got {dtype}); use split=1")
     tile = 32 * v
     body = [
         f"__shared__ float part[{w * 32 * v}];",
@@ -178,9 +193,9 @@ def render(op: str, dtype: str, params: dict, structure=None):
         "float my_val = 0.0f;",
         "if (blockIdx.x < n_hubs) {",
     ]
-    body += t.indent(_hub(dtype, v, w), 1) + ["}"] + _pieces(dtype, v, w)
-    launch = LaunchSpec(block=32 * w, work="parts", per_block=w, tile_n=tile, n_align=v)
-    fp = {k: params[k] for k in ("order", "piece", "hub", "warps")}
+    body += t.indent(_hub(dtype, v, w, atomic), 1) + ["}"] + _pieces(dtype, v, w)
+    launch = LaunchSpec(block=32 * w, work="parts", per_block=w, tile_n=tile, n_align=v, zero_output=atomic)
+    fp = {k: params[k] for k in ("order", "piece", "hub", "warps", "split")}
     return t.assemble(op, "csr_split", dtype, launch, body, family="csr_split", params=params, format_params=fp)
 
 

@@ -129,15 +129,19 @@ def ref_product(fd: FormatData, vals: np.ndarray, X: np.ndarray) -> np.ndarray:
 
 
 def _ref_split(fd: FormatData, v, X, Y) -> None:
-    """csr_split as its Format.doc reads: hub blocks first, then pieces of stored rows."""
+    """csr_split as its Format.doc reads: hub chunks first, then pieces of stored rows."""
     s, a = fd.scalars, fd.arrays
     n_rows, n_hubs, warps = s["n_rows"], s["n_hubs"], fd.params["warps"]
     rid, sp_, pp = a["row_id"], a["srow_ptr"], a["piece_ptr"]
-    assert sorted(rid.tolist()) == list(range(n_rows))
+    n_stored = rid.size
+    assert sp_.size == n_stored + 1 and set(rid.tolist()) == set(range(n_rows))
+    assert sorted(rid[n_hubs:].tolist() + sorted(set(rid[:n_hubs].tolist()))) == list(range(n_rows))
+    hub_rows, cuts = np.unique(rid[:n_hubs], return_counts=True)
+    assert np.all(cuts <= fd.params["split"])
     lengths = np.diff(sp_)
-    assert np.all(lengths[:n_hubs] >= fd.params["hub"]) and np.all(lengths[n_hubs:] < fd.params["hub"])
+    assert np.all(lengths[n_hubs:] < fd.params["hub"])
     n_pieces = s["n_parts"] - n_hubs * warps
-    assert pp.size == n_pieces + 1 and (n_pieces == 0 or (pp[0] == n_hubs and pp[-1] == n_rows))
+    assert pp.size == n_pieces + 1 and (n_pieces == 0 or (pp[0] == n_hubs and pp[-1] == n_stored))
     stored = list(range(n_hubs))
     for p in range(n_pieces):
         rows = range(pp[p], pp[p + 1])
@@ -145,7 +149,7 @@ def _ref_split(fd: FormatData, v, X, Y) -> None:
         work = np.maximum(lengths[pp[p]:pp[p + 1]], 1).sum()
         assert work <= fd.params["piece"] or len(rows) == 1
         stored += list(rows)
-    assert stored == list(range(n_rows))
+    assert stored == list(range(n_stored))
     for k in stored:
         for q in range(sp_[k], sp_[k + 1]):
             Y[rid[k]] += v[q] * X[a["scol"][q]]
@@ -191,7 +195,7 @@ PARAMS = {
     "dia": [{}],
     "bsr": [{"R": 1, "C": 1}, {"R": 3, "C": 2}, {"R": 4, "C": 4}],
     "csr_split": [{"order": 1, "piece": 1, "hub": 3, "warps": 2}, {"order": 3, "piece": 5, "hub": 1000, "warps": 4},
-                  {"order": 4, "piece": 2, "hub": 2, "warps": 1}, {"order": 2}],
+                  {"order": 4, "piece": 2, "hub": 2, "warps": 1, "split": 3}, {"order": 2, "hub": 1, "split": 40}],
     "tcw": [{"order": 1, "H": 1}, {"order": 3, "H": 4}, {"order": 4, "H": 16}, {"order": 2, "H": 3}],
 }
 
@@ -314,7 +318,8 @@ def test_random_small_matrices(n_rows, n_cols, density, seed, fmt, k):
     A = sp.random(n_rows, n_cols, density=density, random_state=seed, format="csr")
     params = {"csr_part": {"nnz_per_part": k}, "merge": {"items_per_part": k},
               "sell": {"C": k, "sigma": k + seed % 5}, "bsr": {"R": k, "C": 1 + seed % 4},
-              "csr_split": {"order": 1 + seed % 4, "piece": k, "hub": 1 + seed % 7, "warps": 1 + seed % 3},
+              "csr_split": {"order": 1 + seed % 4, "piece": k, "hub": 1 + seed % 7, "warps": 1 + seed % 3,
+                            "split": 1 + seed % 5},
               "tcw": {"order": 1 + seed % 4, "H": k}}.get(fmt, {})
     _check(A, fmt, params)
 

@@ -93,6 +93,18 @@ def test_split_layout_of_a_small_graph():
     assert fd.value_array == "sval" and fd.fill == 1.0
 
 
+def test_split_cuts_hub_rows_into_chunks():
+    # one row of 10 and one of 3 with hub=3: min(split, ceil(len/3)) chunks of near-equal length
+    m = _pattern([[1] * 10 + [0] * 2, [1, 1, 1] + [0] * 9, [0, 1] + [0] * 10])
+    fd = convert(m.indptr, m.indices, m.shape, "csr_split", {"order": 1, "piece": 8, "hub": 3, "warps": 2, "split": 3})
+    a = fd.arrays
+    assert a["row_id"].tolist() == [0, 0, 0, 1, 2] and fd.scalars["n_hubs"] == 4
+    assert np.diff(a["srow_ptr"]).tolist() == [3, 3, 4, 3, 1]
+    assert a["piece_ptr"].tolist() == [4, 5] and fd.scalars["n_parts"] == 4 * 2 + 1
+    one = convert(m.indptr, m.indices, m.shape, "csr_split", {"order": 1, "piece": 8, "hub": 3, "warps": 2, "split": 1})
+    assert one.arrays["row_id"].tolist() == [0, 1, 2] and one.scalars["n_hubs"] == 2
+
+
 def test_tcw_layout_of_a_small_graph():
     # H = 2: windows {0, 1}, {2, 3}; window 0 reads columns {0, 3, 17}, window 1 none
     m = _pattern([[1] + [0] * 16 + [1] + [0] * 2, [0, 0, 0, 1] + [0] * 16, [0] * 20, [0] * 20])

@@ -31,9 +31,9 @@ def hub_graph(seed: int = 0):
     return matrices.canonical(m.tocsr())
 
 
-def _point(dtype: str, v: int, order: int, piece: int = 32, hub: int = 512, warps: int = 8):
+def _point(dtype: str, v: int, order: int, piece: int = 32, hub: int = 512, warps: int = 8, split_: int = 1):
     return kernels.render("csr_split", "spmm", dtype, {"v": v, "order": order, "piece": piece, "hub": hub,
-                                                       "warps": warps})
+                                                       "warps": warps, "split": split_})
 
 
 def _widths(dtype: str, v: int) -> list[int]:
@@ -71,6 +71,17 @@ def test_csr_split_wide_hub_blocks_verify_on_the_cpu():
         assert r.ok, (c.name, r.reason)
 
 
+def test_csr_split_hub_chunks_summed_with_atomics_verify_on_the_cpu():
+    m = hub_graph(seed=2)
+    for v, order, n in ((1, 2, 48), (4, 4, 128)):
+        c = _point("f32", v, order, piece=128, split_=16)
+        assert c.header.launch.zero_output and "atomicAdd" in c.source
+        r = verify.verify(c, m, executor="cpu", n=n, value_sets=2)
+        assert r.ok, (c.name, r.reason)
+    with pytest.raises(ValueError, match="f32 only"):
+        _point("bf16", 8, 1, split_=16)
+
+
 @pytest.mark.parametrize("name", GRAPHS)
 def test_csr_split_on_real_graphs(shared_matrices, name):
     m = matrices.load_npz(shared_matrices / f"{name}.npz")
@@ -90,15 +101,16 @@ def test_csr_split_points_are_all_rendered_and_checked():
         for p in pts:
             c = kernels.render("csr_split", "spmm", dtype, p)
             assert c.header.launch.tile_n == 32 * p["v"] and c.header.launch.n_align == p["v"]
-            assert c.header.launch.block == 32 * p["warps"] and not c.header.launch.zero_output
+            assert c.header.launch.block == 32 * p["warps"]
+            assert c.header.launch.zero_output == (p["split"] > 1) and (p["split"] == 1 or dtype == "f32")
     assert split.space("spmv", "f32") == []
 
 
 def test_render_errors_name_the_problem():
     with pytest.raises(ValueError, match="v=8"):
-        kernels.render("csr_split", "spmm", "f32", {"v": 8, "order": 1, "piece": 32, "hub": 512, "warps": 8})
+        kernels.render("csr_split", "spmm", "f32", {"v": 8, "order": 1, "piece": 32, "hub": 512, "warps": 8, "split": 1})
     with pytest.raises(ValueError, match="renders"):
-        kernels.render("csr_split", "spmv", "f32", {"v": 1, "order": 1, "piece": 32, "hub": 512, "warps": 8})
+        kernels.render("csr_split", "spmv", "f32", {"v": 1, "order": 1, "piece": 32, "hub": 512, "warps": 8, "split": 1})
     with pytest.raises(ValueError, match="f16/bf16"):
         kernels.family("tcw_wmma").render("spmm", "f32", {"H": 16, "nt": 2, "order": 1, "warps": 4})
     with pytest.raises(ValueError, match="nt=3"):
@@ -131,6 +143,10 @@ def test_csr_split_verifies_on_the_gpu(dtype):
         c = _point(dtype, v, order, piece)
         r = verify.verify(c, m, executor="gpu", n=n, value_sets=2)
         assert r.ok, (c.name, n, r.reason)
+        if dtype == "f32" and order % 2 == 0:
+            c = _point(dtype, v, order, 128, split_=16)
+            r = verify.verify(c, m, executor="gpu", n=n, value_sets=2)
+            assert r.ok, (c.name, n, r.reason)
 
 
 @pytest.mark.gpu
