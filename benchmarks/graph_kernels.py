@@ -147,11 +147,14 @@ def summarize(problem: dict) -> dict:
         mine = [p for p in timed if p["family"] == fam]
         row[fam] = (ref / min(p["us"] for p in mine)) if mine and ref else None
     row["winner"] = "torch.sparse" if not timed or (ref and min(p["us"] for p in timed) >= ref) else row["best_family"]
+    if ref is None:
+        row["winner"] += " (no torch.sparse time)"
     return row
 
 
 def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    width = int(spec.split(".")[0] or 0)
+    return f"{'-':>{width}}" if v is None else format(v, spec)
 
 
 def _ratio(v, width: int = 6) -> str:
@@ -252,10 +255,10 @@ def run_problem(label: str, pat, m, op_n: int, dtype: str, a, offset: int) -> di
     vb = 4 if dtype == "f32" else 2
     floor = bench.floor_us(formats.floor_bytes("spmm", pat.shape[0], pat.shape[1], pat.nnz, op_n, vb))
 
-    def reference() -> float:
+    def reference() -> float | None:  # None: torch.sparse has no kernel for this dtype here
         r = bench.time_reference(pat.indptr, pat.indices, pat.shape, op="spmm", n=op_n, dtype=dtype, reps=a.reps,
                                  hide_host_us=bench.HIDE_HOST_US)
-        return min((v.median_us for k, v in r.items() if not k.endswith("_graph")), default=float("nan"))
+        return min((v.median_us for k, v in r.items() if not k.endswith("_graph")), default=None)
 
     before = reference()
     points = []
@@ -281,7 +284,8 @@ def run_problem(label: str, pat, m, op_n: int, dtype: str, a, offset: int) -> di
     after = reference()
     torch.cuda.empty_cache()
     return {"graph": label, "dtype": dtype, "n": op_n, "nnz": pat.nnz, "n_rows": pat.shape[0],
-            "floor_us": floor, "torch_us": min(before, after), "torch_runs_us": [before, after], "points": points}
+            "floor_us": floor, "torch_us": min((t for t in (before, after) if t is not None), default=None),
+            "torch_runs_us": [before, after], "points": points}
 
 
 def main(argv=None) -> int:

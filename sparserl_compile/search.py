@@ -154,7 +154,7 @@ def _graph_rule(c: Candidate, f, n: int) -> str | None:
 def format_plausible(fmt: str, f) -> bool:
     """Whether a kernel of format ``fmt`` can win on a pattern with ``structure.features``
     ``f``, by the same rules that prune the space (DIA diagonals, ELL padding, BSR block
-    density at any of the square block sizes). For providers that pick a format before
+    density at any of the square block sizes, csr_split's irregular rows). For providers that pick a format before
     the parameters (the policy's format-diverse decoding)."""
     from sparserl_compile import structure
 
@@ -162,6 +162,8 @@ def format_plausible(fmt: str, f) -> bool:
         return f.n_diags <= MAX_DIAGS and f.diag_fill >= MIN_DIAG_FILL
     if fmt == "ell":
         return f.row_max * f.n_rows <= MAX_PAD * f.nnz + 4096
+    if fmt == "csr_split":
+        return f.row_cv >= SPLIT_MIN_CV
     if fmt == "bsr":
         sizes = getattr(structure, "BLOCK_SIZES", ())
         return any(d >= MIN_BLOCK_DENSITY for d in list(f.block_density)[:len(sizes)])

@@ -25,19 +25,21 @@ Idioms. The templates keep to this small set, which the policy grammar
 * ``a[i]`` indexing, ``__ldg(&a[i])``, vector loads/stores
   ``reinterpret_cast<const float4*>(x + off)[0]`` (``float2``, ``__half2``,
   ``__nv_bfloat162`` likewise; stores without ``const``), ``.x .y .z .w`` members,
-  ``make_float2``/``make_float4``;
+  ``make_float2``/``make_float4``; 4 or 8 16-bit values read as one ``float2``/``float4`` and
+  viewed as pairs through ``reinterpret_cast<const __nv_bfloat162*>(&local)`` (csr_split);
 * ``threadIdx.x``, ``blockIdx.x``, ``blockIdx.y`` (indices are computed from literal block
   sizes that match the header);
 * ``__shfl_down_sync(0xffffffff, v, k)`` (the only shuffle the templates use; the grammar
   also admits ``__shfl_xor_sync``/``__shfl_sync``), ``__syncwarp()``;
-* static ``__shared__ T buf[N];`` (no ``__syncthreads`` is needed by any template today);
-* ``atomicAdd(float*, float)`` (merge only), ``min``, ``fmaf``;
+* static ``__shared__ T buf[N];``, ``__syncthreads()`` (csr_split's hub blocks, reached by
+  every thread of the block);
+* ``atomicAdd(float*, float)`` (merge, csr_split with ``split > 1``), ``min``, ``fmaf``;
 * ``__half2float``, ``__float2half_rn``, ``__bfloat162float``, ``__float2bfloat16_rn``,
   ``__half22float2``, ``__bfloat1622float2``, ``__floats2half2_rn``,
   ``__floats2bfloat162_rn``;
 * ``for``/``if``/``else``/``return``, compound statements, ``+= ++ % / * + - < <= == != &&``;
 * ``nvcuda::wmma`` (``fragment``, ``fill_fragment``, ``load_matrix_sync``, ``mma_sync``,
-  ``store_matrix_sync``) in ``bsr_wmma`` only: the CPU executor may leave it to the GPU.
+  ``store_matrix_sync``) in ``bsr_wmma`` and ``tcw_wmma``: the CPU executor emulates it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ and the other rows cut into pieces of about ``piece`` nonzeros. The kernel ``csr
   float4 for f32; ``__nv_bfloat162``/``__half2``, or a float2 / float4 load of 4 or 8 16-bit
   values) and written with vector stores;
 * the (column, value) pairs of the piece are loaded 32 at a time with one coalesced access
-  (lane ``l`` loads entry ``base + l``) and broadcast to the warp with ``__shfl_sync``, four
-  at a time so that four rows of ``X`` are in flight per lane;
+  (lane ``l`` loads entry ``base + l``) into the warp's slice of shared memory and read back
+  by every lane (a broadcast), four at a time so that four rows of ``X`` are in flight per
+  lane. Staging costs two ``__syncwarp`` per 32 entries where register shuffles would cost two
+  warp exchanges per entry; on the GPU both are broadcasts, on the CPU executor warp
+  operations are what verification pays for;
 * short rows are merged: one warp walks every row of its piece, the 32-entry chunks running
   across row ends, and stores each row's result as the row ends;
 * a hub row (length >= ``hub``) gets a whole block: its ``warps`` warps take interleaved
@@ -23,9 +26,9 @@ and the other rows cut into pieces of about ``piece`` nonzeros. The kernel ``csr
   so how often a gathered row of ``X`` is still in the L2; results go to ``row_id[row]``.
 
 Every control decision depends on the piece or the hub row only, never on the lane, so the
-full-mask shuffles and the one ``__syncthreads`` (hub blocks, reached by every thread of the
-block) are legal. Dense columns past ``n`` are guarded (``col_ok``): those lanes still take
-part in the shuffles. ``n % v == 0`` (``n_align``) keeps every vector whole.
+full-mask ``__syncwarp`` and the one ``__syncthreads`` (hub blocks, reached by every thread
+of the block) are legal. Dense columns past ``n`` are guarded (``col_ok``): those lanes still
+stage entries and reach every barrier. ``n % v == 0`` (``n_align``) keeps every vector whole.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from __future__ import annotations
 from sparserl_compile.contract import LaunchSpec
 from sparserl_compile.kernels import template as t
 
-FULL = "0xffffffff"
 UNROLL = 4
 
 _VS = {"f32": (1, 2, 4), "f16": (2, 4, 8), "bf16": (2, 4, 8)}
@@ -86,12 +88,15 @@ def store_y(dtype: str, v: int, off: str, acc: str = "a") -> list[str]:
 
 
 def _chunk_load(dtype: str, base: str, end: str) -> list[str]:
-    """Lane ``lane`` loads entry ``base + lane`` of the piece into (my_col, my_val)."""
+    """Lane ``lane`` stages entry ``base + lane`` in the warp's slice ``s_col/s_val[wb ..]``;
+    the first barrier lets every lane finish reading the previous chunk."""
     return [
+        "__syncwarp();",
         f"if ({base} + lane < {end}) {{",
-        f"    my_col = __ldg(&scol[{base} + lane]);",
-        f"    my_val = {t.ldg(dtype, 'sval', f'{base} + lane')};",
+        f"    s_col[wb + lane] = __ldg(&scol[{base} + lane]);",
+        f"    s_val[wb + lane] = {t.ldg(dtype, 'sval', f'{base} + lane')};",
         "}",
+        "__syncwarp();",
     ]
 
 
@@ -99,8 +104,8 @@ def _steps(dtype: str, v: int, j: str, count: int) -> list[str]:
     """Broadcast entries ``j .. j+count-1`` of the chunk and add them into ``a0..``."""
     lines = []
     for u in range(count):
-        lines.append(f"int c{u} = __shfl_sync({FULL}, my_col, {j} + {u});")
-        lines.append(f"float w{u} = __shfl_sync({FULL}, my_val, {j} + {u});")
+        lines.append(f"int c{u} = s_col[wb + {j} + {u}];")
+        lines.append(f"float w{u} = s_val[wb + {j} + {u}];")
     lines.append("if (col_ok) {")
     for u in range(count):
         lines += t.indent(load_x(dtype, v, f"(long long)c{u} * n + c", f"x{u}_"), 1)
@@ -189,8 +194,9 @@ def render(op: str, dtype: str, params: dict, structure=None):
         f"int c = blockIdx.y * {tile} + lane * {v};",
         "bool col_ok = c < n;",
         t.zero_acc(v),
-        "int my_col = 0;",
-        "float my_val = 0.0f;",
+        f"__shared__ int s_col[{32 * w}];",
+        f"__shared__ float s_val[{32 * w}];",
+        "int wb = warp * 32;",
         "if (blockIdx.x < n_hubs) {",
     ]
     body += t.indent(_hub(dtype, v, w, atomic), 1) + ["}"] + _pieces(dtype, v, w)
@@ -206,5 +212,5 @@ def applies(op: str, dtype: str, n=None, nnz=None) -> bool:
 FAMILIES = (
     t.Family("csr_split", ("spmm",), space, render, applies,
              doc="warp per piece of merged short rows, block per hub row, lanes along N with vector "
-                 "loads, (col, val) broadcast by shuffles; rows in a locality order"),
+                 "loads, (col, val) staged in shared memory 32 at a time; rows in a locality order"),
 )

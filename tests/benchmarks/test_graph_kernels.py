@@ -119,3 +119,10 @@ def test_main_without_a_gpu_says_so(capsys):
         pytest.skip("a GPU is visible: main would run the benchmark")
     assert graph_kernels.main(["--quick"]) == 2
     assert "GPU" in capsys.readouterr().err
+
+
+def test_a_problem_without_a_torch_time_still_summarizes():
+    r = graph_kernels.summarize(_problem(torch_us=None, points=[{"name": "s", "family": "csr_split", "ok": True,
+                                                                 "us": 5.0}]))
+    assert r["speedup"] is None and r["torch_floor"] is None and r["winner"].startswith("csr_split")
+    assert "-" in graph_kernels.format_table([r]).splitlines()[2]

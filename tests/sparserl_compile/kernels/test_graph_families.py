@@ -1,11 +1,9 @@
 """The graph families, csr_split and tcw_wmma: full verification over the widths they claim.
 
-csr_split runs on the CPU executor (``verify(..., executor="cpu")``: every check but the
-cuSPARSE comparison) on a power-law graph with hub rows and on the real graphs of the shared
-set, at widths below, at and above a warp's column span; its GPU twin runs the same points
-with ``executor="gpu"``. tcw_wmma uses tensor cores, which the CPU executor leaves to the
-GPU: here it compiles with NVRTC and its layout is checked tile by tile against scipy
-(``test_formats.py``); on a GPU it is verified like every kernel.
+Both run on the CPU executor (``verify(..., executor="cpu")``: every check but the cuSPARSE
+comparison; tcw_wmma's tensor-core calls through the executor's wmma emulation) on a
+power-law graph with hub rows and on real graphs of the shared set, at widths below, at and
+above a warp's column span; the GPU twins run the same points with ``executor="gpu"``.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparserl_compile import compiler, contract, kernels, matrices, simt, verify
+from sparserl_compile import compiler, contract, kernels, matrices, verify
 from sparserl_compile.kernels import split, tcw
 
 GRAPHS = ("cora_adj", "citeseer_adj", "hep-th", "polblogs", "PGPgiantcompo", "wiki-Vote")
@@ -117,7 +115,7 @@ def test_render_errors_name_the_problem():
         kernels.render("tcw_wmma", "spmm", "bf16", {"H": 16, "nt": 3, "order": 1, "warps": 4})
 
 
-def test_tcw_points_compile_for_sm90_and_are_left_to_the_gpu():
+def test_tcw_points_compile_for_sm90():
     shapes = {}
     for dtype in ("f16", "bf16"):
         for p in tcw.space("spmm", dtype):
@@ -127,9 +125,21 @@ def test_tcw_points_compile_for_sm90_and_are_left_to_the_gpu():
         c = kernels.render("tcw_wmma", "spmm", dtype, p)
         assert c.header.launch.n_align == 8 and c.header.format == "tcw"
         assert compiler.compile_cubin(c.source, "sm_90").cubin[:4] == b"\x7fELF"
-    with pytest.raises(simt.SimtRefused, match="wmma"):
-        simt.compile_kernel(c.source)
     assert tcw.space("spmm", "f32") == [] and tcw.space("spmv", "bf16") == []
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_tcw_verifies_on_the_cpu_over_its_widths(dtype, shared_matrices):
+    """Every window height and column width, each order once per dtype, at a width below a
+    warp's columns and one past it (a partial tile), on the hub graph and on Cora."""
+    graphs = [hub_graph(), matrices.load_npz(shared_matrices / "cora_adj.npz")]
+    pts = tcw.space("spmm", dtype)
+    for k, (H, nt) in enumerate(((16, 2), (16, 4), (8, 2), (8, 4))):
+        p = next(q for q in pts if q["H"] == H and q["nt"] == nt and q["order"] == 1 + (k + (dtype == "f16")) % 4)
+        c = kernels.render("tcw_wmma", "spmm", dtype, p)
+        for n in (16, c.header.launch.tile_n + 8):
+            r = verify.verify(c, graphs[k % 2], executor="cpu", n=n, value_sets=1)
+            assert r.ok, (c.name, n, r.reason)
 
 
 # ------------------------------------------------------------------ the GPU twins
