@@ -117,6 +117,29 @@ FORMATS: dict[str, Format] = {
             "bsr_ptr[b+1]-1 at block column bsr_col[k]; block k's values at "
             "bsr_val[(k*R + r)*C + c], zero-filled",
         ),
+        Format(
+            "csr_split", ("n_rows", "n_cols", "n_hubs", "n_parts"),
+            ("row_id", "piece_ptr", "srow_ptr", "scol", "sval"), "sval", ("parts",),
+            ("order", "piece", "hub", "warps", "split"),
+            doc="CSR stored in processing order (graphformats.py): stored row k adds into the "
+            "user's row row_id[k], its entries srow_ptr[k]..srow_ptr[k+1]-1 of scol/sval; "
+            "stored rows 0..n_hubs-1 are chunks of the hub rows (length >= hub; a hub row is cut "
+            "into min(split, ceil(length/hub)) chunks), one per block of `warps` warps; the "
+            "other stored rows are cut into pieces of at most `piece` work, piece p covering "
+            "stored rows piece_ptr[p]..piece_ptr[p+1]-1, one per warp after the hub blocks; "
+            "n_parts = n_hubs*warps + pieces; order: 1 natural, 2 degree, 3 rcm, 4 bfs",
+        ),
+        Format(
+            "tcw", ("n_rows", "n_cols", "n_parts"),
+            ("row_id", "win_ptr", "tile_col", "tile_ptr", "tcw_pos", "tcw_val"), "tcw_val",
+            ("parts",), ("order", "H"),
+            doc="condensed row windows for tensor cores (graphformats.py): the rows in the "
+            "order are cut into n_parts windows of H rows (row_id[w*H + r] = user's row, -1 "
+            "past the end); window w owns tiles win_ptr[w]..win_ptr[w+1]-1, tile t condenses 16 "
+            "of the window's distinct columns, tile_col[t*16 + j] (-1 = padding, X row reads as "
+            "0); its nonzeros tile_ptr[t]..tile_ptr[t+1]-1 sit at tcw_pos[q] = r*16 + j of the "
+            "dense H x 16 tile with value tcw_val[q]",
+        ),
     )
 }
 

@@ -32,6 +32,8 @@ Layouts (``n_rows``/``n_cols``/``nnz`` of the CSR input):
 * ``bsr``: R x C blocks, ``n_brows = ceil(n_rows / R)``, block columns ascending within a
   block row; slots past ``n_rows`` or ``n_cols`` exist with value 0 (kernels must not read
   ``x`` past ``n_cols``: the last block column may overhang).
+* ``csr_split`` and ``tcw``: the graph layouts (rows in a locality order, hub rows apart,
+  condensed row windows for tensor cores), built by ``graphformats.py``.
 
 Padded formats (ell, sell, dia, bsr) are refused with ``FormatNotSuitable`` when their value
 array would exceed ``max_fill`` times nnz (default 3) plus ``SMALL_SLACK`` slots, or 2^31-1
@@ -58,6 +60,8 @@ DEFAULT_PARAMS: dict[str, dict[str, int]] = {
     "merge": {"items_per_part": 1024},
     "sell": {"C": 32, "sigma": 256},
     "bsr": {"R": 4, "C": 4},
+    "csr_split": {"order": 1, "piece": 64, "hub": 1024, "warps": 8, "split": 1},
+    "tcw": {"order": 1, "H": 16},
 }
 
 #: padded formats may exceed the nnz budget by this many slots (tiny matrices stay allowed)
@@ -469,6 +473,12 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
         bcol, vmap = _bsr_fill(ip, ix, n_rows, n_cols, R, C, ptr)
         arrays["bsr_ptr"], arrays["bsr_col"] = ptr.astype(np.int32), bcol
         scalars["n_brows"] = int(ptr.size - 1)
+    elif fmt in ("csr_split", "tcw"):
+        from sparserl_compile import graphformats
+
+        layout = graphformats.split if fmt == "csr_split" else graphformats.tcw
+        extra, arrays, vmap = layout(ip, ix, (n_rows, n_cols), p)
+        scalars.update(extra)
     else:  # pragma: no cover - FORMATS and this function must list the same formats
         raise AssertionError(f"format {fmt} has no converter")
 
@@ -501,7 +511,8 @@ def warm() -> float:
     ix = np.sort(cols.reshape(n, 3), axis=1).reshape(-1).astype(np.int32)
     structure.features(ip, ix, (n, n))
     for fmt, params in (("csr_part", None), ("merge", None), ("ell", None), ("sell", {"C": 4, "sigma": 8}),
-                        ("dia", None), ("bsr", {"R": 2, "C": 2})):
+                        ("dia", None), ("bsr", {"R": 2, "C": 2}),
+                        ("csr_split", {"order": 4, "piece": 4, "hub": 3, "warps": 2, "split": 2}), ("tcw", {"order": 2, "H": 4})):
         try:
             convert(ip, ix, (n, n), fmt, params, max_fill=1e9)
         except FormatNotSuitable:  # pragma: no cover - the warm-up pattern suits every format

@@ -14,6 +14,15 @@ cannot run, by structure rules computed once per pattern (``structure.features``
   nonzeros (the source grows with nnz).
 * padded formats (ell, sell, dia, bsr) whose conversion raises ``FormatNotSuitable``
   (``formats.convert`` is run once per distinct (format, parameters) to find out).
+* ``csr_split`` (graph SpMM): only on irregular patterns (row-length coefficient of
+  variation at least ``SPLIT_MIN_CV``: graphs, circuits, not meshes or stencils) and widths of
+  at least ``GRAPH_MIN_N``; a point whose lanes span more columns than ``n`` is dropped when a
+  narrower vector of the dtype fits (its extra lanes would idle); order 3 (RCM) is dropped
+  for rectangular matrices, where it falls back to order 4; the hub-row variants (wide hub
+  blocks, hub rows cut into atomically summed chunks) only where some row reaches their hub
+  threshold.
+* ``tcw_wmma`` (tensor cores): widths of at least ``GRAPH_MIN_N``, and a point whose warp
+  spans more columns than ``n`` is dropped when the narrower one fits; the same RCM rule.
 
 ``k`` (if positive) keeps the first ``k`` points in the space's order. What pruning cost
 and what it removed is in ``SearchProvider.last_report`` (a ``SearchReport``); the search
@@ -36,6 +45,8 @@ MIN_DIAG_FILL = 0.3
 MAX_PAD = 3.0
 MIN_BLOCK_DENSITY = 0.4
 BAKED_MAX_NNZ = 4096
+SPLIT_MIN_CV = 0.8
+GRAPH_MIN_N = 16
 _PADDED = ("ell", "sell", "dia", "bsr")
 
 
@@ -111,6 +122,8 @@ class SearchProvider(Provider):
             return "dia: too many or too sparse diagonals"
         if fmt == "ell" and f.row_max * f.n_rows > MAX_PAD * f.nnz + 4096:
             return "ell: too much padding"
+        if c.family in ("csr_split", "tcw_wmma"):
+            return _graph_rule(c, f, n)
         if fmt == "bsr":
             from sparserl_compile import structure
 
@@ -122,10 +135,27 @@ class SearchProvider(Provider):
         return None
 
 
+def _graph_rule(c: Candidate, f, n: int) -> str | None:
+    """Why a graph-family point is pruned (see the module docstring), None to keep it."""
+    p = dict(c.params)
+    if n < GRAPH_MIN_N:
+        return "graph families: width below GRAPH_MIN_N"
+    if p.get("order") == 3 and f.n_rows != f.n_cols:
+        return "graph families: rcm on a rectangular matrix is bfs"
+    narrowest = {"csr_split": 32 * (1 if c.header.dtype == "f32" else 2), "tcw_wmma": 32}[c.family]
+    if c.header.launch.tile_n > n and c.header.launch.tile_n > narrowest:
+        return "graph families: wider than n"
+    if c.family == "csr_split" and f.row_cv < SPLIT_MIN_CV:
+        return "csr_split: rows too regular"
+    if c.family == "csr_split" and f.row_max < p["hub"] and (p["split"] > 1 or p["warps"] > 8):
+        return "csr_split: no hub rows for its hub blocks"
+    return None
+
+
 def format_plausible(fmt: str, f) -> bool:
     """Whether a kernel of format ``fmt`` can win on a pattern with ``structure.features``
     ``f``, by the same rules that prune the space (DIA diagonals, ELL padding, BSR block
-    density at any of the square block sizes). For providers that pick a format before
+    density at any of the square block sizes, csr_split's irregular rows). For providers that pick a format before
     the parameters (the policy's format-diverse decoding)."""
     from sparserl_compile import structure
 
@@ -133,6 +163,8 @@ def format_plausible(fmt: str, f) -> bool:
         return f.n_diags <= MAX_DIAGS and f.diag_fill >= MIN_DIAG_FILL
     if fmt == "ell":
         return f.row_max * f.n_rows <= MAX_PAD * f.nnz + 4096
+    if fmt == "csr_split":
+        return f.row_cv >= SPLIT_MIN_CV
     if fmt == "bsr":
         sizes = getattr(structure, "BLOCK_SIZES", ())
         return any(d >= MIN_BLOCK_DENSITY for d in list(f.block_density)[:len(sizes)])

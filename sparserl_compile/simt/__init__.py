@@ -14,7 +14,7 @@ API::
 ``compile_many(sources, *, guarded=True, jobs=None)`` builds a batch in parallel (results or
 exceptions, in order). ``compile_kernel(source, *, guarded=True) -> SimtKernel`` parses the contract header
 (``contract.parse_header``), refuses constructs outside the language with ``SimtRefused``
-naming the construct (inline assembly, wmma, clock reads, printf, templates, static or
+naming the construct (inline assembly, clock reads, printf, templates, static or
 file-scope state, non-``_sync`` shuffles, warp votes, ...), rewrites the kernel (``rewrite``)
 and builds it with g++ against ``runtime.h`` into a shared library cached by content hash
 under ``$SPARSERL_CACHE_DIR/simt`` (``build``). g++ errors raise ``SimtCompileError`` with the
@@ -38,7 +38,14 @@ What is modelled:
   among the 32 lanes honouring masks and ``width``; kernels without them run their threads
   as plain calls (much faster);
 * ``__shared__`` arrays (static and ``extern`` dynamic) are per block, poisoned with 0xFF
-  bytes (NaN / -1) in guarded builds so reads of unwritten shared memory show.
+  bytes (NaN / -1) in guarded builds so reads of unwritten shared memory show;
+* ``nvcuda::wmma`` (``fragment``, ``fill_fragment``, ``load_matrix_sync``, ``mma_sync``,
+  ``store_matrix_sync``), emulated per thread with float products and sums: loads and stores
+  go through the kernel's checked pointers (bounds), a store writes element ``e`` from lane
+  ``e % 32`` as a collective store does. Fragment elements (``fragment::x``) are not
+  modelled: a kernel that reads them does not build here. Tensor cores sum a tile's products
+  in their own order and precision, so wmma kernels agree with the GPU within the error
+  bound, not bit for bit.
 
 Faults raise ``SimtFault`` subclasses naming the thread, block and (where known) line:
 ``OutOfBounds`` (array name, index, extent; guarded builds check every access through the

@@ -10,6 +10,8 @@ things plain C++ cannot express:
 * every loop condition is prefixed with ``simt_tick()``, which counts iterations for the step
   and time limits;
 * ``#pragma unroll`` is dropped and ``extern "C"`` removed (the runtime calls the kernel);
+* comments (the two header lines) are blanked, so kernels that differ only in their header's
+  format parameters (the launch record carries everything the header says) build once;
 * in guarded mode, every pointer type ``T*`` becomes the bounds-checked ``GPtr<T>`` (pointer
   casts through ``reinterpret_cast``/``static_cast`` become ``simt_cast``), one-dimensional
   shared arrays become race-checked ``SArr<T>`` and one-dimensional local arrays
@@ -84,8 +86,6 @@ _PP = re.compile(r"#(?:[^\n\\]|\\.)*", re.DOTALL)
 _FENCE = "memory fences (__threadfence*)"
 _REFUSED: dict[str, str] = {
     **dict.fromkeys(("asm", "__asm__", "__asm"), "inline assembly"),
-    **dict.fromkeys(("wmma", "nvcuda", "mma_sync", "load_matrix_sync", "store_matrix_sync",
-                     "fill_fragment"), "wmma (tensor cores)"),
     **dict.fromkeys(("clock", "clock64", "__clock", "__globaltimer", "globaltimer"), "clock read"),
     "printf": "printf",
     **dict.fromkeys(("template", "typename"), "C++ templates"),
@@ -425,6 +425,9 @@ def prepare(source: str, *, guarded: bool = True) -> Prepared:
     sig = _sig(toks)
     _check_signature(toks, sig, header)
     uses_fibers = any(toks[i].text in SYNC_NAMES for i in sig)
+    for t in toks:  # the header comments: kernels that differ only there share one build
+        if t.kind == "comment":
+            t.text = "\n" * t.text.count("\n")
     for p, i in enumerate(sig):
         t = toks[i]
         if t.kind == "pp":

@@ -757,6 +757,81 @@ SIMT_SHFL_T(__half2) SIMT_SHFL_T(__nv_bfloat162)
 static inline void simt_syncwarp(int line, unsigned mask = 0xffffffffu) { simt_warp(W_SYNC, mask, 0, 0, 32, line); }
 #define __syncwarp(...) simt_syncwarp(__LINE__, ##__VA_ARGS__)
 
+/* ------------------------------------------------------------------ wmma (tensor cores)
+ * The nvcuda::wmma fragment API, emulated per thread. Every lane holds the whole A and B
+ * tiles and the elements e = lane, lane + 32, ... of its accumulators, which are all a lane
+ * ever stores (a collective store spreads its writes over the lanes: element e from lane
+ * e % 32), so each lane computes 1/32 of every product. How a GPU spreads a fragment over
+ * the lanes is unspecified, so no in-language kernel can see the difference; `fragment::x`
+ * is deliberately absent (a kernel that reads fragment elements fails to build here). Loads
+ * and stores go through the kernel's (checked) pointers, so out-of-bounds accesses are caught,
+ * and races where a tile is a shared array accessed directly (accesses through pointers into
+ * shared memory are not race-tracked, as elsewhere in the executor). Inputs are rounded to the
+ * fragment's type; products and sums are float, one rounding each. */
+namespace nvcuda { namespace wmma {
+struct row_major {}; struct col_major {};
+struct matrix_a {}; struct matrix_b {}; struct accumulator {};
+enum layout_t { mem_row_major, mem_col_major };
+template <class Use, int M, int N, int K> struct simt_dims;
+template <int M, int N, int K> struct simt_dims<matrix_a, M, N, K> { enum { R = M, C = K }; };
+template <int M, int N, int K> struct simt_dims<matrix_b, M, N, K> { enum { R = K, C = N }; };
+template <int M, int N, int K> struct simt_dims<accumulator, M, N, K> { enum { R = M, C = N }; };
+template <class L> struct simt_col { enum { v = 0 }; };
+template <> struct simt_col<col_major> { enum { v = 1 }; };
+template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment {
+    enum { R = simt_dims<Use, M, N, K>::R, C = simt_dims<Use, M, N, K>::C };
+    float simt_v[R * C];   /* row-major whole tile */
+};
+template <class T> static inline float simt_ld(const GPtr<T>& p, long long i) {
+    T& e = p[i]; simt_race((const void*)&e, sizeof(T), 0); return (float)e;
+}
+template <class T> static inline float simt_ld(const SArr<T>& p, long long i) { return (float)(T)p[i]; }
+template <class T> static inline float simt_ld(T* p, long long i) { simt_race((const void*)(p + i), sizeof(T), 0); return (float)p[i]; }
+template <class T> static inline void simt_st(const GPtr<T>& p, long long i, float v) {
+    T& e = p[i]; simt_race((const void*)&e, sizeof(T), 1); e = T(v);
+}
+template <class T> static inline void simt_st(const SArr<T>& p, long long i, float v) { p[i] = T(v); }
+template <class T> static inline void simt_st(T* p, long long i, float v) { simt_race((const void*)(p + i), sizeof(T), 1); p[i] = T(v); }
+template <class T> static inline float simt_round(float v) { return (float)T(v); }
+
+template <class Use, int M, int N, int K, class T, class L, class V>
+static inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, V v) {
+    for (int i = 0; i < fragment<Use, M, N, K, T, L>::R * fragment<Use, M, N, K, T, L>::C; ++i) f.simt_v[i] = simt_round<T>((float)v);
+}
+template <class Use, int M, int N, int K, class T, class L, class P>
+static inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P& p, unsigned ldm) {
+    typedef fragment<Use, M, N, K, T, L> F;
+    for (int r = 0; r < F::R; ++r)
+        for (int c = 0; c < F::C; ++c)
+            f.simt_v[r * F::C + c] = simt_round<T>(simt_ld(p, simt_col<L>::v ? (long long)c * ldm + r : (long long)r * ldm + c));
+}
+template <int M, int N, int K, class T, class P>
+static inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const P& p, unsigned ldm, layout_t layout) {
+    for (int e = simt_w->cur->linear & 31; e < M * N; e += 32) {
+        int r = e / N, c = e % N;
+        f.simt_v[e] = simt_ld(p, layout == mem_col_major ? (long long)c * ldm + r : (long long)r * ldm + c);
+    }
+}
+template <int M, int N, int K, class T, class P>
+static inline void store_matrix_sync(const P& p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
+    int lane = simt_w->cur->linear & 31;
+    for (int e = lane; e < M * N; e += 32) {
+        int r = e / N, c = e % N;
+        simt_st(p, layout == mem_col_major ? (long long)c * ldm + r : (long long)r * ldm + c, f.simt_v[e]);
+    }
+}
+template <int M, int N, int K, class Ta, class La, class Tb, class Lb, class Tc>
+static inline void mma_sync(fragment<accumulator, M, N, K, Tc>& d, const fragment<matrix_a, M, N, K, Ta, La>& a,
+                            const fragment<matrix_b, M, N, K, Tb, Lb>& b, const fragment<accumulator, M, N, K, Tc>& c) {
+    for (int e = simt_w->cur->linear & 31; e < M * N; e += 32) {
+        int i = e / N, j = e % N;
+        float acc = c.simt_v[e];
+        for (int k = 0; k < K; ++k) acc = acc + a.simt_v[i * K + k] * b.simt_v[k * N + j];
+        d.simt_v[e] = acc;   /* element e of d depends on element e of c only: d may be c */
+    }
+}
+} }
+
 /* ------------------------------------------------------------------ the scheduler */
 static void simt_fiber_main(void) {
     SimtWorker* w = simt_w;

@@ -119,9 +119,70 @@ def ref_product(fd: FormatData, vals: np.ndarray, X: np.ndarray) -> np.ndarray:
                             Y[row] += val * X[col]
                         else:
                             assert val == 0
+    elif fd.fmt == "csr_split":
+        _ref_split(fd, v, X, Y)
+    elif fd.fmt == "tcw":
+        _ref_tcw(fd, v, X, Y)
     else:
         raise AssertionError(fd.fmt)
     return Y
+
+
+def _ref_split(fd: FormatData, v, X, Y) -> None:
+    """csr_split as its Format.doc reads: hub chunks first, then pieces of stored rows."""
+    s, a = fd.scalars, fd.arrays
+    n_rows, n_hubs, warps = s["n_rows"], s["n_hubs"], fd.params["warps"]
+    rid, sp_, pp = a["row_id"], a["srow_ptr"], a["piece_ptr"]
+    n_stored = rid.size
+    assert sp_.size == n_stored + 1 and set(rid.tolist()) == set(range(n_rows))
+    assert sorted(rid[n_hubs:].tolist() + sorted(set(rid[:n_hubs].tolist()))) == list(range(n_rows))
+    hub_rows, cuts = np.unique(rid[:n_hubs], return_counts=True)
+    assert np.all(cuts <= fd.params["split"])
+    lengths = np.diff(sp_)
+    assert np.all(lengths[n_hubs:] < fd.params["hub"])
+    n_pieces = s["n_parts"] - n_hubs * warps
+    assert pp.size == n_pieces + 1 and (n_pieces == 0 or (pp[0] == n_hubs and pp[-1] == n_stored))
+    stored = list(range(n_hubs))
+    for p in range(n_pieces):
+        rows = range(pp[p], pp[p + 1])
+        assert len(rows) >= 1
+        work = np.maximum(lengths[pp[p]:pp[p + 1]], 1).sum()
+        assert work <= fd.params["piece"] or len(rows) == 1
+        stored += list(rows)
+    assert stored == list(range(n_stored))
+    for k in stored:
+        for q in range(sp_[k], sp_[k + 1]):
+            Y[rid[k]] += v[q] * X[a["scol"][q]]
+
+
+def _ref_tcw(fd: FormatData, v, X, Y) -> None:
+    """tcw computed tile by tile, as the tensor-core kernel does: a dense H x 16 tile of A
+    (zero-filled, nonzeros scattered by tcw_pos) times the 16 gathered rows of X."""
+    s, a = fd.scalars, fd.arrays
+    H, n_rows = fd.params["H"], s["n_rows"]
+    rid, wp, tc, tp, pos = a["row_id"], a["win_ptr"], a["tile_col"], a["tile_ptr"], a["tcw_pos"]
+    assert s["n_parts"] == math.ceil(n_rows / H) and rid.size == s["n_parts"] * H and wp.size == s["n_parts"] + 1
+    assert sorted(rid[rid >= 0].tolist()) == list(range(n_rows)) and np.all(rid[n_rows:] == -1)
+    for w in range(s["n_parts"]):
+        cols = tc[wp[w] * 16:wp[w + 1] * 16]
+        real = cols[cols >= 0]
+        assert np.all(np.diff(real) > 0) and np.all(cols[real.size:] == -1)  # ascending, padding at the end
+        assert cols.size - real.size < 16
+        for t in range(wp[w], wp[w + 1]):
+            tile = np.zeros((H, 16))
+            places = pos[tp[t]:tp[t + 1]]
+            assert np.unique(places).size == places.size and np.all((places >= 0) & (places < H * 16))
+            tile.flat[places] = v[tp[t]:tp[t + 1]]
+            xg = np.zeros((16, X.shape[1]))
+            ok = tc[t * 16:t * 16 + 16] >= 0
+            xg[ok] = X[tc[t * 16:t * 16 + 16][ok]]
+            assert np.all(tile[:, ~ok] == 0)
+            prod = tile @ xg
+            for r in range(H):
+                if rid[w * H + r] >= 0:
+                    Y[rid[w * H + r]] += prod[r]
+                else:
+                    assert np.all(tile[r] == 0)
 
 
 PARAMS = {
@@ -133,6 +194,9 @@ PARAMS = {
     "sell": [{"C": 1, "sigma": 1}, {"C": 4, "sigma": 8}, {"C": 32, "sigma": 1}],
     "dia": [{}],
     "bsr": [{"R": 1, "C": 1}, {"R": 3, "C": 2}, {"R": 4, "C": 4}],
+    "csr_split": [{"order": 1, "piece": 1, "hub": 3, "warps": 2}, {"order": 3, "piece": 5, "hub": 1000, "warps": 4},
+                  {"order": 4, "piece": 2, "hub": 2, "warps": 1, "split": 3}, {"order": 2, "hub": 1, "split": 40}],
+    "tcw": [{"order": 1, "H": 1}, {"order": 3, "H": 4}, {"order": 4, "H": 16}, {"order": 2, "H": 3}],
 }
 
 
@@ -233,6 +297,15 @@ def _coords(fd: FormatData):
         k, rc = slots // (R * C), slots % (R * C)
         brow = np.searchsorted(a["bsr_ptr"], k, side="right") - 1
         return brow * R + rc // C, a["bsr_col"][k] * C + rc % C
+    if fd.fmt == "csr_split":
+        stored = np.repeat(np.arange(s["n_rows"]), np.diff(a["srow_ptr"]))
+        return a["row_id"][stored[slots]], a["scol"][slots]
+    if fd.fmt == "tcw":
+        H = fd.params["H"]
+        t = np.searchsorted(a["tile_ptr"], slots, side="right") - 1
+        w = np.searchsorted(a["win_ptr"], t, side="right") - 1
+        r, j = a["tcw_pos"][slots] // 16, a["tcw_pos"][slots] % 16
+        return a["row_id"][w * H + r], a["tile_col"][t * 16 + j]
     raise AssertionError(fd.fmt)
 
 
@@ -244,7 +317,10 @@ def _coords(fd: FormatData):
 def test_random_small_matrices(n_rows, n_cols, density, seed, fmt, k):
     A = sp.random(n_rows, n_cols, density=density, random_state=seed, format="csr")
     params = {"csr_part": {"nnz_per_part": k}, "merge": {"items_per_part": k},
-              "sell": {"C": k, "sigma": k + seed % 5}, "bsr": {"R": k, "C": 1 + seed % 4}}.get(fmt, {})
+              "sell": {"C": k, "sigma": k + seed % 5}, "bsr": {"R": k, "C": 1 + seed % 4},
+              "csr_split": {"order": 1 + seed % 4, "piece": k, "hub": 1 + seed % 7, "warps": 1 + seed % 3,
+                            "split": 1 + seed % 5},
+              "tcw": {"order": 1 + seed % 4, "H": k}}.get(fmt, {})
     _check(A, fmt, params)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from sparserl_compile import matrices, structure
 from sparserl_compile.problem import Problem
 from sparserl_compile.search import SearchProvider
@@ -61,3 +63,25 @@ def test_format_plausible_follows_the_pruning_rules():
     assert search.format_plausible("dia", f["band"]) and not search.format_plausible("dia", f["rnd"])
     assert search.format_plausible("bsr", f["blocks"]) and not search.format_plausible("bsr", f["rnd"])
     assert all(search.format_plausible(x, f["rnd"]) for x in ("csr", "merge", "csr_part", "sell"))
+
+
+def test_graph_families_are_proposed_where_they_suit():
+    sp = SearchProvider()
+    graph = matrices.rmat(12, 8, seed=1)
+    fams = lambda cands: {c.family for c in cands}  # noqa: E731
+    f32 = sp.candidates(_problem(graph, "spmm", 128))
+    assert "csr_split" in fams(f32) and "tcw_wmma" not in fams(f32)
+    assert {dict(c.params)["order"] for c in f32 if c.family == "csr_split"} == {1, 2, 3, 4}
+    bf16 = sp.candidates(dataclasses.replace(_problem(graph, "spmm", 64), dtype="bf16"))
+    assert {"csr_split", "tcw_wmma"} <= fams(bf16)
+    # no point whose lanes span more columns than n when a narrower one fits
+    assert all(c.header.launch.tile_n <= 64 for c in bf16 if c.family in ("csr_split", "tcw_wmma"))
+    narrow = sp.candidates(_problem(graph, "spmm", 16))
+    assert {c.header.launch.tile_n for c in narrow if c.family == "csr_split"} == {32}
+    assert "csr_split" not in fams(sp.candidates(_problem(graph, "spmm", 8)))
+    assert "csr_split" not in fams(sp.candidates(_problem(graph)))  # SpMV
+    mesh = sp.candidates(_problem(matrices.stencil2d(40), "spmm", 128))
+    assert "csr_split" not in fams(mesh) and sp.last_report.pruned["csr_split: rows too regular"] > 0
+    rect = matrices.rmat(9, 8, seed=2)[:, :300]  # rectangular: RCM falls back to BFS, so only BFS is kept
+    orders = {dict(c.params)["order"] for c in sp.candidates(_problem(rect, "spmm", 64)) if c.family == "csr_split"}
+    assert orders == {1, 2, 4}
