@@ -405,6 +405,10 @@ static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c);
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 
+/* ------------------------------------------------------------------ bit counting (bitmap formats) */
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline int __ffs(int v) { return __builtin_ffs(v); }     /* 1 + index of the lowest set bit, 0 for 0 */
+
 /* ------------------------------------------------------------------ atomics (really atomic) */
 static inline float simt_atomic_addf(float* a, float v) {
     uint32_t old = __atomic_load_n((uint32_t*)a, __ATOMIC_RELAXED), nw;
