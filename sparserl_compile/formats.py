@@ -32,6 +32,11 @@ Layouts (``n_rows``/``n_cols``/``nnz`` of the CSR input):
 * ``bsr``: R x C blocks, ``n_brows = ceil(n_rows / R)``, block columns ascending within a
   block row; slots past ``n_rows`` or ``n_cols`` exist with value 0 (kernels must not read
   ``x`` past ``n_cols``: the last block column may overhang).
+* ``bitmap``: bands of R rows, tiles of 1024/R columns, one bit per position
+  (``bitmap_geometry``); values in word order, each tile's first value at a multiple of
+  ``BITMAP_ALIGN`` (the gaps are padding). Refused when its words exceed ``max_fill`` x nnz
+  (+ ``SMALL_SLACK``), i.e. below about 1 % density at the default, or when a row repeats a
+  column. ``stored_bytes`` gives what a converted matrix occupies.
 
 Padded formats (ell, sell, dia, bsr) are refused with ``FormatNotSuitable`` when their value
 array would exceed ``max_fill`` times nnz (default 3) plus ``SMALL_SLACK`` slots, or 2^31-1
@@ -325,6 +330,91 @@ def _bsr_fill(indptr, indices, n_rows, n_cols, R, C, ptr):
     return bcol, vm
 
 
+# ---------------------------------------------------------------- bitmap tiles
+
+#: band heights of the bitmap format: a tile is always 32 words, R rows x 1024/R columns
+BITMAP_R = (1, 2, 4, 8, 16, 32)
+#: tile starts in the bitmap value array are multiples of this many values (16-byte loads)
+BITMAP_ALIGN = 8
+
+
+def bitmap_geometry(shape, R: int) -> tuple[int, int, int]:
+    """``(n_bands, n_ctiles, tile_cols)`` of the bitmap format for ``shape`` and band height R."""
+    if R not in BITMAP_R:
+        raise ValueError(f"bitmap: R={R} must be one of {BITMAP_R} (R rows x 1024/R columns per tile)")
+    tw = 1024 // R
+    return math.ceil(int(shape[0]) / R), math.ceil(int(shape[1]) / tw), tw
+
+
+@njit(cache=True)
+def _bitmap_fill(indptr, indices, n_rows, R, tw, n_ctiles, n_tiles, align):
+    words = np.zeros(n_tiles * 32, np.uint32)
+    for i in range(n_rows):
+        base = (i // R) * n_ctiles
+        for p in range(indptr[i], indptr[i + 1]):
+            j = indices[p]
+            w = (base + j // tw) * 32 + ((j % tw) // 32) * R + i % R
+            m = np.uint32(1) << np.uint32(j % 32)
+            if words[w] & m:  # a repeated column: one bit cannot hold two entries
+                return words, np.zeros(1, np.int64), np.zeros(1, np.int64), p
+            words[w] |= m
+    tile_ptr = np.empty(n_tiles + 1, np.int64)
+    word_off = np.empty(n_tiles * 32, np.int64)
+    pos = 0
+    for t in range(n_tiles):
+        tile_ptr[t] = pos
+        for k in range(t * 32, t * 32 + 32):
+            word_off[k] = pos
+            v = words[k]
+            while v:
+                v &= v - np.uint32(1)
+                pos += 1
+        pos = (pos + align - 1) // align * align
+    tile_ptr[n_tiles] = pos
+    vm = np.full(pos, -1, np.int64)
+    for i in range(n_rows):
+        base = (i // R) * n_ctiles
+        for p in range(indptr[i], indptr[i + 1]):
+            j = indices[p]
+            w = (base + j // tw) * 32 + ((j % tw) // 32) * R + i % R
+            below = words[w] & ((np.uint32(1) << np.uint32(j % 32)) - np.uint32(1))
+            rank = 0
+            while below:
+                below &= below - np.uint32(1)
+                rank += 1
+            vm[word_off[w] + rank] = p
+    return words, tile_ptr, vm, -1
+
+
+def _bitmap_fits(n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float) -> tuple[int, int, int]:
+    """The bitmap geometry, or ``FormatNotSuitable`` when its words exceed the fill budget."""
+    n_bands, n_ctiles, tw = bitmap_geometry((n_rows, n_cols), R)
+    _check_budget("bitmap", n_bands * n_ctiles * 32, nnz, max_fill,
+                  f"{n_bands * n_ctiles} tiles of 32 bitmap words for R={R}")
+    return n_bands, n_ctiles, tw
+
+
+def _bitmap(ip, ix, n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float):
+    n_bands, n_ctiles, tw = _bitmap_fits(n_rows, n_cols, R, nnz, max_fill)
+    words, tile_ptr, vm, dup = _bitmap_fill(ip, ix, n_rows, R, tw, n_ctiles, n_bands * n_ctiles, BITMAP_ALIGN)
+    if dup >= 0:
+        row = int(np.searchsorted(ip, dup, side="right") - 1)
+        raise FormatNotSuitable(f"bitmap: row {row} lists column {int(ix[dup])} twice; a bitmap holds "
+                                "one entry per position (sum the duplicates first)")
+    if int(tile_ptr[-1]) > _INT32_MAX:
+        raise FormatNotSuitable(f"bitmap: {int(tile_ptr[-1])} value slots exceed int32 offsets; use csr")
+    return n_bands, n_ctiles, tile_ptr.astype(np.int32), words.view(np.int32), vm
+
+
+def stored_bytes(fd: FormatData, value_bytes: int) -> int:
+    """Bytes the converted matrix occupies where its kernel runs: the int32 structure arrays
+    and the value array (padding included) at ``value_bytes`` per value."""
+    return int(sum(a.nbytes for a in fd.arrays.values()) + fd.padded_size * int(value_bytes))
+
+
+DEFAULT_PARAMS["bitmap"] = {"R": 32}
+
+
 # ---------------------------------------------------------------- conversion
 
 
@@ -394,6 +484,8 @@ def unfit(indptr, indices, shape, fmt: str, params: dict[str, int] | None = None
             R, C = p["R"], p["C"]
             nblk = int(_bsr_count(ip, ix, n_rows, n_cols, R, C)[-1])
             _check_budget(fmt, nblk * R * C, nnz, max_fill, f"{nblk} blocks of {R}x{C}")
+        elif fmt == "bitmap":
+            _bitmap_fits(n_rows, n_cols, p["R"], nnz, max_fill)
     except FormatNotSuitable as e:
         return str(e)
     return None
@@ -469,6 +561,9 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
         bcol, vmap = _bsr_fill(ip, ix, n_rows, n_cols, R, C, ptr)
         arrays["bsr_ptr"], arrays["bsr_col"] = ptr.astype(np.int32), bcol
         scalars["n_brows"] = int(ptr.size - 1)
+    elif fmt == "bitmap":
+        scalars["n_bands"], scalars["n_ctiles"], arrays["tile_ptr"], arrays["bitmap"], vmap = _bitmap(
+            ip, ix, n_rows, n_cols, p["R"], nnz, max_fill)
     else:  # pragma: no cover - FORMATS and this function must list the same formats
         raise AssertionError(f"format {fmt} has no converter")
 
@@ -501,7 +596,7 @@ def warm() -> float:
     ix = np.sort(cols.reshape(n, 3), axis=1).reshape(-1).astype(np.int32)
     structure.features(ip, ix, (n, n))
     for fmt, params in (("csr_part", None), ("merge", None), ("ell", None), ("sell", {"C": 4, "sigma": 8}),
-                        ("dia", None), ("bsr", {"R": 2, "C": 2})):
+                        ("dia", None), ("bsr", {"R": 2, "C": 2}), ("bitmap", {"R": 4})):
         try:
             convert(ip, ix, (n, n), fmt, params, max_fill=1e9)
         except FormatNotSuitable:  # pragma: no cover - the warm-up pattern suits every format
