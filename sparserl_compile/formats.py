@@ -389,8 +389,13 @@ def _bitmap_fill(indptr, indices, n_rows, R, tw, n_ctiles, n_tiles, align):
 def _bitmap_fits(n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float) -> tuple[int, int, int]:
     """The bitmap geometry, or ``FormatNotSuitable`` when its words exceed the fill budget."""
     n_bands, n_ctiles, tw = bitmap_geometry((n_rows, n_cols), R)
-    _check_budget("bitmap", n_bands * n_ctiles * 32, nnz, max_fill,
-                  f"{n_bands * n_ctiles} tiles of 32 bitmap words for R={R}")
+    words = n_bands * n_ctiles * 32
+    if words > _INT32_MAX or words > max_fill * nnz + SMALL_SLACK:
+        raise FormatNotSuitable(
+            f"bitmap: {words} bitmap words (R={R}: {n_bands} bands x {n_ctiles} tiles x 32) for "
+            f"nnz={nnz} (density {nnz / max(1, n_rows * n_cols):.4f}) exceed the budget of "
+            f"{max_fill:g} x nnz + {SMALL_SLACK}; a bitmap suits denser matrices (pruned weights): "
+            "choose a CSR-based format or raise max_fill")
     return n_bands, n_ctiles, tw
 
 
