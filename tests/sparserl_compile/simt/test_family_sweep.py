@@ -26,7 +26,7 @@ def _space(op, dtype, m=SMALL):
 def _runnable(cands):
     out = []
     for c in cands:
-        if c.family == "bsr_wmma":
+        if c.family in ("bsr_wmma", "bitmap_wmma"):
             with pytest.raises(simt.SimtRefused, match="wmma"):
                 simt.compile_kernel(c.source)
             continue
