@@ -161,17 +161,24 @@ def to_device(fd: FormatData, device) -> dict:
     return {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in fd.arrays.items()}
 
 
-def floor_bytes(op: str, n_rows: int, n_cols: int, nnz: int, n: int = 1, value_bytes: int = 4) -> int:
+def floor_bytes(op: str, n_rows: int, n_cols: int, nnz: int, n: int = 1, value_bytes: int = 4,
+                fmt: str = "csr") -> int:
     """The fewest bytes one call must move: CSR arrays, x and y once each.
 
     ``nnz * (value_bytes + 4) + 4 * (n_rows + 1) + value_bytes * n * (n_cols + n_rows)``;
-    for SpMV (n = 1) at 4-byte values this is the anchors' floor.
+    for SpMV (n = 1) at 4-byte values this is the anchors' floor. ``fmt="bitmap"``: the
+    values and one bit per position of the matrix in place of the CSR index arrays
+    (``nnz * value_bytes + n_rows * n_cols / 8``), what a kernel of the bitmap format reads
+    at least; any other ``fmt`` is held to the CSR floor.
     """
     if op == "spmv":
         n = 1
     elif op != "spmm":
         raise ValueError(f"op={op!r}; expected one of {OPS}")
-    return int(nnz * (value_bytes + 4) + 4 * (n_rows + 1) + value_bytes * n * (n_cols + n_rows))
+    dense = value_bytes * n * (n_cols + n_rows)
+    if fmt == "bitmap":
+        return int(nnz * value_bytes + n_rows * n_cols // 8 + dense)
+    return int(nnz * (value_bytes + 4) + 4 * (n_rows + 1) + dense)
 
 
 # ---------------------------------------------------------------- numba kernels

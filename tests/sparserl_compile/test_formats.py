@@ -383,6 +383,10 @@ def test_floor_bytes_matches_anchor_formula():
     assert floor_bytes("spmv", n_rows, n_cols, nnz, value_bytes=2) == nnz * 6 + 4 * (n_rows + 1) + 2 * (n_cols + n_rows)
     with pytest.raises(ValueError):
         floor_bytes("sddmm", 1, 1, 1)
+    # a bitmap kernel reads the values and one bit per position, not CSR's indices
+    assert floor_bytes("spmm", 1024, 512, 100_000, n=4, value_bytes=2, fmt="bitmap") == \
+        100_000 * 2 + 1024 * 512 // 8 + 2 * 4 * (512 + 1024)
+    assert floor_bytes("spmv", n_rows, n_cols, nnz, fmt="ell") == floor_bytes("spmv", n_rows, n_cols, nnz)
 
 
 @pytest.mark.parametrize("make", [lambda: matrices.banded(2000, 3), lambda: matrices.uniform_random(20000, 20000, 8),
