@@ -40,8 +40,8 @@ Idioms. The templates keep to this small set, which the policy grammar
 * ``for``/``while``/``if``/``else``/``return``, compound statements,
   ``+= -= &= ++ % / * + - < <= >= == != &&``;
 * ``nvcuda::wmma`` (``fragment``, ``fill_fragment``, ``load_matrix_sync``, ``mma_sync``,
-  ``store_matrix_sync``) in ``bsr_wmma`` and ``bitmap_wmma`` only: the CPU executor may leave
-  it to the GPU.
+  ``store_matrix_sync``) in ``bsr_wmma`` and ``bitmap_wmma`` only (the CPU executor emulates
+  it).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ API::
 ``compile_many(sources, *, guarded=True, jobs=None)`` builds a batch in parallel (results or
 exceptions, in order). ``compile_kernel(source, *, guarded=True) -> SimtKernel`` parses the contract header
 (``contract.parse_header``), refuses constructs outside the language with ``SimtRefused``
-naming the construct (inline assembly, wmma, clock reads, printf, templates, static or
+naming the construct (inline assembly, clock reads, printf, templates, static or
 file-scope state, non-``_sync`` shuffles, warp votes, ...), rewrites the kernel (``rewrite``)
 and builds it with g++ against ``runtime.h`` into a shared library cached by content hash
 under ``$SPARSERL_CACHE_DIR/simt`` (``build``). g++ errors raise ``SimtCompileError`` with the
@@ -39,6 +39,12 @@ What is modelled:
   as plain calls (much faster);
 * ``__shared__`` arrays (static and ``extern`` dynamic) are per block, poisoned with 0xFF
   bytes (NaN / -1) in guarded builds so reads of unwritten shared memory show.
+* ``nvcuda::wmma`` (``fragment``, ``fill_fragment``, ``load_matrix_sync``, ``mma_sync``,
+  ``store_matrix_sync``), emulated: every lane holds a whole fragment and computes the whole
+  product in float (the same result on every lane; the tensor cores' own rounding inside one
+  mma may differ within verification's bound); the three ``_sync`` calls are warp-collective
+  (a lane that skips one is a ``WarpMaskError``) without ordering what the kernel must order
+  with ``__syncwarp``; misaligned fragment pointers or ``ldm`` raise ``MisalignedAccess``;
 
 Faults raise ``SimtFault`` subclasses naming the thread, block and (where known) line:
 ``OutOfBounds`` (array name, index, extent; guarded builds check every access through the

@@ -84,8 +84,6 @@ _PP = re.compile(r"#(?:[^\n\\]|\\.)*", re.DOTALL)
 _FENCE = "memory fences (__threadfence*)"
 _REFUSED: dict[str, str] = {
     **dict.fromkeys(("asm", "__asm__", "__asm"), "inline assembly"),
-    **dict.fromkeys(("wmma", "nvcuda", "mma_sync", "load_matrix_sync", "store_matrix_sync",
-                     "fill_fragment"), "wmma (tensor cores)"),
     **dict.fromkeys(("clock", "clock64", "__clock", "__globaltimer", "globaltimer"), "clock read"),
     "printf": "printf",
     **dict.fromkeys(("template", "typename"), "C++ templates"),
@@ -119,7 +117,8 @@ _REFUSED: dict[str, str] = {
 _CALL_ONLY = {"clock", "clock64", "malloc", "free", "assert", "globaltimer"}
 
 SYNC_NAMES = frozenset({"__syncthreads", "__syncwarp", "__shfl_sync", "__shfl_up_sync",
-                        "__shfl_down_sync", "__shfl_xor_sync"})
+                        "__shfl_down_sync", "__shfl_xor_sync",
+                        "load_matrix_sync", "store_matrix_sync", "mma_sync"})  # wmma: warp-collective
 
 TYPE_WORDS = frozenset({
     "int", "unsigned", "signed", "long", "short", "char", "float", "double", "bool",

@@ -22,7 +22,6 @@ def _with(body: str) -> str:
     ("    static int calls = 0;", "static storage"),
     ("    float v = __shfl_down(1.0f, 1);", "without _sync"),
     ("    unsigned b = __ballot_sync(0xffffffff, 1);", "warp vote"),
-    ("    nvcuda::wmma::fragment<int> f;", "wmma"),
     ("    __threadfence();", "memory fences"),
 ])
 def test_out_of_language_constructs_are_refused_by_name(body, construct):
@@ -45,13 +44,15 @@ def test_pragma_unroll_is_accepted():
     assert "#pragma" not in p.body
 
 
-def test_tensor_core_family_is_refused():
+def test_tensor_core_families_build_and_run_in_fiber_mode():
+    """wmma is emulated (runtime.h): the tensor-core families build, and their collective calls
+    put the kernel in fiber mode (a warp's lanes must meet at them)."""
     from sparserl_compile import kernels
 
-    wmma = [c for c in kernels.space("spmm", "f16") if c.family == "bsr_wmma"]
-    assert wmma, "the kernel space has a tensor-core family"
-    with pytest.raises(simt.SimtRefused, match="wmma"):
-        simt.compile_kernel(wmma[0].source)
+    wmma = [c for c in kernels.space("spmm", "f16") if c.family in ("bsr_wmma", "bitmap_wmma")]
+    assert {c.family for c in wmma} == {"bsr_wmma", "bitmap_wmma"}
+    assert prepare(wmma[0].source).uses_fibers
+    assert simt.compile_kernel(wmma[0].source).uses_fibers
 
 
 def test_signature_must_match_the_contract():
