@@ -17,16 +17,19 @@ is written once, deterministically.
 
 * ``bitmap_warp`` (SpMV, and SpMM over ``v`` dense columns per block along ``grid.y``): each
   lane multiplies its stored weights by ``x`` (the lanes of one tile read at most ``32/R``
-  windows of 32 columns of ``x``, one for ``R = 32``) into ``v`` float accumulators. With
-  ``stage`` the warp first copies the tile's values into shared memory with 16-byte loads
-  (coalesced) and the lanes read them from there; without, each lane reads its own values
-  through ``__ldg``.
+  windows of 32 columns of ``x``, one for ``R = 32``) into ``v`` float accumulators. A warp
+  loads a tile's metadata (``tile_ptr``, its bitmap word) one tile ahead of its use. With
+  ``stage`` the warp loads the next tile's values with coalesced 16-byte loads into
+  registers while it multiplies the current one, whose values it has put into shared memory
+  (metadata then two tiles ahead); without, each lane reads its own values through
+  ``__ldg``. Bands of 32 rows are fewer than bands of 8, so their blocks have more warps.
 * ``bitmap_wmma`` (SpMM, f16/bf16; load as sparse, compute as dense): per tile, each lane
   zero-fills its 32-column segment of a dense ``G*R x 1024/R`` tile in shared memory and
   scatters its stored weights into it; the warp stages the matching ``1024/R x BN`` tile of
   ``x`` (16-byte loads when ``v = 8``, ``n % 8 == 0``; guarded scalar loads when ``v = 1``;
   rows past ``n_cols`` and columns past ``n`` read as 0) and multiplies them with
-  ``nvcuda::wmma`` 16x16x16 (float accumulation). Like ``bsr_wmma``, a NaN or inf in ``x``
+  ``nvcuda::wmma`` 16x16x16 (float accumulation); the metadata of the warp's next tile is
+  loaded while it works on this one. Like ``bsr_wmma``, a NaN or inf in ``x``
   meets the zeros of the dense tile and reaches ``y`` as NaN, as in the dense product.
 
 Shared memory is static and at most 48 KiB per block (``_wmma_smem`` checks every point).
@@ -50,26 +53,19 @@ def _scan(indent: str = "") -> list[str]:
     return lines + [f"{indent}k -= cnt;"]
 
 
-def _tile_head(indent: str, band: str) -> list[str]:
-    """Tile ``t`` of ``band`` at column tile ``ct``: its value start ``tp``, this lane's word
-    ``w`` and the lane's value offset ``k`` inside the tile."""
-    return [
-        f"{indent}int t = {band} * n_ctiles + ct;",
-        f"{indent}int tp = __ldg(&tile_ptr[t]);",
-        f"{indent}unsigned w = (unsigned)__ldg(&bitmap[t * 32 + lane]);",
-        f"{indent}int cnt = __popc(w);",
-    ] + _scan(indent)
-
-
 # ----------------------------------------------------------------------------- warp
 
 _WARP_R = (8, 16, 32)
-_WARPS = (4, 8)
+_WARPS = (4, 8, 16)
+#: warps per block by band height: bands of 32 rows are fewer (one block each), so more warps
+#: share a band's tiles
+_WARPS_FOR = {8: (4, 8), 16: (4, 8), 32: (8, 16)}
 _V = (1, 2, 4)
 
 
 def warp_space(op: str, dtype: str) -> list[dict]:
-    pts = [{"R": R, "warps": w, "stage": s} for R in _WARP_R for w in _WARPS for s in (False, True)]
+    pts = [{"R": R, "warps": w, "stage": s} for R in _WARP_R for w in _WARPS_FOR[R] for s in (False, True)
+           if not (s and w * 1024 * _ESIZE[dtype] + w * R * 4 * max(_V) > _SMEM_LIMIT)]
     if op == "spmm":
         pts = [dict(p, v=v) for p in pts for v in _V]
     return pts
@@ -108,6 +104,62 @@ def _warp_reduce(op: str, dtype: str, R: int, W: int, v: int) -> list[str]:
     return lines + ["}"]
 
 
+def _meta(d: int, ct: str, with_end: bool) -> list[str]:
+    """Lines loading tile ``ct``'s metadata into ``tp{d}`` (``te{d}``) and ``w{d}`` (0 past the
+    band's last tile), issued ahead of their use so their latency overlaps other work."""
+    te = f" te{d} = __ldg(&tile_ptr[tm + 1]);" if with_end else ""
+    return [f"if ({ct} < n_ctiles) {{", f"    int tm = band * n_ctiles + {ct};",
+            f"    tp{d} = __ldg(&tile_ptr[tm]);{te}",
+            f"    w{d} = (unsigned)__ldg(&bitmap[tm * 32 + lane]);", "} else {",
+            f"    tp{d} = 0;{f' te{d} = 0;' if with_end else ''} w{d} = 0u;", "}"]
+
+
+def _prefetch_values(d: int, per16: int, regs: int) -> list[str]:
+    """Lines loading the values of the tile in ``tp{d}``/``te{d}`` into ``p0..`` (16-byte loads,
+    chunk ``lane + 32*i`` into ``p{i}``)."""
+    lines = ["{", f"    int ch = (te{d} - tp{d}) / {per16};",
+             f"    const float4* src = reinterpret_cast<const float4*>(bm_val + tp{d});"]
+    lines += [f"    if (lane + {32 * i} < ch) p{i} = src[lane + {32 * i}];" for i in range(regs)]
+    return lines + ["}"]
+
+
+def _warp_loop(op: str, dtype: str, R: int, W: int, v: int, stage: bool) -> list[str]:
+    """The loop over the band's tiles of one warp. Metadata is loaded one tile ahead (two with
+    ``stage``); with ``stage``, each tile's values travel through registers one tile ahead
+    and through shared memory, so the warp's loads for the next tiles are in flight while it
+    multiplies this one."""
+    s4 = 1024 * _ESIZE[dtype] // 16  # float4 slots of one warp's staged tile
+    per16, regs = 16 // _ESIZE[dtype], s4 // 32
+    depth = 3 if stage else 2
+    lines = [" ".join(f"int tp{d} = 0;" + (f" int te{d} = 0;" if stage else "") + f" unsigned w{d} = 0u;"
+                      for d in range(depth))]
+    lines += _meta(0, "warp", stage) + _meta(1, f"warp + {W}", stage)
+    if stage:
+        lines += [" ".join(f"float4 p{i} = make_float4(0.0f, 0.0f, 0.0f, 0.0f);" for i in range(regs))]
+        lines += _prefetch_values(0, per16, regs)
+        lines.append(f"const {DTYPES[dtype]}* sv = reinterpret_cast<const {DTYPES[dtype]}*>(stage + warp * {s4});")
+    lines.append(f"for (int ct = warp; ct < n_ctiles; ct += {W}) {{")
+    body = []
+    if stage:
+        body += _meta(2, f"ct + {2 * W}", True)
+        body.append(f"int ch0 = (te0 - tp0) / {per16};")
+        body += [f"if (lane + {32 * i} < ch0) stage[warp * {s4} + lane + {32 * i}] = p{i};" for i in range(regs)]
+        body.append("__syncwarp();")
+        body += _prefetch_values(1, per16, regs)
+    else:
+        body += _meta(1, f"ct + {W}", False)
+    body += ["unsigned w = w0;"] + ([] if stage else ["int tp = tp0;"]) + ["int cnt = __popc(w);"] + _scan()
+    val = t.to_float(dtype, "sv[k]") if stage else t.ldg(dtype, "bm_val", "tp + k")
+    body += [f"int col0 = ct * {1024 // R} + (lane / {R}) * 32;", "while (w != 0u) {",
+             "    int b = __ffs((int)w) - 1;", "    w &= w - 1u;", f"    float val = {val};"]
+    body += t.indent(_warp_products(op, dtype, v), 1) + ["    ++k;", "}"]
+    if stage:
+        body += ["__syncwarp();", "tp0 = tp1; te0 = te1; w0 = w1;", "tp1 = tp2; te1 = te2; w1 = w2;"]
+    else:
+        body += ["tp0 = tp1; w0 = w1;"]
+    return lines + t.indent(body, 1) + ["}"]
+
+
 def warp_render(op: str, dtype: str, params: dict, structure=None):
     allowed = {"R": _WARP_R, "warps": _WARPS, "stage": (False, True)}
     if op == "spmm":
@@ -115,34 +167,23 @@ def warp_render(op: str, dtype: str, params: dict, structure=None):
     t.check_params("bitmap_warp", params, allowed)
     R, W, stage = params["R"], params["warps"], params["stage"]
     v = params.get("v", 1)
-    T = DTYPES[dtype]
-    s4 = 1024 * _ESIZE[dtype] // 16  # float4 slots of one warp's staged tile
-    per16 = 16 // _ESIZE[dtype]  # values per 16-byte load
+    if W not in _WARPS_FOR[R]:
+        raise ValueError(f"bitmap_warp: warps={W} with R={R}; R={R} takes warps in {_WARPS_FOR[R]} "
+                         "(a band of 32 rows has fewer blocks, so more warps share it)")
+    smem = W * R * v * 4 + (W * 1024 * _ESIZE[dtype] if stage else 0)
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"bitmap_warp: R={R} warps={W} stage={stage} needs {smem} bytes of shared memory "
+                         f"in {dtype}, over the {_SMEM_LIMIT} a block has; use fewer warps or stage=False")
     body = [f"__shared__ float red[{W * R * v}];"]
     if stage:
-        body.append(f"__shared__ float4 stage[{W * s4}];")
+        body.append(f"__shared__ float4 stage[{W * 1024 * _ESIZE[dtype] // 16}];")
     body += ["int warp = threadIdx.x / 32;", "int lane = threadIdx.x % 32;",
-             f"int band = blockIdx.x * 1 + warp / {W};", f"int cb = (lane / {R}) * 32;"]
+             f"int band = blockIdx.x * 1 + warp / {W};"]
     if op == "spmm":
         body.append(f"int c0 = blockIdx.y * {v};")
         body += [f"bool ok{j} = c0 + {j} < n;" for j in range(1, v)]
     body.append(t.zero_acc(v))
-    if stage:
-        body.append(f"const {T}* sv = reinterpret_cast<const {T}*>(stage + warp * {s4});")
-    body.append(f"for (int ct = warp; ct < n_ctiles; ct += {W}) {{")
-    body += _tile_head("    ", "band")
-    if stage:
-        body += [f"    int chunks = (__ldg(&tile_ptr[t + 1]) - tp) / {per16};",
-                 "    for (int e = lane; e < chunks; e += 32) {",
-                 f"        stage[warp * {s4} + e] = reinterpret_cast<const float4*>(bm_val + tp)[e];",
-                 "    }", "    __syncwarp();"]
-    val = t.to_float(dtype, "sv[k]") if stage else t.ldg(dtype, "bm_val", "tp + k")
-    body += [f"    int col0 = ct * {1024 // R} + cb;", "    while (w != 0u) {",
-             "        int b = __ffs((int)w) - 1;", "        w &= w - 1u;", f"        float val = {val};"]
-    body += t.indent(_warp_products(op, dtype, v), 2) + ["        ++k;", "    }"]
-    if stage:
-        body.append("    __syncwarp();")
-    body.append("}")
+    body += _warp_loop(op, dtype, R, W, v, stage)
     body += _warp_reduce(op, dtype, R, W, v)
     launch = LaunchSpec(block=32 * W, work="bands", per_block=1, tile_n=v if op == "spmm" else 0)
     return t.assemble(op, "bitmap", dtype, launch, body, family="bitmap_warp", params=params,
@@ -209,23 +250,30 @@ def _x_tile(dtype: str, T: str, tw: int, BN: int, ldx: int, v: int) -> list[str]
     ]
 
 
-def _expand(T: str, G: int, R: int, lda: int) -> list[str]:
-    """Lines writing this tile of each of the block's G bands, dense, into ``as``."""
+def _wmma_meta(G: int, ct: str, d: str) -> list[str]:
+    """Lines loading tile ``ct``'s metadata of each of the block's bands into ``tp{d}{g}`` and
+    ``w{d}{g}`` (0 past the band's tiles or past the last band)."""
     lines = []
     for g in range(G):
-        lines += [
-            "    {",
-            f"        int band = blockIdx.x * {G} + {g};",
-            f"        {T}* seg = as + ({g * R} + lane % {R}) * {lda} + (lane / {R}) * 32;",
-            "        for (int e = 0; e < 4; ++e) {",
-            "            reinterpret_cast<float4*>(seg)[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);",
-            "        }",
-            "        if (band < n_bands) {",
-        ]
-        lines += _tile_head("            ", "band")
-        lines += ["            while (w != 0u) {", "                int b = __ffs((int)w) - 1;",
-                  "                w &= w - 1u;", "                seg[b] = __ldg(&bm_val[tp + k]);",
-                  "                ++k;", "            }", "        }", "    }"]
+        lines += [f"if ({ct} < n_ctiles && band{g} < n_bands) {{", f"    int tm = band{g} * n_ctiles + {ct};",
+                  f"    tp{d}{g} = __ldg(&tile_ptr[tm]);", f"    w{d}{g} = (unsigned)__ldg(&bitmap[tm * 32 + lane]);",
+                  "} else {", f"    tp{d}{g} = 0; w{d}{g} = 0u;", "}"]
+    return lines
+
+
+def _expand(T: str, G: int, R: int, lda: int) -> list[str]:
+    """Lines writing this tile of each of the block's G bands, dense, into ``as``: each lane
+    zero-fills its 32-column segment of its row and scatters its stored weights into it (the
+    tile's metadata ``tpa{g}``/``wa{g}`` was loaded one tile ahead)."""
+    lines = []
+    for g in range(G):
+        lines += ["{", f"    {T}* seg = as + ({g * R} + lane % {R}) * {lda} + (lane / {R}) * 32;",
+                  "    for (int e = 0; e < 4; ++e) {",
+                  "        reinterpret_cast<float4*>(seg)[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);", "    }",
+                  f"    unsigned w = wa{g};", f"    int tp = tpa{g};", "    int cnt = __popc(w);"]
+        lines += _scan("    ")
+        lines += ["    while (w != 0u) {", "        int b = __ffs((int)w) - 1;", "        w &= w - 1u;",
+                  "        seg[b] = __ldg(&bm_val[tp + k]);", "        ++k;", "    }", "}"]
     return lines
 
 
@@ -260,15 +308,21 @@ def wmma_render(op: str, dtype: str, params: dict, structure=None):
     body += [f"{frag.format('matrix_b', T + ', ' + ns + '::row_major')} fb{nb};" for nb in nbs]
     body += [f"{frag.format('accumulator', 'float')} {c};" for c in acc]
     body += [f"{ns}::fill_fragment({c}, 0.0f);" for c in acc]
+    body += [f"int band{g} = blockIdx.x * {G} + {g};" for g in range(G)]
+    body += [" ".join(f"int tp{d}{g} = 0; unsigned w{d}{g} = 0u;" for d in "ab" for g in range(G))]
+    body += _wmma_meta(G, "warp", "a")
     body.append(f"for (int ct = warp; ct < n_ctiles; ct += {W}) {{")
-    body += _expand(T, G, R, lda)
+    body += t.indent(_wmma_meta(G, f"ct + {W}", "b"), 1)
     body += _x_tile(dtype, T, tw, BN, ldx, v)
+    body += t.indent(_expand(T, G, R, lda), 1)
     body += ["    __syncwarp();", f"    for (int kk = 0; kk < {tw}; kk += 16) {{"]
     body += [f"        {ns}::load_matrix_sync(fb{nb}, xs + kk * {ldx} + {nb * 16}, {ldx});" for nb in nbs]
     for g, m in rows:
         body.append(f"        {ns}::load_matrix_sync(fa, as + {(g * R + m * 16) * lda} + kk, {lda});")
         body += [f"        {ns}::mma_sync(c{g}_{m}_{nb}, fa, fb{nb}, c{g}_{m}_{nb});" for nb in nbs]
-    body += ["    }", "    __syncwarp();", "}", "float* os = reinterpret_cast<float*>(wp);"]
+    body += ["    }", "    __syncwarp();"]
+    body += ["    " + " ".join(f"tpa{g} = tpb{g}; wa{g} = wb{g};" for g in range(G)), "}",
+             "float* os = reinterpret_cast<float*>(wp);"]
     body += [f"{ns}::store_matrix_sync(os + {(g * R + m * 16) * BN + nb * 16}, c{g}_{m}_{nb}, {BN}, "
              f"{ns}::mem_row_major);" for g, m in rows for nb in nbs]
     body += [

@@ -582,7 +582,8 @@ def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_fo
     s, formats, every, grammar = problem_inputs(model, m, "spmm", "f32", 32)
     assert formats == ()  # not asked for: nothing forces a format here
     nearest = reference_sources(s.features, "spmm", "f32", 32, default_entries(), m, count=4, formats=())
-    assert every[:len(nearest)] == nearest and {format_of(t) for t in every} == set(contract.FORMATS)
+    # drafts of every format the shipped table's winners are in (it has no measured bitmap winner)
+    assert every[:len(nearest)] == nearest and {format_of(t) for t in every} == set(contract.FORMATS) - {"bitmap"}
     cfg = DecodeConfig(greedy=True, max_new_tokens=1200, trace=False, batch_drafts=True)
     texts, calls = [], []
     for refs in (list(nearest), list(every)):  # plain lists: no drafts from the samples' own headers (below)

@@ -13,10 +13,10 @@ SHAPE = (72, 600)
 CASES = [(mask, s) for mask in ("magnitude", "wanda") for s in (0.5, 0.7, 0.9)]
 
 WARP_SPMV = [{"R": 8, "warps": 4, "stage": False}, {"R": 16, "warps": 8, "stage": True},
-             {"R": 32, "warps": 4, "stage": True}, {"R": 32, "warps": 8, "stage": False}]
+             {"R": 32, "warps": 16, "stage": True}, {"R": 32, "warps": 8, "stage": False}]
 #: (point, widths): each v at the widths the search proposes it for, and one past (two y tiles)
 WARP_SPMM = [({"R": 8, "warps": 8, "stage": True, "v": 1}, (1, 3)),
-             ({"R": 32, "warps": 4, "stage": False, "v": 2}, (2, 3)),
+             ({"R": 32, "warps": 16, "stage": False, "v": 2}, (2, 3)),
              ({"R": 16, "warps": 4, "stage": False, "v": 4}, (3, 4, 8)),
              ({"R": 32, "warps": 8, "stage": True, "v": 4}, (4, 5))]
 WMMA = [({"R": 16, "G": 1, "BN": 16, "warps": 8, "v": 8}, (8, 16)),
@@ -81,6 +81,10 @@ def test_parameters_are_checked():
         kernels.render("bitmap_wmma", "spmm", "bf16", {"R": 16, "G": 1, "BN": 64, "warps": 8, "v": 8})
     with pytest.raises(ValueError, match="R=4"):
         kernels.render("bitmap_warp", "spmv", "bf16", {"R": 4, "warps": 4, "stage": False})
+    with pytest.raises(ValueError, match="R=32 takes warps in"):
+        kernels.render("bitmap_warp", "spmv", "bf16", {"R": 32, "warps": 4, "stage": False})
+    with pytest.raises(ValueError, match="shared memory"):
+        kernels.render("bitmap_warp", "spmv", "f32", {"R": 32, "warps": 16, "stage": True})
     with pytest.raises(ValueError, match="missing"):
         kernels.render("bitmap_warp", "spmm", "bf16", WARP_SPMV[0])  # SpMM needs v
 
