@@ -5,10 +5,10 @@ For each weight shape (out x in features: 4096 x 4096, 11008 x 4096), sparsity (
 16, 32), in bfloat16, side by side in one process:
 
 * ``sparserl``: ``F.linear(x, sr.sparsify(W))`` after its first call chose a kernel. The first
-  call runs the ``search`` provider with the disk cache off: every bitmap point the search
-  proposes for the product (they come first on weight-like patterns) plus ``--others`` more
-  points of the space, each compiled, verified in the sandbox and timed against cuSPARSE;
-  the fastest verified one is kept if it beats cuSPARSE, else cuSPARSE is;
+  call runs the ``search`` provider with the disk cache off and ``k`` = every bitmap point the
+  search proposes for the product (they come first on weight-like patterns) plus ``--others``:
+  each compiled, verified in the sandbox and timed against cuSPARSE; the fastest verified one
+  is kept if it beats cuSPARSE, else cuSPARSE is;
 * ``dense``: ``F.linear(x, W)`` with the pruned weight stored dense (cuBLAS);
 * ``cusparse``: ``runtime.reference_product`` on ``x^T`` (torch.sparse CSR, int32 indices),
   the product the runtime runs where cuSPARSE is kept, transposes included as ``F.linear``'s.
@@ -109,11 +109,18 @@ def problem_for(pattern, batch: int, fingerprint: str = "bench"):
                    pattern.indptr, pattern.indices, fingerprint, "sm_90")
 
 
-def bitmap_points(problem) -> list:
-    """The bitmap candidates the search proposes for ``problem``, in its order."""
+def bitmap_points(problem, features=None) -> list:
+    """The bitmap candidates the search proposes for ``problem``, in its order (its rules for
+    the bitmap families, without converting the pattern to the space's other formats).
+    ``features``: the pattern's ``structure.features``, when the caller has them."""
+    from sparserl_compile import kernels, structure
     from sparserl_compile.search import SearchProvider
 
-    return [c for c in SearchProvider().candidates(problem) if c.header.format == "bitmap"]
+    f = features if features is not None else structure.features(
+        problem.indptr, problem.indices, (problem.n_rows, problem.n_cols))
+    n = 1 if problem.op == "spmv" else int(problem.n)
+    return [c for c in kernels.space(problem.op, problem.dtype, n=n)
+            if c.header.format == "bitmap" and SearchProvider._rule(c, f, n) is None]
 
 
 def layout_bytes(chosen, pattern, value_bytes: int = VALUE_BYTES, converted=None) -> int:
@@ -201,10 +208,11 @@ class _Weight:
         import torch
 
         import sparserl_compile as sr
-        from sparserl_compile import matrices, verify
+        from sparserl_compile import matrices, structure, verify
 
         m = matrices.pruned_weight(case.n_rows, case.n_cols, case.sparsity, "magnitude", seed=seed)
         self.pattern = verify.Pattern.of(m)
+        self.features = structure.features(self.pattern.indptr, self.pattern.indices, self.pattern.shape)
         self.dense = torch.from_numpy(m.toarray()).to(dev, torch.bfloat16)
         self.sparse = sr.sparsify(self.dense)
         self.crow = torch.from_numpy(self.pattern.indptr).to(dev)
@@ -255,10 +263,10 @@ def run_batch(w: _Weight, case: Case, batch: int, args, dev) -> dict:
     import torch.nn.functional as F
 
     import sparserl_compile as sr
-    from sparserl_compile import bench, runtime
+    from sparserl_compile import bench, kernels, runtime
 
     x = torch.randn(batch, case.n_cols, device=dev, dtype=torch.bfloat16)
-    points = bitmap_points(problem_for(w.pattern, batch))
+    points = bitmap_points(problem_for(w.pattern, batch), w.features)
     sr.configure(provider="search", k=len(points) + args.others, cache=False)
     runtime.clear()
     runtime.reset_stats()
@@ -270,12 +278,7 @@ def run_batch(w: _Weight, case: Case, batch: int, args, dev) -> dict:
     uses = runtime.first_uses()
     sel = selection_summary(uses[-1] if uses else None)
     ref = F.linear(x, w.dense)
-    chosen = next((c for c in points if c.name == sel["chosen"]), None)
-    if sel["chosen"] is not None and chosen is None:  # a point of another family was kept
-        from sparserl_compile.search import SearchProvider
-
-        chosen = next((c for c in SearchProvider().candidates(problem_for(w.pattern, batch))
-                       if c.name == sel["chosen"]), None)
+    chosen = next((c for c in kernels.space("spmm", "bf16", n=batch) if c.name == sel["chosen"]), None)
     converted = w.layout(chosen.header)[0] if chosen is not None and chosen.header.format == "bitmap" else None
 
     fns = {"sparse": lambda: F.linear(x, w.sparse), "dense": lambda: F.linear(x, w.dense),

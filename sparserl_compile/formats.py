@@ -354,43 +354,61 @@ def bitmap_geometry(shape, R: int) -> tuple[int, int, int]:
 
 
 @njit(cache=True)
-def _bitmap_fill(indptr, indices, n_rows, R, tw, n_ctiles, n_tiles, align):
+def _row_order(indptr, indices, n_rows):
+    """Positions of each row's entries by ascending column; empty when every row is sorted."""
+    for i in range(n_rows):
+        for p in range(indptr[i] + 1, indptr[i + 1]):
+            if indices[p] < indices[p - 1]:
+                order = np.arange(indices.size)
+                for r in range(n_rows):
+                    a, b = indptr[r], indptr[r + 1]
+                    order[a:b] = a + np.argsort(indices[a:b], kind="mergesort")
+                return order
+    return np.empty(0, np.int64)
+
+
+@njit(cache=True)
+def _bitmap_fill(indptr, indices, order, n_rows, R, tw, n_ctiles, n_bands, align):
+    """One sweep in the layout's own order (band, tile, word, bit), a cursor per row of the
+    band: the words and the value map are written front to back."""
+    n_tiles = n_bands * n_ctiles
     words = np.zeros(n_tiles * 32, np.uint32)
-    for i in range(n_rows):
-        base = (i // R) * n_ctiles
-        for p in range(indptr[i], indptr[i + 1]):
-            j = indices[p]
-            w = (base + j // tw) * 32 + ((j % tw) // 32) * R + i % R
-            m = np.uint32(1) << np.uint32(j % 32)
-            if words[w] & m:  # a repeated column: one bit cannot hold two entries
-                return words, np.zeros(1, np.int64), np.zeros(1, np.int64), p
-            words[w] |= m
     tile_ptr = np.empty(n_tiles + 1, np.int64)
-    word_off = np.empty(n_tiles * 32, np.int64)
+    vm = np.empty(indices.size + (align - 1) * n_tiles, np.int64)
+    cur = np.empty(R, np.int64)
+    sorted_rows = order.size == 0
     pos = 0
-    for t in range(n_tiles):
-        tile_ptr[t] = pos
-        for k in range(t * 32, t * 32 + 32):
-            word_off[k] = pos
-            v = words[k]
-            while v:
-                v &= v - np.uint32(1)
+    for b in range(n_bands):
+        rows = min(R, n_rows - b * R)
+        for r in range(rows):
+            cur[r] = indptr[b * R + r]
+        for ct in range(n_ctiles):
+            t = b * n_ctiles + ct
+            tile_ptr[t] = pos
+            for q in range(32 // R):
+                hi = ct * tw + q * 32 + 32
+                for r in range(rows):
+                    end = indptr[b * R + r + 1]
+                    k = cur[r]
+                    bits = np.uint32(0)
+                    while k < end:
+                        p = k if sorted_rows else order[k]
+                        if indices[p] >= hi:
+                            break
+                        m = np.uint32(1) << np.uint32(indices[p] & 31)
+                        if bits & m:  # a repeated column: one bit cannot hold two entries
+                            return words, tile_ptr, vm[:0], p
+                        bits |= m
+                        vm[pos] = p
+                        pos += 1
+                        k += 1
+                    cur[r] = k
+                    words[t * 32 + q * R + r] = bits
+            while pos % align:
+                vm[pos] = -1
                 pos += 1
-        pos = (pos + align - 1) // align * align
     tile_ptr[n_tiles] = pos
-    vm = np.full(pos, -1, np.int64)
-    for i in range(n_rows):
-        base = (i // R) * n_ctiles
-        for p in range(indptr[i], indptr[i + 1]):
-            j = indices[p]
-            w = (base + j // tw) * 32 + ((j % tw) // 32) * R + i % R
-            below = words[w] & ((np.uint32(1) << np.uint32(j % 32)) - np.uint32(1))
-            rank = 0
-            while below:
-                below &= below - np.uint32(1)
-                rank += 1
-            vm[word_off[w] + rank] = p
-    return words, tile_ptr, vm, -1
+    return words, tile_ptr, vm[:pos], -1
 
 
 def _bitmap_fits(n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float) -> tuple[int, int, int]:
@@ -408,7 +426,8 @@ def _bitmap_fits(n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float) ->
 
 def _bitmap(ip, ix, n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float):
     n_bands, n_ctiles, tw = _bitmap_fits(n_rows, n_cols, R, nnz, max_fill)
-    words, tile_ptr, vm, dup = _bitmap_fill(ip, ix, n_rows, R, tw, n_ctiles, n_bands * n_ctiles, BITMAP_ALIGN)
+    words, tile_ptr, vm, dup = _bitmap_fill(ip, ix, _row_order(ip, ix, n_rows), n_rows, R, tw, n_ctiles, n_bands,
+                                            BITMAP_ALIGN)
     if dup >= 0:
         row = int(np.searchsorted(ip, dup, side="right") - 1)
         raise FormatNotSuitable(f"bitmap: row {row} lists column {int(ix[dup])} twice; a bitmap holds "
@@ -529,14 +548,13 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
     ip, ix, n_rows, n_cols = check_csr(indptr, indices, shape)
     nnz = int(ix.size)
     f = FORMATS[fmt]
-    ident = np.arange(nnz, dtype=np.int64)
     scalars: dict[str, int] = {"n_rows": n_rows, "n_cols": n_cols}
     arrays: dict[str, np.ndarray] = {}
     lengths = np.diff(ip)
 
     if fmt in ("csr", "csr_perm", "csr_part", "merge"):
         arrays["row_ptr"], arrays["col_idx"] = ip, ix
-        vmap = ident
+        vmap = np.arange(nnz, dtype=np.int64)
         if fmt == "csr_perm":
             arrays["perm"] = np.argsort(-lengths, kind="stable").astype(np.int32)
         elif fmt == "csr_part":

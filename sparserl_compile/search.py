@@ -25,7 +25,8 @@ On weight-like patterns (``weight_like``: a pruned ``nn.Linear`` weight, dense e
 bitmap, many stored entries per row) the bitmap points come first, the rest of the space after
 them in its own order; elsewhere the space's order is kept.
 
-``k`` (if positive) keeps the first ``k`` points in the space's order. What pruning cost
+``k`` (if positive) keeps the first ``k`` points in that order; the points after them are not
+examined (on a large weight a BSR conversion alone takes seconds). What pruning cost
 and what it removed is in ``SearchProvider.last_report`` (a ``SearchReport``); the search
 itself (compile, verify, time) is ``select.choose`` over these candidates.
 """
@@ -97,10 +98,15 @@ class SearchProvider:
         feats = features if features is not None else structure.features(pat.indptr, pat.indices, pat.shape)
         n = 1 if problem.op == "spmv" else int(problem.n)
         space = kernels.space(problem.op, problem.dtype, n=n, structure=pat)
+        if weight_like(feats):  # the bitmap points first (a stable sort keeps both orders)
+            space.sort(key=lambda c: c.header.format != "bitmap")
         pruned: Counter[str] = Counter()
         suitable: dict[tuple, str | None] = {}
         kept: list[Candidate] = []
         for c in space:
+            if k and k > 0 and len(kept) >= k:  # not examined: no format conversion for them
+                pruned["beyond k"] += 1
+                continue
             why = self._rule(c, feats, n)
             if why is None and self.check_formats:
                 why = format_unsuitable(pat, c, suitable)
@@ -108,12 +114,6 @@ class SearchProvider:
                 pruned[why] += 1
                 continue
             kept.append(c)
-        if weight_like(feats):  # the bitmap points first (a stable sort keeps both orders)
-            kept.sort(key=lambda c: c.header.format != "bitmap")
-        if k and k > 0:
-            if len(kept) > k:
-                pruned["beyond k"] += len(kept) - k
-            kept = kept[:k]
         self.last_report = SearchReport(len(space), len(kept), dict(pruned), time.perf_counter() - t0,
                                         len(suitable))
         return kept

@@ -43,6 +43,11 @@ def test_bitmap_points_follow_the_width():
     assert all(dict(c.params)["BN"] == 16 for c in sixteen)
     eight = L.bitmap_points(L.problem_for(pat, 8))
     assert {c.family for c in eight} == {"bitmap_warp", "bitmap_wmma"}
+    # the same points, in the same order, as the search itself proposes first
+    from sparserl_compile.search import SearchProvider
+
+    searched = SearchProvider().candidates(L.problem_for(pat, 8), k=len(eight))
+    assert [c.name for c in searched] == [c.name for c in eight]
 
 
 def test_layout_bytes_of_the_kept_plan():

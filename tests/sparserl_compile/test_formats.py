@@ -497,3 +497,19 @@ def test_bitmap_refuses_what_it_cannot_hold():
         convert(*dup, (1, 8), "bitmap")
     with pytest.raises(ValueError, match="R=3"):
         convert(dense_enough.indptr, dense_enough.indices, dense_enough.shape, "bitmap", {"R": 3})
+
+
+def test_bitmap_of_unsorted_rows_matches_the_sorted_layout():
+    A = matrices.canonical(_pruned(20, 300, 0.6))
+    rng = np.random.default_rng(4)
+    ix, order = A.indices.copy(), np.arange(A.nnz)
+    for i in range(A.shape[0]):  # shuffle each row's entries
+        a, b = A.indptr[i], A.indptr[i + 1]
+        order[a:b] = a + rng.permutation(b - a)
+    ix = A.indices[order]
+    want = convert(A.indptr, A.indices, A.shape, "bitmap", {"R": 4})
+    got = convert(A.indptr, ix, A.shape, "bitmap", {"R": 4})
+    assert np.array_equal(got.arrays["bitmap"], want.arrays["bitmap"])
+    assert np.array_equal(got.arrays["tile_ptr"], want.arrays["tile_ptr"])
+    vals = rng.standard_normal(A.nnz)
+    assert np.array_equal(got.gather_values(vals[order]), want.gather_values(vals))
