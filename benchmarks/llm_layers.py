@@ -281,6 +281,7 @@ def run_batch(w: _Weight, case: Case, batch: int, args, dev) -> dict:
     chosen = next((c for c in kernels.space("spmm", "bf16", n=batch) if c.name == sel["chosen"]), None)
     converted = w.layout(chosen.header)[0] if chosen is not None and chosen.header.format == "bitmap" else None
 
+    dense_bytes = case.n_rows * case.n_cols * VALUE_BYTES
     fns = {"sparse": lambda: F.linear(x, w.sparse), "dense": lambda: F.linear(x, w.dense),
            "cusparse": lambda: runtime.reference_product(w.crow, w.col, w.val, x.t().contiguous(),
                                                          case.n_rows, case.n_cols).t()}
@@ -295,7 +296,7 @@ def run_batch(w: _Weight, case: Case, batch: int, args, dev) -> dict:
         "speedup_vs_dense": speedup(flushed["dense"], flushed["sparse"]),
         "speedup_vs_cusparse": speedup(flushed["cusparse"], flushed["sparse"]),
         "b2b_speedup_vs_dense": speedup(b2b["dense"], b2b["sparse"]),
-        "bytes_vs_dense": layout_bytes(chosen, w.pattern, converted=converted) / (case.n_rows * case.n_cols * VALUE_BYTES),
+        "bytes_vs_dense": layout_bytes(chosen, w.pattern, converted=converted) / dense_bytes,
         "selection": sel, "direct": [],
     }
     if not args.no_direct:

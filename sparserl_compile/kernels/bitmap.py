@@ -32,7 +32,7 @@ is written once, deterministically.
   loaded while it works on this one. Like ``bsr_wmma``, a NaN or inf in ``x``
   meets the zeros of the dense tile and reaches ``y`` as NaN, as in the dense product.
 
-Shared memory is static and at most 48 KiB per block (``_wmma_smem`` checks every point).
+Shared memory is static and at most 48 KiB per block: both renderers refuse a point over it.
 """
 
 from __future__ import annotations
