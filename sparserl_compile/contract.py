@@ -10,7 +10,7 @@ behind two header lines that this module parses::
 Line 1 names the operation, the storage format the host converts the CSR matrix into (with
 the format's own parameters, here the slice height ``C`` and sort window ``sigma``), the value
 dtype and the index type (always ``i32``). Line 2 says how to launch: threads per block,
-the unit of work (``rows``, ``parts``, ``slices``, ``brows``) and how many units one block
+the unit of work (``rows``, ``parts``, ``slices``, ``brows``, ``bands``) and how many units one block
 covers, for SpMM the dense columns one block covers along ``grid.y`` (``tile_n``, 0 = all),
 bytes of dynamic shared memory, whether the runtime must zero the output first (kernels that
 accumulate with ``atomicAdd``), and the alignment the dense width ``n`` must have (float4
@@ -140,10 +140,23 @@ FORMATS: dict[str, Format] = {
             "0); its nonzeros tile_ptr[t]..tile_ptr[t+1]-1 sit at tcw_pos[q] = r*16 + j of the "
             "dense H x 16 tile with value tcw_val[q]",
         ),
+        Format(
+            "bitmap", ("n_rows", "n_cols", "n_bands", "n_ctiles"), ("tile_ptr", "bitmap", "bm_val"),
+            "bm_val", ("bands",), ("R",),
+            doc="bitmap tiles: rows are cut into n_bands bands of R rows (R in 1, 2, 4, 8, 16, 32), "
+            "a band's columns into n_ctiles tiles of 1024/R columns; tile t = band*n_ctiles + ctile "
+            "is 32 int32 words bitmap[t*32 + l]: bit b of word l is set when row band*R + l%R "
+            "stores an entry at column ctile*(1024/R) + (l/R)*32 + b (never past n_rows or "
+            "n_cols); tile t's values are "
+            "bm_val[tile_ptr[t] ..] in word order, each word's set bits ascending; tile_ptr "
+            "(n_bands*n_ctiles + 1 entries) is a multiple of 8 and the slots between one tile's "
+            "last value and the next tile's start are 0",
+        ),
     )
 }
 
 _WORK_SCALAR = {"rows": "n_rows", "parts": "n_parts", "slices": "n_slices", "brows": "n_brows"}
+_WORK_SCALAR["bands"] = "n_bands"  # bitmap: R-row bands
 
 
 class ContractError(ValueError):

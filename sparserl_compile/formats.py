@@ -34,6 +34,11 @@ Layouts (``n_rows``/``n_cols``/``nnz`` of the CSR input):
   ``x`` past ``n_cols``: the last block column may overhang).
 * ``csr_split`` and ``tcw``: the graph layouts (rows in a locality order, hub rows apart,
   condensed row windows for tensor cores), built by ``graphformats.py``.
+* ``bitmap``: bands of R rows, tiles of 1024/R columns, one bit per position
+  (``bitmap_geometry``); values in word order, each tile's first value at a multiple of
+  ``BITMAP_ALIGN`` (the gaps are padding). Refused when its words exceed ``max_fill`` x nnz
+  (+ ``SMALL_SLACK``), i.e. below about 1 % density at the default, or when a row repeats a
+  column. ``stored_bytes`` gives what a converted matrix occupies.
 
 Padded formats (ell, sell, dia, bsr) are refused with ``FormatNotSuitable`` when their value
 array would exceed ``max_fill`` times nnz (default 3) plus ``SMALL_SLACK`` slots, or 2^31-1
@@ -160,17 +165,24 @@ def to_device(fd: FormatData, device) -> dict:
     return {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in fd.arrays.items()}
 
 
-def floor_bytes(op: str, n_rows: int, n_cols: int, nnz: int, n: int = 1, value_bytes: int = 4) -> int:
+def floor_bytes(op: str, n_rows: int, n_cols: int, nnz: int, n: int = 1, value_bytes: int = 4,
+                fmt: str = "csr") -> int:
     """The fewest bytes one call must move: CSR arrays, x and y once each.
 
     ``nnz * (value_bytes + 4) + 4 * (n_rows + 1) + value_bytes * n * (n_cols + n_rows)``;
-    for SpMV (n = 1) at 4-byte values this is the anchors' floor.
+    for SpMV (n = 1) at 4-byte values this is the anchors' floor. ``fmt="bitmap"``: the
+    values and one bit per position of the matrix in place of the CSR index arrays
+    (``nnz * value_bytes + n_rows * n_cols / 8``), what a kernel of the bitmap format reads
+    at least; any other ``fmt`` is held to the CSR floor.
     """
     if op == "spmv":
         n = 1
     elif op != "spmm":
         raise ValueError(f"op={op!r}; expected one of {OPS}")
-    return int(nnz * (value_bytes + 4) + 4 * (n_rows + 1) + value_bytes * n * (n_cols + n_rows))
+    dense = value_bytes * n * (n_cols + n_rows)
+    if fmt == "bitmap":
+        return int(nnz * value_bytes + n_rows * n_cols // 8 + dense)
+    return int(nnz * (value_bytes + 4) + 4 * (n_rows + 1) + dense)
 
 
 # ---------------------------------------------------------------- numba kernels
@@ -329,6 +341,115 @@ def _bsr_fill(indptr, indices, n_rows, n_cols, R, C, ptr):
     return bcol, vm
 
 
+# ---------------------------------------------------------------- bitmap tiles
+
+#: band heights of the bitmap format: a tile is always 32 words, R rows x 1024/R columns
+BITMAP_R = (1, 2, 4, 8, 16, 32)
+#: tile starts in the bitmap value array are multiples of this many values (16-byte loads)
+BITMAP_ALIGN = 8
+
+
+def bitmap_geometry(shape, R: int) -> tuple[int, int, int]:
+    """``(n_bands, n_ctiles, tile_cols)`` of the bitmap format for ``shape`` and band height R."""
+    if R not in BITMAP_R:
+        raise ValueError(f"bitmap: R={R} must be one of {BITMAP_R} (R rows x 1024/R columns per tile)")
+    tw = 1024 // R
+    return math.ceil(int(shape[0]) / R), math.ceil(int(shape[1]) / tw), tw
+
+
+@njit(cache=True)
+def _row_order(indptr, indices, n_rows):
+    """Positions of each row's entries by ascending column; empty when every row is sorted."""
+    for i in range(n_rows):
+        for p in range(indptr[i] + 1, indptr[i + 1]):
+            if indices[p] < indices[p - 1]:
+                order = np.arange(indices.size)
+                for r in range(n_rows):
+                    a, b = indptr[r], indptr[r + 1]
+                    order[a:b] = a + np.argsort(indices[a:b], kind="mergesort")
+                return order
+    return np.empty(0, np.int64)
+
+
+@njit(cache=True)
+def _bitmap_fill(indptr, indices, order, n_rows, R, tw, n_ctiles, n_bands, align):
+    """One sweep in the layout's own order (band, tile, word, bit), a cursor per row of the
+    band: the words and the value map are written front to back."""
+    n_tiles = n_bands * n_ctiles
+    words = np.zeros(n_tiles * 32, np.uint32)
+    tile_ptr = np.empty(n_tiles + 1, np.int64)
+    vm = np.empty(indices.size + (align - 1) * n_tiles, np.int64)
+    cur = np.empty(R, np.int64)
+    sorted_rows = order.size == 0
+    pos = 0
+    for b in range(n_bands):
+        rows = min(R, n_rows - b * R)
+        for r in range(rows):
+            cur[r] = indptr[b * R + r]
+        for ct in range(n_ctiles):
+            t = b * n_ctiles + ct
+            tile_ptr[t] = pos
+            for q in range(32 // R):
+                hi = ct * tw + q * 32 + 32
+                for r in range(rows):
+                    end = indptr[b * R + r + 1]
+                    k = cur[r]
+                    bits = np.uint32(0)
+                    while k < end:
+                        p = k if sorted_rows else order[k]
+                        if indices[p] >= hi:
+                            break
+                        m = np.uint32(1) << np.uint32(indices[p] & 31)
+                        if bits & m:  # a repeated column: one bit cannot hold two entries
+                            return words, tile_ptr, vm[:0], p
+                        bits |= m
+                        vm[pos] = p
+                        pos += 1
+                        k += 1
+                    cur[r] = k
+                    words[t * 32 + q * R + r] = bits
+            while pos % align:
+                vm[pos] = -1
+                pos += 1
+    tile_ptr[n_tiles] = pos
+    return words, tile_ptr, vm[:pos], -1
+
+
+def _bitmap_fits(n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float) -> tuple[int, int, int]:
+    """The bitmap geometry, or ``FormatNotSuitable`` when its words exceed the fill budget."""
+    n_bands, n_ctiles, tw = bitmap_geometry((n_rows, n_cols), R)
+    words = n_bands * n_ctiles * 32
+    if words > _INT32_MAX or words > max_fill * nnz + SMALL_SLACK:
+        raise FormatNotSuitable(
+            f"bitmap: {words} bitmap words (R={R}: {n_bands} bands x {n_ctiles} tiles x 32) for "
+            f"nnz={nnz} (density {nnz / max(1, n_rows * n_cols):.4f}) exceed the budget of "
+            f"{max_fill:g} x nnz + {SMALL_SLACK}; a bitmap suits denser matrices (pruned weights): "
+            "choose a CSR-based format or raise max_fill")
+    return n_bands, n_ctiles, tw
+
+
+def _bitmap(ip, ix, n_rows: int, n_cols: int, R: int, nnz: int, max_fill: float):
+    n_bands, n_ctiles, tw = _bitmap_fits(n_rows, n_cols, R, nnz, max_fill)
+    words, tile_ptr, vm, dup = _bitmap_fill(ip, ix, _row_order(ip, ix, n_rows), n_rows, R, tw, n_ctiles, n_bands,
+                                            BITMAP_ALIGN)
+    if dup >= 0:
+        row = int(np.searchsorted(ip, dup, side="right") - 1)
+        raise FormatNotSuitable(f"bitmap: row {row} lists column {int(ix[dup])} twice; a bitmap holds "
+                                "one entry per position (sum the duplicates first)")
+    if int(tile_ptr[-1]) > _INT32_MAX:
+        raise FormatNotSuitable(f"bitmap: {int(tile_ptr[-1])} value slots exceed int32 offsets; use csr")
+    return n_bands, n_ctiles, tile_ptr.astype(np.int32), words.view(np.int32), vm
+
+
+def stored_bytes(fd: FormatData, value_bytes: int) -> int:
+    """Bytes the converted matrix occupies where its kernel runs: the int32 structure arrays
+    and the value array (padding included) at ``value_bytes`` per value."""
+    return int(sum(a.nbytes for a in fd.arrays.values()) + fd.padded_size * int(value_bytes))
+
+
+DEFAULT_PARAMS["bitmap"] = {"R": 32}
+
+
 # ---------------------------------------------------------------- conversion
 
 
@@ -398,6 +519,8 @@ def unfit(indptr, indices, shape, fmt: str, params: dict[str, int] | None = None
             R, C = p["R"], p["C"]
             nblk = int(_bsr_count(ip, ix, n_rows, n_cols, R, C)[-1])
             _check_budget(fmt, nblk * R * C, nnz, max_fill, f"{nblk} blocks of {R}x{C}")
+        elif fmt == "bitmap":
+            _bitmap_fits(n_rows, n_cols, p["R"], nnz, max_fill)
     except FormatNotSuitable as e:
         return str(e)
     return None
@@ -429,14 +552,13 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
     ip, ix, n_rows, n_cols = check_csr(indptr, indices, shape)
     nnz = int(ix.size)
     f = FORMATS[fmt]
-    ident = np.arange(nnz, dtype=np.int64)
     scalars: dict[str, int] = {"n_rows": n_rows, "n_cols": n_cols}
     arrays: dict[str, np.ndarray] = {}
     lengths = np.diff(ip)
 
     if fmt in ("csr", "csr_perm", "csr_part", "merge"):
         arrays["row_ptr"], arrays["col_idx"] = ip, ix
-        vmap = ident
+        vmap = np.arange(nnz, dtype=np.int64)
         if fmt == "csr_perm":
             arrays["perm"] = np.argsort(-lengths, kind="stable").astype(np.int32)
         elif fmt == "csr_part":
@@ -479,6 +601,9 @@ def convert(indptr, indices, shape, fmt: str, params: dict[str, int] | None = No
         layout = graphformats.split if fmt == "csr_split" else graphformats.tcw
         extra, arrays, vmap = layout(ip, ix, (n_rows, n_cols), p)
         scalars.update(extra)
+    elif fmt == "bitmap":
+        scalars["n_bands"], scalars["n_ctiles"], arrays["tile_ptr"], arrays["bitmap"], vmap = _bitmap(
+            ip, ix, n_rows, n_cols, p["R"], nnz, max_fill)
     else:  # pragma: no cover - FORMATS and this function must list the same formats
         raise AssertionError(f"format {fmt} has no converter")
 
@@ -511,7 +636,7 @@ def warm() -> float:
     ix = np.sort(cols.reshape(n, 3), axis=1).reshape(-1).astype(np.int32)
     structure.features(ip, ix, (n, n))
     for fmt, params in (("csr_part", None), ("merge", None), ("ell", None), ("sell", {"C": 4, "sigma": 8}),
-                        ("dia", None), ("bsr", {"R": 2, "C": 2}),
+                        ("dia", None), ("bsr", {"R": 2, "C": 2}), ("bitmap", {"R": 4}),
                         ("csr_split", {"order": 4, "piece": 4, "hub": 3, "warps": 2, "split": 2}), ("tcw", {"order": 2, "H": 4})):
         try:
             convert(ip, ix, (n, n), fmt, params, max_fill=1e9)

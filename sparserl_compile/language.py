@@ -38,6 +38,7 @@ BUILTINS = frozenset(
     __half2float __float2half_rn __bfloat162float __float2bfloat16_rn
     __half22float2 __bfloat1622float2 __floats2half2_rn __floats2bfloat162_rn
     __float2half2_rn __float2bfloat162_rn
+    __popc __ffs
     make_float2 make_float4 make_int2 make_int4
     nvcuda::wmma::fill_fragment nvcuda::wmma::load_matrix_sync nvcuda::wmma::mma_sync
     nvcuda::wmma::store_matrix_sync

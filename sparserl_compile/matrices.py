@@ -279,6 +279,31 @@ def circuit(n: int, per_row: float, dense_lines: int = 0, dense_fill: float = 0.
     return m
 
 
+def pruned_weight(n_rows: int, n_cols: int, sparsity: float, mask: str = "magnitude",
+                  seed: int = 0) -> sp.csr_matrix:
+    """A random ``nn.Linear`` weight (``n_rows`` out x ``n_cols`` in features, normal values)
+    pruned to exactly ``round(sparsity * size)`` zeros: ``mask="magnitude"`` drops the smallest
+    ``|w|`` of the whole matrix, ``"wanda"`` the smallest ``|w_ij| * a_j`` of each row (``a``:
+    log-normal input-feature norms standing in for the calibration activations; Wanda's score,
+    compared per output). Not in ``GENERATORS``: a weight to benchmark, not a supervision structure."""
+    if not 0.0 <= float(sparsity) < 1.0:
+        raise ValueError(f"sparsity={sparsity} must be a fraction in [0, 1)")
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_rows, n_cols), dtype=np.float32)
+    if mask == "magnitude":
+        k = int(round(sparsity * w.size))
+        if k:
+            w.reshape(-1)[np.argpartition(np.abs(w).reshape(-1), k - 1)[:k]] = 0
+    elif mask == "wanda":
+        k = int(round(sparsity * n_cols))
+        score = np.abs(w) * rng.lognormal(0.0, 1.0, n_cols).astype(np.float32)[None, :]
+        if k:
+            np.put_along_axis(w, np.argpartition(score, k - 1, axis=1)[:, :k], 0, axis=1)
+    else:
+        raise ValueError(f"mask={mask!r}: use 'magnitude' or 'wanda'")
+    return canonical(sp.csr_matrix(w))
+
+
 GENERATORS = {
     "stencil2d": stencil2d,
     "stencil3d": stencil3d,

@@ -200,7 +200,8 @@ def _floor(job: SandboxJob, pattern: Pattern) -> float | None:
     except ImportError:
         return None
     vb = 4 if job.dtype == "f32" else 2
-    nbytes = formats.floor_bytes(job.op, pattern.shape[0], pattern.shape[1], pattern.nnz, job.n, vb)
+    fmt = job.candidate.header.format if job.candidate is not None else "csr"
+    nbytes = formats.floor_bytes(job.op, pattern.shape[0], pattern.shape[1], pattern.nnz, job.n, vb, fmt=fmt)
     return bench.floor_us(nbytes)
 
 

@@ -23,8 +23,21 @@ cannot run, by structure rules computed once per pattern (``structure.features``
   threshold.
 * ``tcw_wmma`` (tensor cores): widths of at least ``GRAPH_MIN_N``, and a point whose warp
   spans more columns than ``n`` is dropped when the narrower one fits; the same RCM rule.
+* padded formats (ell, sell, dia, bsr) and bitmap whose conversion raises
+  ``FormatNotSuitable`` (``formats.convert`` is run once per distinct (format, parameters) to
+  find out).
+* ``bitmap`` families: only at a density of at least ``MIN_BITMAP_DENSITY`` (below it one bit
+  per position costs more than CSR's column index per entry) and within the budget of
+  ``formats.unfit``; ``bitmap_warp`` (CUDA cores) up to ``BITMAP_WARP_MAX_N`` dense columns,
+  with as many accumulators ``v`` as the width needs (1, 2, else 4), ``bitmap_wmma`` (tensor
+  cores) from ``BITMAP_WMMA_MIN_N`` columns, no wider a column tile than the width needs.
 
-``k`` (if positive) keeps the first ``k`` points in the space's order. What pruning cost
+On weight-like patterns (``weight_like``: a pruned ``nn.Linear`` weight, dense enough for a
+bitmap, many stored entries per row) the bitmap points come first, the rest of the space after
+them in its own order; elsewhere the space's order is kept.
+
+``k`` (if positive) keeps the first ``k`` points in that order; the points after them are not
+examined (on a large weight a BSR conversion alone takes seconds). What pruning cost
 and what it removed is in ``SearchProvider.last_report`` (a ``SearchReport``); the search
 itself (compile, verify, time) is ``select.choose`` over these candidates.
 """
@@ -48,6 +61,15 @@ BAKED_MAX_NNZ = 4096
 SPLIT_MIN_CV = 0.8
 GRAPH_MIN_N = 16
 _PADDED = ("ell", "sell", "dia", "bsr")
+_PADDED = ("ell", "sell", "dia", "bsr", "bitmap")  # formats whose conversion may be refused
+#: bitmap formats at densities of at least 1/32: there one bit per position is no more than a
+#: 4-byte column index per stored entry
+MIN_BITMAP_DENSITY = 1 / 32
+#: the widths each bitmap family is proposed for
+BITMAP_WARP_MAX_N = 8
+BITMAP_WMMA_MIN_N = 8
+#: weight-like patterns: at least this many stored entries per row on average
+WEIGHT_MIN_ROW_MEAN = 32
 
 
 @dataclass(frozen=True)
@@ -91,10 +113,15 @@ class SearchProvider(Provider):
         feats = features if features is not None else structure.features(pat.indptr, pat.indices, pat.shape)
         n = 1 if problem.op == "spmv" else int(problem.n)
         space = kernels.space(problem.op, problem.dtype, n=n, structure=pat)
+        if weight_like(feats):  # the bitmap points first (a stable sort keeps both orders)
+            space.sort(key=lambda c: c.header.format != "bitmap")
         pruned: Counter[str] = Counter()
         suitable: dict[tuple, str | None] = {}
         kept: list[Candidate] = []
         for c in space:
+            if k and k > 0 and len(kept) >= k:  # not examined: no format conversion for them
+                pruned["beyond k"] += 1
+                continue
             why = self._rule(c, feats, n)
             if why is None and self.check_formats:
                 why = format_unsuitable(pat, c, suitable)
@@ -102,10 +129,6 @@ class SearchProvider(Provider):
                 pruned[why] += 1
                 continue
             kept.append(c)
-        if k and k > 0:
-            if len(kept) > k:
-                pruned["beyond k"] += len(kept) - k
-            kept = kept[:k]
         self.last_report = SearchReport(len(space), len(kept), dict(pruned), time.perf_counter() - t0,
                                         len(suitable))
         return kept
@@ -116,6 +139,8 @@ class SearchProvider(Provider):
         fmt = c.header.format
         if n % c.header.launch.n_align:
             return "n_align"
+        if fmt == "bitmap":
+            return _bitmap_rule(c, f, n)
         if c.family and "baked" in c.family and f.nnz > BAKED_MAX_NNZ:
             return "baked: too many nonzeros"
         if fmt == "dia" and (f.n_diags > MAX_DIAGS or f.diag_fill < MIN_DIAG_FILL):
@@ -149,14 +174,35 @@ def _graph_rule(c: Candidate, f, n: int) -> str | None:
         return "csr_split: rows too regular"
     if c.family == "csr_split" and f.row_max < p["hub"] and (p["split"] > 1 or p["warps"] > 8):
         return "csr_split: no hub rows for its hub blocks"
+def weight_like(f) -> bool:
+    """Whether a pattern with ``structure.features`` ``f`` looks like a pruned linear weight:
+    dense enough for a bitmap and with many stored entries per row."""
+    return f.density >= MIN_BITMAP_DENSITY and f.row_mean >= WEIGHT_MIN_ROW_MEAN
+
+
+def _bitmap_rule(c: Candidate, f, n: int) -> str | None:
+    """Why a bitmap point is pruned (None: keep it); see the module docstring."""
+    if f.density < MIN_BITMAP_DENSITY:
+        return "bitmap: too sparse for one bit per position"
+    p = dict(c.params)
+    if c.family == "bitmap_warp" and c.header.op == "spmm":
+        if n > BITMAP_WARP_MAX_N:
+            return "bitmap_warp: wider than it serves"
+        if p.get("v") != (1 if n <= 1 else 2 if n == 2 else 4):
+            return "bitmap_warp: v does not fit the width"
+    if c.family == "bitmap_wmma":
+        if n < BITMAP_WMMA_MIN_N:
+            return "bitmap_wmma: narrower than it serves"
+        if p.get("BN", 16) > max(16, 1 << (n - 1).bit_length()):
+            return "bitmap_wmma: BN wider than the width"
     return None
 
 
 def format_plausible(fmt: str, f) -> bool:
     """Whether a kernel of format ``fmt`` can win on a pattern with ``structure.features``
     ``f``, by the same rules that prune the space (DIA diagonals, ELL padding, BSR block
-    density at any of the square block sizes, csr_split's irregular rows). For providers that pick a format before
-    the parameters (the policy's format-diverse decoding)."""
+    density at any of the square block sizes, csr_split's irregular rows, bitmap density). For
+    providers that pick a format before the parameters (the policy's format-diverse decoding)."""
     from sparserl_compile import structure
 
     if fmt == "dia":
@@ -168,6 +214,8 @@ def format_plausible(fmt: str, f) -> bool:
     if fmt == "bsr":
         sizes = getattr(structure, "BLOCK_SIZES", ())
         return any(d >= MIN_BLOCK_DENSITY for d in list(f.block_density)[:len(sizes)])
+    if fmt == "bitmap":
+        return f.density >= MIN_BITMAP_DENSITY
     return True
 
 

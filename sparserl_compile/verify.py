@@ -248,9 +248,14 @@ def timing_fns(runner, dtype: str, seed: int = 0):
 
 # ------------------------------------------------------------------ padding of padded formats
 
-def padding_pattern(fd) -> sp.csr_matrix | None:
+def padding_pattern(fd) -> "sp.csr_matrix | str | None":
     """The (row, column) slots a DIA or BSR kernel multiplies although the pattern has no entry
-    there (value 0), as a 0/1 matrix; None for formats whose kernels skip their padding."""
+    there (value 0), as a 0/1 matrix; ``"tiles"`` for the dense-tile formats (``tcw``: every
+    row of a window meets every column of its tiles; ``bitmap``: a tensor-core kernel
+    multiplies whole tiles), whose slots ``_tile_lenient`` finds from the format's own arrays
+    instead of listing them; None for formats whose kernels skip their padding."""
+    if fd.fmt in ("tcw", "bitmap"):
+        return "tiles"
     n_rows, n_cols = int(fd.scalars["n_rows"]), int(fd.scalars["n_cols"])
     pad = fd.value_map < 0
     if fd.fmt == "dia":
@@ -272,8 +277,47 @@ def padding_pattern(fd) -> sp.csr_matrix | None:
     return sp.csr_matrix((np.ones(rows.size, np.float32), (rows, cols)), shape=(n_rows, n_cols))
 
 
+def _tile_lenient(fd, bad: np.ndarray) -> np.ndarray:
+    """Outputs of a dense-tile format (``padding_pattern`` says ``"tiles"``) that may be NaN:
+    ``bad`` marks the non-finite entries of ``x`` (n_cols,) or (n_cols, n); an output may be NaN
+    where its row shares a tile (a window's tile for ``tcw``, a band's column tile for
+    ``bitmap``) with a column of ``x`` holding one, since the kernel multiplies the tile's zeros."""
+    n_rows, n_cols = int(fd.scalars["n_rows"]), int(fd.scalars["n_cols"])
+    b2 = bad.reshape(n_cols, -1).astype(bool)
+    out = np.zeros((n_rows, b2.shape[1]), dtype=bool)
+    if fd.fmt == "tcw":
+        H = int(fd.params["H"])
+        win_ptr, tile_col, row_id = (fd.arrays[k].astype(np.int64) for k in ("win_ptr", "tile_col", "row_id"))
+        n_tiles = tile_col.size // 16
+        if n_tiles:
+            cols = tile_col.reshape(n_tiles, 16)
+            tb = (b2[np.clip(cols, 0, None)] & (cols >= 0)[:, :, None]).any(axis=1)  # (tiles, n)
+            win = np.repeat(np.arange(win_ptr.size - 1), np.diff(win_ptr))
+            wb = np.zeros((win_ptr.size - 1, b2.shape[1]), dtype=bool)
+            np.logical_or.at(wb, win, tb)
+            rows = row_id.reshape(-1, H)[: wb.shape[0]]
+            for r in range(H):
+                ok = rows[:, r] >= 0
+                out[rows[ok, r]] |= wb[ok]
+    else:  # bitmap: a band's rows meet every column of each of its tiles
+        R = int(fd.params["R"])
+        tw = 1024 // R
+        n_ct = int(fd.scalars["n_ctiles"])
+        pad_cols = n_ct * tw - n_cols
+        bb = np.concatenate([b2, np.zeros((pad_cols, b2.shape[1]), dtype=bool)]) if pad_cols > 0 else b2
+        tile_bad = bb[: n_ct * tw].reshape(n_ct, tw, -1).any(axis=(0, 1))  # any tile of the band: all of them run
+        out[:] = tile_bad[None, :]
+    return out.reshape(n_rows) if bad.ndim == 1 else out
+
+
 def _lenient(runner, pad, x_w):
     """Outputs where a padding slot meets a non-finite ``x`` (None: no such output)."""
+    if isinstance(pad, str):  # dense tiles: found from the format's arrays, on the host
+        if runner.executor == "cpu":
+            return _tile_lenient(runner.fd, ~np.isfinite(from_storage(x_w, runner.header.dtype)))
+        torch = runner.torch
+        bad = (~torch.isfinite(x_w.float())).cpu().numpy()
+        return torch.from_numpy(_tile_lenient(runner.fd, bad)).to(x_w.device)
     if pad is None or pad.nnz == 0:
         return None
     if runner.executor == "cpu":

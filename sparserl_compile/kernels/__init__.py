@@ -11,7 +11,8 @@ Families (module: names): ``csr``: csr_scalar, csr_vector, csr_rowgroup, csr_sme
 ``balanced``: csr_part, merge; ``padded``: ell, sell; ``dia``: dia; ``bsr``: bsr, bsr_wmma;
 ``baked``: baked (only with a structure of at most ``baked.MAX_NNZ`` nonzeros);
 ``split``: csr_split (SpMM on graphs: hub rows apart, merged short rows, locality order);
-``tcw``: tcw_wmma (SpMM on tensor cores over condensed row windows, f16/bf16).
+``tcw``: tcw_wmma (SpMM on tensor cores over condensed row windows, f16/bf16); ``bitmap``:
+bitmap_warp, bitmap_wmma (pruned weights: bitmap tiles, values packed in the weight's dtype).
 
 All values are f32, f16 (``__half``) or bf16 (``__nv_bfloat16``) and accumulate in float.
 SpMM kernels are correct for any dense width ``n`` with ``n % n_align == 0`` (header line 2).
@@ -29,26 +30,31 @@ Idioms. The templates keep to this small set, which the policy grammar
   viewed as pairs through ``reinterpret_cast<const __nv_bfloat162*>(&local)`` (csr_split);
 * ``threadIdx.x``, ``blockIdx.x``, ``blockIdx.y`` (indices are computed from literal block
   sizes that match the header);
-* ``__shfl_down_sync(0xffffffff, v, k)`` (the only shuffle the templates use; the grammar
-  also admits ``__shfl_xor_sync``/``__shfl_sync``), ``__syncwarp()``;
-* static ``__shared__ T buf[N];``, ``__syncthreads()`` (csr_split's hub blocks, reached by
-  every thread of the block);
+* ``__shfl_down_sync(0xffffffff, v, k)`` (reductions; the grammar also admits
+  ``__shfl_xor_sync``/``__shfl_sync``), ``__syncwarp()``;
+* static ``__shared__ T buf[N];``; ``__syncthreads()`` where the warps of a block share work
+  (csr_split's hub blocks, reached by every thread of the block) or combine partial sums
+  (``bitmap``);
+* ``unsigned`` words, ``& | >> <<``, ``__popc``, ``__ffs`` and ``__shfl_up_sync`` (warp prefix
+  sums) in the ``bitmap`` families;
 * ``atomicAdd(float*, float)`` (merge, csr_split with ``split > 1``), ``min``, ``fmaf``;
 * ``__half2float``, ``__float2half_rn``, ``__bfloat162float``, ``__float2bfloat16_rn``,
   ``__half22float2``, ``__bfloat1622float2``, ``__floats2half2_rn``,
   ``__floats2bfloat162_rn``;
-* ``for``/``if``/``else``/``return``, compound statements, ``+= ++ % / * + - < <= == != &&``;
+* ``for``/``while``/``if``/``else``/``return``, compound statements,
+  ``+= -= &= ++ % / * + - < <= >= == != &&``;
 * ``nvcuda::wmma`` (``fragment``, ``fill_fragment``, ``load_matrix_sync``, ``mma_sync``,
-  ``store_matrix_sync``) in ``bsr_wmma`` and ``tcw_wmma``: the CPU executor emulates it.
+  ``store_matrix_sync``) in ``bsr_wmma``, ``tcw_wmma`` and ``bitmap_wmma`` (the CPU executor
+  emulates it).
 """
 
 from __future__ import annotations
 
 from sparserl_compile import contract
-from sparserl_compile.kernels import baked, balanced, bsr, csr, dia, padded, split, tcw
+from sparserl_compile.kernels import baked, balanced, bitmap, bsr, csr, dia, padded, split, tcw
 from sparserl_compile.kernels.template import Family
 
-KERNEL_SPACE_VERSION = "2"
+KERNEL_SPACE_VERSION = "3"
 
 FAMILIES: tuple[Family, ...] = (
     *csr.FAMILIES,
@@ -59,6 +65,7 @@ FAMILIES: tuple[Family, ...] = (
     *baked.FAMILIES,
     *split.FAMILIES,
     *tcw.FAMILIES,
+    *bitmap.FAMILIES,
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -38,14 +38,13 @@ What is modelled:
   among the 32 lanes honouring masks and ``width``; kernels without them run their threads
   as plain calls (much faster);
 * ``__shared__`` arrays (static and ``extern`` dynamic) are per block, poisoned with 0xFF
-  bytes (NaN / -1) in guarded builds so reads of unwritten shared memory show;
+  bytes (NaN / -1) in guarded builds so reads of unwritten shared memory show.
 * ``nvcuda::wmma`` (``fragment``, ``fill_fragment``, ``load_matrix_sync``, ``mma_sync``,
-  ``store_matrix_sync``), emulated per thread with float products and sums: loads and stores
-  go through the kernel's checked pointers (bounds), a store writes element ``e`` from lane
-  ``e % 32`` as a collective store does. Fragment elements (``fragment::x``) are not
-  modelled: a kernel that reads them does not build here. Tensor cores sum a tile's products
-  in their own order and precision, so wmma kernels agree with the GPU within the error
-  bound, not bit for bit.
+  ``store_matrix_sync``), emulated: every lane holds a whole fragment and computes the whole
+  product in float (the same result on every lane; the tensor cores' own rounding inside one
+  mma may differ within verification's bound); the three ``_sync`` calls are warp-collective
+  (a lane that skips one is a ``WarpMaskError``) without ordering what the kernel must order
+  with ``__syncwarp``; misaligned fragment pointers or ``ldm`` raise ``MisalignedAccess``;
 
 Faults raise ``SimtFault`` subclasses naming the thread, block and (where known) line:
 ``OutOfBounds`` (array name, index, extent; guarded builds check every access through the

@@ -119,7 +119,8 @@ _REFUSED: dict[str, str] = {
 _CALL_ONLY = {"clock", "clock64", "malloc", "free", "assert", "globaltimer"}
 
 SYNC_NAMES = frozenset({"__syncthreads", "__syncwarp", "__shfl_sync", "__shfl_up_sync",
-                        "__shfl_down_sync", "__shfl_xor_sync"})
+                        "__shfl_down_sync", "__shfl_xor_sync",
+                        "load_matrix_sync", "store_matrix_sync", "mma_sync"})  # wmma: warp-collective
 
 TYPE_WORDS = frozenset({
     "int", "unsigned", "signed", "long", "short", "char", "float", "double", "bool",

@@ -411,6 +411,10 @@ static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c);
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 
+/* ------------------------------------------------------------------ bit counting (bitmap formats) */
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline int __ffs(int v) { return __builtin_ffs(v); }     /* 1 + index of the lowest set bit, 0 for 0 */
+
 /* ------------------------------------------------------------------ atomics (really atomic) */
 static inline float simt_atomic_addf(float* a, float v) {
     uint32_t old = __atomic_load_n((uint32_t*)a, __ATOMIC_RELAXED), nw;
@@ -641,6 +645,8 @@ template <class T> static inline SArr<T> simt_static_shared(int id, long long co
 template <class T> static inline SArr<T> simt_dynamic_shared(void) {
     SArr<T> s; s.p = (T*)simt_w->arena; s.n = simt_w->dyn / (long long)sizeof(T); s.id = 64; return s;
 }
+/* reinterpret_cast of a shared array itself (not of a pointer into it) */
+template <class To, class U> static inline To simt_cast(const SArr<U>& s) { return simt_cast<To>((GPtr<U>)s); }
 
 /* ------------------------------------------------------------------ barriers and warps */
 static void simt_release_barrier(SimtWorker* w) {
@@ -757,80 +763,106 @@ SIMT_SHFL_T(__half2) SIMT_SHFL_T(__nv_bfloat162)
 static inline void simt_syncwarp(int line, unsigned mask = 0xffffffffu) { simt_warp(W_SYNC, mask, 0, 0, 32, line); }
 #define __syncwarp(...) simt_syncwarp(__LINE__, ##__VA_ARGS__)
 
-/* ------------------------------------------------------------------ wmma (tensor cores)
- * The nvcuda::wmma fragment API, emulated per thread. Every lane holds the whole A and B
- * tiles and the elements e = lane, lane + 32, ... of its accumulators, which are all a lane
- * ever stores (a collective store spreads its writes over the lanes: element e from lane
- * e % 32), so each lane computes 1/32 of every product. How a GPU spreads a fragment over
- * the lanes is unspecified, so no in-language kernel can see the difference; `fragment::x`
- * is deliberately absent (a kernel that reads fragment elements fails to build here). Loads
- * and stores go through the kernel's (checked) pointers, so out-of-bounds accesses are caught,
- * and races where a tile is a shared array accessed directly (accesses through pointers into
- * shared memory are not race-tracked, as elsewhere in the executor). Inputs are rounded to the
- * fragment's type; products and sums are float, one rounding each. */
+/* ------------------------------------------------------------------ wmma (tensor cores), emulated
+ * Every lane holds a whole fragment (its tile in row-major order, as float) and computes the
+ * whole product, so all lanes hold the same result; the GPU spreads a fragment over the lanes
+ * in an order the kernel language never exposes (it has no fragment element access).
+ * load_matrix_sync, store_matrix_sync and mma_sync are warp-collective: each includes a
+ * __syncwarp of the full warp, so a lane that skips one shows as a WarpMaskError. That sync
+ * orders nothing a kernel must order itself: a load syncs after its reads (a load before the
+ * __syncwarp that publishes other lanes' writes reads stale data, as it may on the GPU), a
+ * store before its writes (a read of the stored tile needs a __syncwarp after the store). A
+ * store writes element e from lane e % 32. Pointers must be 32-byte aligned and ldm a multiple of
+ * 16 bytes, as on the GPU (else MisalignedAccess). mma_sync adds the products in float in k
+ * order after the accumulator's value; the tensor cores' internal rounding may differ, which
+ * verification's error bound allows for. */
 namespace nvcuda { namespace wmma {
-struct row_major {}; struct col_major {};
 struct matrix_a {}; struct matrix_b {}; struct accumulator {};
+struct row_major {}; struct col_major {};
 enum layout_t { mem_row_major, mem_col_major };
-template <class Use, int M, int N, int K> struct simt_dims;
-template <int M, int N, int K> struct simt_dims<matrix_a, M, N, K> { enum { R = M, C = K }; };
-template <int M, int N, int K> struct simt_dims<matrix_b, M, N, K> { enum { R = K, C = N }; };
-template <int M, int N, int K> struct simt_dims<accumulator, M, N, K> { enum { R = M, C = N }; };
-template <class L> struct simt_col { enum { v = 0 }; };
-template <> struct simt_col<col_major> { enum { v = 1 }; };
+template <class Use, int M, int N, int K> struct simt_shape;
+template <int M, int N, int K> struct simt_shape<matrix_a, M, N, K> { enum { R = M, C = K }; };
+template <int M, int N, int K> struct simt_shape<matrix_b, M, N, K> { enum { R = K, C = N }; };
+template <int M, int N, int K> struct simt_shape<accumulator, M, N, K> { enum { R = M, C = N }; };
 template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment {
-    enum { R = simt_dims<Use, M, N, K>::R, C = simt_dims<Use, M, N, K>::C };
-    float simt_v[R * C];   /* row-major whole tile */
+    enum { R = simt_shape<Use, M, N, K>::R, C = simt_shape<Use, M, N, K>::C };
+    float v[R * C];
 };
-template <class T> static inline float simt_ld(const GPtr<T>& p, long long i) {
-    T& e = p[i]; simt_race((const void*)&e, sizeof(T), 0); return (float)e;
+template <class L> struct simt_colmajor { enum { v = 0 }; };
+template <> struct simt_colmajor<col_major> { enum { v = 1 }; };
+
+template <class T> static inline const void* simt_raw(const GPtr<T>& p) { return (const void*)p.p; }
+template <class T> static inline const void* simt_raw(const SArr<T>& p) { return (const void*)p.p; }
+template <class T> static inline const void* simt_raw(T* p) { return (const void*)p; }
+
+template <class T, class P> static void simt_wmma_check(const P& p, unsigned ldm, const char* what, int line) {
+    uintptr_t a = (uintptr_t)simt_raw(p);
+    if (a % 32 == 0 && (ldm * sizeof(T)) % 16 == 0) return;
+    SimtWorker* w = simt_w;
+    SimtFaultRec* f = simt_claim(w, SIMT_F_MISALIGNED);
+    f->line = line;
+    simt_msg(f, "nvcuda::wmma::%s at line %d: the pointer must be 32-byte aligned (it is %u bytes past) and "
+             "ldm (%u) a multiple of %u elements", what, line, (unsigned)(a % 32), ldm, (unsigned)(16 / sizeof(T)));
+    simt_escape(w);
 }
-template <class T> static inline float simt_ld(const SArr<T>& p, long long i) { return (float)(T)p[i]; }
-template <class T> static inline float simt_ld(T* p, long long i) { simt_race((const void*)(p + i), sizeof(T), 0); return (float)p[i]; }
-template <class T> static inline void simt_st(const GPtr<T>& p, long long i, float v) {
-    T& e = p[i]; simt_race((const void*)&e, sizeof(T), 1); e = T(v);
-}
-template <class T> static inline void simt_st(const SArr<T>& p, long long i, float v) { p[i] = T(v); }
-template <class T> static inline void simt_st(T* p, long long i, float v) { simt_race((const void*)(p + i), sizeof(T), 1); p[i] = T(v); }
-template <class T> static inline float simt_round(float v) { return (float)T(v); }
 
 template <class Use, int M, int N, int K, class T, class L, class V>
-static inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, V v) {
-    for (int i = 0; i < fragment<Use, M, N, K, T, L>::R * fragment<Use, M, N, K, T, L>::C; ++i) f.simt_v[i] = simt_round<T>((float)v);
+static inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, V value) {
+    float x = (float)(T)value;
+    for (int i = 0; i < fragment<Use, M, N, K, T, L>::R * fragment<Use, M, N, K, T, L>::C; ++i) f.v[i] = x;
 }
+
 template <class Use, int M, int N, int K, class T, class L, class P>
-static inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P& p, unsigned ldm) {
-    typedef fragment<Use, M, N, K, T, L> F;
-    for (int r = 0; r < F::R; ++r)
-        for (int c = 0; c < F::C; ++c)
-            f.simt_v[r * F::C + c] = simt_round<T>(simt_ld(p, simt_col<L>::v ? (long long)c * ldm + r : (long long)r * ldm + c));
+static inline void simt_load(fragment<Use, M, N, K, T, L>& f, const P& p, unsigned ldm, bool col, int line) {
+    enum { R = fragment<Use, M, N, K, T, L>::R, C = fragment<Use, M, N, K, T, L>::C };
+    simt_wmma_check<T>(p, ldm, "load_matrix_sync", line);
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            T x = p[col ? (long long)c * ldm + r : (long long)r * ldm + c];
+            f.v[r * C + c] = (float)x;
+        }
+    simt_syncwarp(line);  /* after the reads: a kernel that loads before its lanes' writes are synced reads stale data */
+}
+template <int M, int N, int K, class T, class L, class P>
+static inline void load_matrix_sync(fragment<matrix_a, M, N, K, T, L>& f, const P& p, unsigned ldm, int line = __builtin_LINE()) {
+    simt_load(f, p, ldm, simt_colmajor<L>::v, line);
+}
+template <int M, int N, int K, class T, class L, class P>
+static inline void load_matrix_sync(fragment<matrix_b, M, N, K, T, L>& f, const P& p, unsigned ldm, int line = __builtin_LINE()) {
+    simt_load(f, p, ldm, simt_colmajor<L>::v, line);
 }
 template <int M, int N, int K, class T, class P>
-static inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const P& p, unsigned ldm, layout_t layout) {
-    for (int e = simt_w->cur->linear & 31; e < M * N; e += 32) {
-        int r = e / N, c = e % N;
-        f.simt_v[e] = simt_ld(p, layout == mem_col_major ? (long long)c * ldm + r : (long long)r * ldm + c);
-    }
+static inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const P& p, unsigned ldm, layout_t layout,
+                                    int line = __builtin_LINE()) {
+    simt_load(f, p, ldm, layout == mem_col_major, line);
 }
+
 template <int M, int N, int K, class T, class P>
-static inline void store_matrix_sync(const P& p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
-    int lane = simt_w->cur->linear & 31;
-    for (int e = lane; e < M * N; e += 32) {
-        int r = e / N, c = e % N;
-        simt_st(p, layout == mem_col_major ? (long long)c * ldm + r : (long long)r * ldm + c, f.simt_v[e]);
-    }
-}
-template <int M, int N, int K, class Ta, class La, class Tb, class Lb, class Tc>
-static inline void mma_sync(fragment<accumulator, M, N, K, Tc>& d, const fragment<matrix_a, M, N, K, Ta, La>& a,
-                            const fragment<matrix_b, M, N, K, Tb, Lb>& b, const fragment<accumulator, M, N, K, Tc>& c) {
+static inline void store_matrix_sync(const P& p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout,
+                                     int line = __builtin_LINE()) {
+    simt_syncwarp(line);
+    simt_wmma_check<T>(p, ldm, "store_matrix_sync", line);
     for (int e = simt_w->cur->linear & 31; e < M * N; e += 32) {
-        int i = e / N, j = e % N;
-        float acc = c.simt_v[e];
-        for (int k = 0; k < K; ++k) acc = acc + a.simt_v[i * K + k] * b.simt_v[k * N + j];
-        d.simt_v[e] = acc;   /* element e of d depends on element e of c only: d may be c */
+        int r = e / N, c = e % N;
+        p[layout == mem_col_major ? (long long)c * ldm + r : (long long)r * ldm + c] = (T)f.v[e];
     }
 }
-} }
+
+template <int M, int N, int K, class TA, class LA, class TB, class LB, class TC>
+static inline void mma_sync(fragment<accumulator, M, N, K, TC>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
+                            const fragment<matrix_b, M, N, K, TB, LB>& b, const fragment<accumulator, M, N, K, TC>& c,
+                            int line = __builtin_LINE()) {
+    simt_syncwarp(line);
+    float out[M * N];
+    for (int i = 0; i < M; ++i)
+        for (int j = 0; j < N; ++j) {
+            float s = c.v[i * N + j];
+            for (int k = 0; k < K; ++k) s += a.v[i * K + k] * b.v[k * N + j];
+            out[i * N + j] = (float)(TC)s;
+        }
+    memcpy(d.v, out, sizeof out);
+}
+} }  /* namespace nvcuda::wmma */
 
 /* ------------------------------------------------------------------ the scheduler */
 static void simt_fiber_main(void) {

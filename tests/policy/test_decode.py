@@ -584,6 +584,7 @@ def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_fo
     nearest = reference_sources(s.features, "spmm", "f32", 32, default_entries(), m, count=4, formats=())
     from sparserl_compile import kernels
 
+    # drafts of every format the shipped table's winners are in
     measured = {f for e in default_entries() for f, _, _ in e.ranked}  # families the shipped table has
     table_formats = {c.header.format for c in kernels.space("spmm", "f32", n=32, structure=m) if c.family in measured}
     assert every[:len(nearest)] == nearest and {format_of(t) for t in every} == table_formats

@@ -123,6 +123,24 @@ def ref_product(fd: FormatData, vals: np.ndarray, X: np.ndarray) -> np.ndarray:
         _ref_split(fd, v, X, Y)
     elif fd.fmt == "tcw":
         _ref_tcw(fd, v, X, Y)
+    elif fd.fmt == "bitmap":
+        R = fd.params["R"]
+        tw, n_bands, n_ctiles = 1024 // R, s["n_bands"], s["n_ctiles"]
+        tp, words = a["tile_ptr"], a["bitmap"].view(np.uint32)
+        assert n_bands == math.ceil(n_rows / R) and n_ctiles == math.ceil(s["n_cols"] / tw)
+        assert tp.size == n_bands * n_ctiles + 1 and words.size == 32 * (tp.size - 1)
+        assert tp[0] == 0 and np.all(tp % 8 == 0) and np.all(np.diff(tp) >= 0) and tp[-1] == v.size
+        for t in range(tp.size - 1):
+            k = tp[t]
+            for lane in range(32):
+                for b in range(32):
+                    if int(words[t * 32 + lane]) >> b & 1:
+                        row = (t // n_ctiles) * R + lane % R
+                        col = (t % n_ctiles) * tw + (lane // R) * 32 + b
+                        assert row < n_rows and col < s["n_cols"]
+                        Y[row] += v[k] * X[col]
+                        k += 1
+            assert k <= tp[t + 1] and np.all(v[k:tp[t + 1]] == 0)  # the gap before the next tile
     else:
         raise AssertionError(fd.fmt)
     return Y
@@ -197,6 +215,7 @@ PARAMS = {
     "csr_split": [{"order": 1, "piece": 1, "hub": 3, "warps": 2}, {"order": 3, "piece": 5, "hub": 1000, "warps": 4},
                   {"order": 4, "piece": 2, "hub": 2, "warps": 1, "split": 3}, {"order": 2, "hub": 1, "split": 40}],
     "tcw": [{"order": 1, "H": 1}, {"order": 3, "H": 4}, {"order": 4, "H": 16}, {"order": 2, "H": 3}],
+    "bitmap": [{"R": 1}, {"R": 8}, {"R": 32}],
 }
 
 
@@ -262,7 +281,7 @@ def test_real_matrices_reconstruct(shared_matrices, name):
         try:
             fd = convert(A.indptr, A.indices, A.shape, fmt, {"C": 4, "sigma": 64} if fmt == "sell" else None)
         except FormatNotSuitable:
-            assert fmt in ("ell", "dia", "bsr", "sell")
+            assert fmt in ("ell", "dia", "bsr", "sell", "bitmap")
             continue
         # vectorized reconstruction (the loop reference is too slow at this size)
         v = fd.gather_values(A.data.astype(np.float64))
@@ -306,6 +325,12 @@ def _coords(fd: FormatData):
         w = np.searchsorted(a["win_ptr"], t, side="right") - 1
         r, j = a["tcw_pos"][slots] // 16, a["tcw_pos"][slots] % 16
         return a["row_id"][w * H + r], a["tile_col"][t * 16 + j]
+    if fd.fmt == "bitmap":  # words in order, each word's bits ascending: the stored slots' order
+        R, n_ctiles = fd.params["R"], s["n_ctiles"]
+        words = a["bitmap"].view(np.uint32)
+        wk, b = np.nonzero((words[:, None] >> np.arange(32, dtype=np.uint32)) & 1)
+        t, lane = wk // 32, wk % 32
+        return (t // n_ctiles) * R + lane % R, (t % n_ctiles) * (1024 // R) + (lane // R) * 32 + b
     raise AssertionError(fd.fmt)
 
 
@@ -320,7 +345,8 @@ def test_random_small_matrices(n_rows, n_cols, density, seed, fmt, k):
               "sell": {"C": k, "sigma": k + seed % 5}, "bsr": {"R": k, "C": 1 + seed % 4},
               "csr_split": {"order": 1 + seed % 4, "piece": k, "hub": 1 + seed % 7, "warps": 1 + seed % 3,
                             "split": 1 + seed % 5},
-              "tcw": {"order": 1 + seed % 4, "H": k}}.get(fmt, {})
+              "tcw": {"order": 1 + seed % 4, "H": k},
+              "bitmap": {"R": 2 ** (k - 1)}}.get(fmt, {})
     _check(A, fmt, params)
 
 
@@ -433,6 +459,10 @@ def test_floor_bytes_matches_anchor_formula():
     assert floor_bytes("spmv", n_rows, n_cols, nnz, value_bytes=2) == nnz * 6 + 4 * (n_rows + 1) + 2 * (n_cols + n_rows)
     with pytest.raises(ValueError):
         floor_bytes("sddmm", 1, 1, 1)
+    # a bitmap kernel reads the values and one bit per position, not CSR's indices
+    assert floor_bytes("spmm", 1024, 512, 100_000, n=4, value_bytes=2, fmt="bitmap") == \
+        100_000 * 2 + 1024 * 512 // 8 + 2 * 4 * (512 + 1024)
+    assert floor_bytes("spmv", n_rows, n_cols, nnz, fmt="ell") == floor_bytes("spmv", n_rows, n_cols, nnz)
 
 
 @pytest.mark.parametrize("make", [lambda: matrices.banded(2000, 3), lambda: matrices.uniform_random(20000, 20000, 8),
@@ -491,3 +521,71 @@ def test_unfit_answers_what_convert_does(fmt, params, which):
 def _banded_csr():
     A = matrices.banded(500, 2)
     return A.indptr, A.indices, A.shape
+
+
+def _pruned(n_rows: int, n_cols: int, sparsity: float, seed: int = 0) -> sp.csr_matrix:
+    """A magnitude-pruned random weight: the smallest ``sparsity`` of |w| set to zero."""
+    w = np.random.default_rng(seed).standard_normal((n_rows, n_cols)).astype(np.float32)
+    w[np.abs(w) < np.quantile(np.abs(w), sparsity)] = 0
+    return sp.csr_matrix(w)
+
+
+def test_bitmap_tiles_follow_the_lane_layout():
+    """R=4: tiles of 4 rows x 256 columns; word l of a tile is row l % 4, columns (l // 4)*32 ..;
+    each tile's values start at a multiple of 8, in word order."""
+    A = sp.csr_matrix(([1.0, 2.0, 3.0], ([0, 3, 5], [0, 255, 300])), shape=(8, 600))
+    fd = convert(A.indptr, A.indices, A.shape, "bitmap", {"R": 4})
+    assert fd.scalars == {"n_rows": 8, "n_cols": 600, "n_bands": 2, "n_ctiles": 3}
+    words = fd.arrays["bitmap"].view(np.uint32)
+    assert words.size == 6 * 32 and np.count_nonzero(words) == 3
+    assert words[0] == 1  # (0, 0): tile 0, lane 0, bit 0
+    assert words[31] == 1 << 31  # (3, 255): tile 0, lane 7*4 + 3, bit 31 (a negative int32)
+    assert words[(1 * 3 + 1) * 32 + 5] == 1 << 12  # (5, 300): band 1, column tile 1, lane 4 + 1, bit 12
+    assert fd.arrays["tile_ptr"].tolist() == [0, 8, 8, 8, 8, 16, 16]
+    assert fd.value_map.tolist() == [0, 1] + [-1] * 6 + [2] + [-1] * 7
+
+
+def test_bitmap_bytes_of_pruned_weights():
+    """At 70 % sparsity in 16-bit values the layout is well under half the dense weight."""
+    from sparserl_compile.formats import stored_bytes
+
+    A = _pruned(512, 1024, 0.7)
+    dense = 512 * 1024 * 2
+    for R in (8, 32):
+        fd = convert(A.indptr, A.indices, A.shape, "bitmap", {"R": R})
+        assert stored_bytes(fd, 2) <= 0.40 * dense, (R, stored_bytes(fd, 2) / dense)
+        # values (plus tile padding), one bit per position and a tile pointer per 1024 positions
+        want = fd.padded_size * 2 + 512 * 1024 // 8 + 4 * (fd.arrays["tile_ptr"].size)
+        assert stored_bytes(fd, 2) == want
+    csr = convert(A.indptr, A.indices, A.shape, "csr")
+    assert stored_bytes(csr, 2) == A.nnz * 6 + 4 * 513
+
+
+def test_bitmap_refuses_what_it_cannot_hold():
+    sparse = matrices.uniform_random(6000, 6000, 1.0, seed=2)
+    with pytest.raises(FormatNotSuitable, match="bitmap words"):
+        convert(sparse.indptr, sparse.indices, sparse.shape, "bitmap")
+    assert unfit(sparse.indptr, sparse.indices, sparse.shape, "bitmap") is not None
+    dense_enough = _pruned(64, 256, 0.9)
+    assert unfit(dense_enough.indptr, dense_enough.indices, dense_enough.shape, "bitmap") is None
+    dup = (np.array([0, 2], np.int32), np.array([5, 5], np.int32))
+    with pytest.raises(FormatNotSuitable, match="row 0 lists column 5 twice"):
+        convert(*dup, (1, 8), "bitmap")
+    with pytest.raises(ValueError, match="R=3"):
+        convert(dense_enough.indptr, dense_enough.indices, dense_enough.shape, "bitmap", {"R": 3})
+
+
+def test_bitmap_of_unsorted_rows_matches_the_sorted_layout():
+    A = matrices.canonical(_pruned(20, 300, 0.6))
+    rng = np.random.default_rng(4)
+    ix, order = A.indices.copy(), np.arange(A.nnz)
+    for i in range(A.shape[0]):  # shuffle each row's entries
+        a, b = A.indptr[i], A.indptr[i + 1]
+        order[a:b] = a + rng.permutation(b - a)
+    ix = A.indices[order]
+    want = convert(A.indptr, A.indices, A.shape, "bitmap", {"R": 4})
+    got = convert(A.indptr, ix, A.shape, "bitmap", {"R": 4})
+    assert np.array_equal(got.arrays["bitmap"], want.arrays["bitmap"])
+    assert np.array_equal(got.arrays["tile_ptr"], want.arrays["tile_ptr"])
+    vals = rng.standard_normal(A.nnz)
+    assert np.array_equal(got.gather_values(vals[order]), want.gather_values(vals))

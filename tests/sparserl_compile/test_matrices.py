@@ -149,3 +149,20 @@ def test_block_random_is_the_matrix_built_block_by_block(args):
     for a in ("indptr", "indices", "data"):
         assert getattr(m, a).dtype == getattr(ref, a).dtype
         np.testing.assert_array_equal(getattr(m, a), getattr(ref, a))
+
+
+def test_pruned_weight_masks():
+    mag = matrices.pruned_weight(64, 200, 0.7, "magnitude", seed=1)
+    _assert_canonical(mag)
+    assert mag.shape == (64, 200) and mag.nnz == 64 * 200 - round(0.7 * 64 * 200)
+    kept = np.abs(mag.data).min()
+    dense = np.random.default_rng(1).standard_normal((64, 200), dtype=np.float32)
+    assert np.count_nonzero(np.abs(dense) >= kept) == mag.nnz  # the largest |w| of the whole matrix
+    wanda = matrices.pruned_weight(64, 200, 0.7, "wanda", seed=1)
+    _assert_canonical(wanda)
+    assert np.all(np.diff(wanda.indptr) == 200 - 140)  # the same count in every row
+    assert np.array_equal(wanda.indptr, matrices.pruned_weight(64, 200, 0.7, "wanda", seed=1).indptr)
+    with pytest.raises(ValueError, match="mask"):
+        matrices.pruned_weight(4, 4, 0.5, "random")
+    with pytest.raises(ValueError, match="sparsity"):
+        matrices.pruned_weight(4, 4, 1.0)

@@ -162,7 +162,7 @@ def test_special_sets_are_the_same_drawn_again_and_differ_from_each_other():
 def test_device_special_sets_have_a_reference_of_their_own(key):
     """The GPU executor's special sets are drawn where it runs (shown on CPU tensors) and its
     float64 reference agrees with scipy's on those operands, non-finite outputs included."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     vs = _set(key, "f16")
     vals, x = vs.device_operands("cpu")
     ref, absref, bound = vs.device("cpu")

@@ -85,3 +85,41 @@ def test_graph_families_are_proposed_where_they_suit():
     rect = matrices.rmat(9, 8, seed=2)[:, :300]  # rectangular: RCM falls back to BFS, so only BFS is kept
     orders = {dict(c.params)["order"] for c in sp.candidates(_problem(rect, "spmm", 64)) if c.family == "csr_split"}
     assert orders == {1, 2, 4}
+def _problem_of(m, op, n, dtype="bf16"):
+    return Problem(op, dtype, n, m.shape[0], m.shape[1], m.nnz, m.indptr, m.indices,
+                   structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+
+
+def test_pruned_weights_get_the_bitmap_families_first():
+    from sparserl_compile import search
+
+    w = matrices.pruned_weight(512, 1024, 0.7, "wanda")
+    sp = SearchProvider()
+    f = structure.features(w.indptr, w.indices, w.shape)
+    assert search.weight_like(f) and search.format_plausible("bitmap", f)
+    for op, n, fams, v in (("spmv", 1, {"bitmap_warp"}, None), ("spmm", 1, {"bitmap_warp"}, 1),
+                           ("spmm", 2, {"bitmap_warp"}, 2), ("spmm", 4, {"bitmap_warp"}, 4),
+                           ("spmm", 8, {"bitmap_warp", "bitmap_wmma"}, 4), ("spmm", 32, {"bitmap_wmma"}, None)):
+        cands = sp.candidates(_problem_of(w, op, n))
+        first = [c for c in cands if c.header.format == "bitmap"]
+        assert cands[:len(first)] == first, "bitmap points lead the proposal"
+        assert {c.family for c in first} == fams, (op, n)
+        for c in first:
+            p = dict(c.params)
+            if c.family == "bitmap_warp" and op == "spmm":
+                assert p["v"] == v
+            if c.family == "bitmap_wmma":
+                assert p["BN"] <= max(16, n) and n % c.header.launch.n_align == 0
+    assert len(sp.candidates(_problem_of(w, "spmm", 8), k=3)) == 3
+
+
+def test_graphs_get_no_bitmap_points():
+    from sparserl_compile import search
+
+    g = matrices.rmat(12, 8, seed=1)
+    f = structure.features(g.indptr, g.indices, g.shape)
+    assert not search.weight_like(f) and not search.format_plausible("bitmap", f)
+    sp = SearchProvider()
+    cands = sp.candidates(_problem_of(g, "spmm", 8))
+    assert "bitmap" not in _formats(cands)
+    assert sp.last_report.pruned.get("bitmap: too sparse for one bit per position")

@@ -1,7 +1,6 @@
 """Every kernel family and parameter point of the kernel space, run on the CPU executor
 against scipy in float64: all points on one small matrix, one point per family on the edge
-cases, a sample on real matrices. Tensor-core (wmma) points run on the executor's per-thread
-emulation of the fragment API.
+cases, a sample on real matrices. Tensor-core (wmma) points run on the executor's emulation.
 
 Compiling is the cost (about 0.5 s of g++ per distinct source); the in-process table of
 ``simt.compile_kernel`` builds each source once for the whole session.

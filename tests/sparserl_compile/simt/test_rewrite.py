@@ -44,13 +44,16 @@ def test_pragma_unroll_is_accepted():
     assert "#pragma" not in p.body
 
 
-def test_tensor_core_families_build():
+def test_tensor_core_families_build_and_run_in_fiber_mode():
+    """wmma is emulated (runtime.h): the tensor-core families build, and their collective calls
+    put the kernel in fiber mode (a warp's lanes must meet at them)."""
     from sparserl_compile import kernels
 
-    wmma = [c for c in kernels.space("spmm", "f16") if c.family in ("bsr_wmma", "tcw_wmma")]
-    assert {c.family for c in wmma} == {"bsr_wmma", "tcw_wmma"}, "the kernel space has tensor-core families"
-    k = simt.compile_kernel(wmma[0].source)
-    assert k.uses_fibers  # __syncwarp around the tiles
+    wmma = [c for c in kernels.space("spmm", "f16") if c.family in ("bsr_wmma", "bitmap_wmma", "tcw_wmma")]
+    assert {c.family for c in wmma} == {"bsr_wmma", "bitmap_wmma", "tcw_wmma"}
+    for c in (wmma[0], next(c for c in wmma if c.family == "tcw_wmma")):
+        assert prepare(c.source).uses_fibers
+        assert simt.compile_kernel(c.source).uses_fibers
 
 
 def test_signature_must_match_the_contract():
