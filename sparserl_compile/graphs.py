@@ -371,7 +371,8 @@ def community_graph(n: int, avg_degree: float = 16.0, gamma: float = 2.5, mixing
     w = _power_law(rng.random(n), 1.0, d_hi, gamma)
     w = np.minimum(w * (avg_degree / w.mean()), d_hi)
     # community sizes by the power law until every vertex has one (the last one cut to fit)
-    sizes = _power_law(rng.random(n // min_community + 1), min_community, c_hi, beta).astype(np.int64)
+    sizes = np.clip(_power_law(rng.random(n // min_community + 1), min_community, c_hi, beta).astype(np.int64),
+                    min_community, c_hi)  # (rounding may land a hair below min_community)
     cend = np.cumsum(sizes)
     k = int(np.searchsorted(cend, n)) + 1
     cend = np.minimum(cend[:k], n)

@@ -13,7 +13,7 @@ import pytest
 from sparserl_compile.commands import bench as suite
 from test_verify import needs_simt
 
-_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "report.py"
+_REPORT = Path(__file__).resolve().parents[3] / "benchmarks" / "report.py"
 
 
 def _report():
