@@ -159,3 +159,18 @@ def test_provider_and_k_configure_the_runtime(shared_matrices):
     assert gnn.main(["--dataset", "cora", "--device", "cpu", "--epochs", "1", "--models", "gcn", "--no-pyg",
                      "--provider", "nearest", "--k", "2"]) == 0
     assert (sr.get_provider().name, sr.get_config().k) == ("nearest", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_name", ["gcn", "sage", "gin"])
+def test_every_path_agrees_on_the_gpu(model_name):
+    """The CPU test's twin: sparserl's kernels (or cuSPARSE), CUDA graphs and PyG on one graph."""
+    a = gnn.graphs.rmat_graph(12, 8, seed=1)
+    x = torch.randn(a.shape[0], 32, generator=torch.Generator().manual_seed(0)).cuda()
+    model = gnn.CLASSES[model_name][0](None, 32, 32, 32).cuda().eval()
+    with torch.no_grad():
+        fns, notes = gnn.paths(model_name, model, a, x)
+        ref = fns["torch_sparse"]()
+        for name, fn in fns.items():
+            torch.testing.assert_close(fn(), ref, rtol=1e-4, atol=1e-4, msg=name)
+    assert "sparserl_reduce_overhead" in fns, notes

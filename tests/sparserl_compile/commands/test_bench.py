@@ -210,3 +210,18 @@ def test_cli_takes_the_graph_suite():
     suite.add_cli(sub)
     args = sub.choices["bench"].parse_args(["--suite", "graphs", "--quick", "--dtypes", "bf16", "--out", "x"])
     assert (args.suite, args.dtypes, args.widths, args.graphs) == ("graphs", "bf16", "", "")
+
+
+@pytest.mark.gpu
+def test_graph_suite_on_the_gpu(tmp_path, shared_matrices):
+    """The CPU test's twin: kernels or cuSPARSE plan each product, timed cold and back to back."""
+    if not (shared_matrices / "cora_adj.npz").is_file():
+        pytest.skip(f"{shared_matrices} has no cora_adj.npz")
+    doc = suite.run(_graph_args(tmp_path, device="cuda", widths="32", dtypes="f32,bf16", time_budget=150))
+    rows = [r for r in doc["rows"] if "error" not in r]
+    assert [(r["dtype"], r["n"]) for r in doc["rows"]] == [("f32", 32), ("bf16", 32)], doc["rows"]
+    for r in rows:
+        assert r["plan"]["kind"] in ("kernel", "reference"), r
+        assert r["max_rel_diff_vs_torch"] <= (1e-5 if r["dtype"] == "f32" else 2e-2), r
+        assert 0 < r["frac_floor"] and 0 < r["torch_frac_floor"] and r["sparserl_cold_us"] > 0
+        assert r["first_use"].get("source") in ("search", "cache", "cache+timing"), r["first_use"]
