@@ -212,7 +212,9 @@ def pyg_model(model_name: str, model: nn.Module) -> PygNet:
 def pyg_operands(model_name: str, a: sp.csr_matrix, device, max_message_bytes: float, width: int) -> dict:
     """PyG's operands of graph ``a`` for one model: name -> (adj, edge_weight) or a string (why
     not). GCN takes the normalized matrix (values as edge weights), SAGE and GIN the 0/1
-    pattern (PyG aggregates by mean and sum itself)."""
+    pattern (PyG aggregates by mean and sum itself). ``GCNConv``/``SAGEConv``/``GINConv`` pass
+    messages over an ``edge_index`` or ``EdgeIndex`` (one row of x per edge), so those two are
+    skipped where the messages would exceed ``max_message_bytes``."""
     m = normalized_adjacency(a, "gcn") if model_name == "gcn" else matrices.canonical(a)
     if model_name != "gcn":
         m = m.copy()
@@ -223,10 +225,11 @@ def pyg_operands(model_name: str, a: sp.csr_matrix, device, max_message_bytes: f
     # from its columns
     ei = torch.from_numpy(np.vstack([m.indices.astype(np.int64), rows])).to(device)
     w = torch.from_numpy(m.data).to(device) if model_name == "gcn" else None
-    if m.nnz * width * 4 * 2 > max_message_bytes:
-        out["edge_index"] = f"skipped: {m.nnz} messages of width {width} would not fit"
-    else:
-        out["edge_index"] = (ei, w)
+    if m.nnz * width * 4 * 2 > max_message_bytes:  # both gather x_j per edge and scatter it
+        too_big = f"skipped: {m.nnz} messages of width {width} would not fit"
+        out["edge_index"] = out["EdgeIndex"] = too_big
+        return out
+    out["edge_index"] = (ei, w)
     try:
         from torch_geometric import EdgeIndex
 
@@ -481,6 +484,7 @@ def main(argv=None) -> int:
     p.add_argument("--features", type=int, default=0, help="--bench input width of generated graphs (0: hidden)")
     p.add_argument("--reps", type=int, default=20, help="--bench: timed forwards per path")
     p.add_argument("--no-pyg", action="store_true", help="leave PyG out")
+    p.add_argument("--no-accuracy", action="store_true", help="--bench only: skip training and the accuracy check")
     p.add_argument("--quick", action="store_true", help="a CPU-sized run: 20 epochs, small graphs, few reps")
     p.add_argument("--json", help="write results to this JSON file")
     p.add_argument("--provider", default=None, help="where new structures' candidates come from (search | "
@@ -507,8 +511,10 @@ def main(argv=None) -> int:
         sr.configure(**({"provider": args.provider} if args.provider else {}), k=args.k)
     epochs, reps = (min(args.epochs, 20), min(args.reps, 3)) if args.quick else (args.epochs, args.reps)
     results: dict = {"device": args.device, "args": vars(args), "pyg": pyg_available() or "available"}
+    if args.no_accuracy and not args.bench:
+        p.error("--no-accuracy leaves nothing to do without --bench")
     rows = []
-    for d in datasets:
+    for d in [] if args.no_accuracy else datasets:
         rows += accuracy(d, args.device, models=models, epochs=epochs, layers=args.layers, pyg=not args.no_pyg)
     results["accuracy"] = rows
     results["sparserl_accuracy_equal"] = sparserl_accuracy_equal(rows)
