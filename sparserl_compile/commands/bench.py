@@ -18,6 +18,9 @@ Written under ``--out`` (default ``benchmarks/results/``):
 
 One failing matrix or variant is recorded and skipped; ``--time-budget`` stops adding
 matrices once spent. ``--executor cpu`` (no GPU) verifies without timing: times are null.
+
+``--suite graphs`` is another benchmark: SpMM on graphs through the public API beside
+torch.sparse, with the first call's cost (``bench_graphs.py``).
 """
 
 from __future__ import annotations
