@@ -2,9 +2,10 @@
 
 With ``enable()`` (or inside ``with accelerate():``) a ``TorchFunctionMode`` looks at every
 ``torch.mm``, ``torch.mv``, ``torch.addmm``, ``torch.matmul``, ``@`` and ``torch.sparse.mm``
-call (``torch.sparse.mm(A, B, reduce)`` with "sum" or "mean" too, on the CPU). When the left operand is a 2-D torch sparse CSR or coalesced COO matrix (any index dtype)
-and the right one a dense strided 1-D/2-D tensor of the same dtype (float32, float16, bfloat16,
-float64) and device, the product runs through ``torch.ops.sparserl.spmv``/``spmm`` (so the
+call (``torch.sparse.mm(A, B, reduce)`` with "sum" or "mean" too, on the CPU: PyG's call). When
+the left operand is a 2-D torch sparse CSR or coalesced COO matrix (any index dtype) and the
+right one a dense strided 1-D/2-D tensor of the same dtype (float32, float16, bfloat16, float64)
+and device, the product runs through ``torch.ops.sparserl.spmv``/``spmm`` (so the
 runtime's kernels and autograd w.r.t. the dense operand apply); when there is nothing to record
 (grad not needed, no dispatch mode, plain tensors) it calls the runtime directly, as
 ``SparseRLTensor`` products do, skipping the custom op's per-call layers. Everything else is
