@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gnn_inference as g  # noqa: E402
 
 import sparserl_compile as sr  # noqa: E402
-from sparserl_compile import config, matrices  # noqa: E402
+from sparserl_compile import config, matrices, plans  # noqa: E402
 from sparserl_compile.bench import wall_median_us  # noqa: E402
 
 

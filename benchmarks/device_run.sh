@@ -52,7 +52,7 @@ python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit_cpu.xml" \
   tests/sparserl_compile/test_launcher.py tests/sparserl_compile/test_sandbox.py \
   tests/sparserl_compile/test_verify.py tests/sparserl_compile/test_bench.py \
   tests/sparserl_compile/test_select.py tests/sparserl_compile/test_search.py \
-  tests/sparserl_compile/test_suite.py >"$LOGS/pytest_cpu.log" 2>&1
+  tests/sparserl_compile/commands/test_bench.py >"$LOGS/pytest_cpu.log" 2>&1
 CPU_RC=$?
 tail -8 "$LOGS/pytest_cpu.log"
 fi
@@ -78,6 +78,15 @@ run_hook gnn "${GNN:-}" "${GNN_TIMEOUT:-400}" 60 "^ *warn\|UserWarning" \
   python3 examples/gnn_inference.py --json "$BENCH_DIR/gnn.json"
 run_hook llm "${LLM:-}" "${LLM_TIMEOUT:-400}" 40 "^ *warn\|UserWarning" \
   python3 examples/pruned_llm.py --json "$BENCH_DIR/llm.json"
+
+# The hot path, graph SpMM families, pruned-LLM layers: HOT="args of benchmarks/hot_path.py",
+# GRAPHK="args of benchmarks/graph_kernels.py", LLMK="args of benchmarks/llm_layers.py"
+run_hook hot "${HOT:-}" "${HOT_TIMEOUT:-300}" 60 "$QUIET" \
+  python3 benchmarks/hot_path.py --json "$BENCH_DIR/hot_path.json"
+run_hook graphk "${GRAPHK:-}" "${GRAPHK_TIMEOUT:-300}" 60 "$QUIET" \
+  python3 benchmarks/graph_kernels.py --json "$BENCH_DIR/graph_kernels.json"
+run_hook llmk "${LLMK:-}" "${LLMK_TIMEOUT:-300}" 60 "$QUIET" \
+  python3 benchmarks/llm_layers.py --json "$BENCH_DIR/llm_layers.json"
 
 # The policy's held-out evaluation: EVAL="args of sparserl eval"; EVAL2 runs a second one after
 # it (e.g. another checkpoint), each cut at EVAL_TIMEOUT seconds
@@ -148,6 +157,9 @@ for r in rows:
 if sp: print(f"geomean speedup {math.exp(sum(map(math.log, sp))/len(sp)):.2f} over {len(sp)} rows")
 EOF
 fi
-# at most 8 files come back from a call: pack the logs
+# at most 8 files come back from a call: pack the logs, and the results where there are many
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+if [ "$(ls "$BENCH_DIR" | wc -l)" -gt 5 ]; then
+  tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$BENCH_DIR"
+fi
 ls -la "$OUT" "$BENCH_DIR"

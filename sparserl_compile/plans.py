@@ -91,13 +91,13 @@ class _PlanTable(dict):
 
 
 class Routes:
-    """One sparse tensor's shortcuts past the plan table to the reference: dense width (SpMM)
-    or ``SPMV`` -> the torch CSR tensor to multiply by, for products whose plan is the reference (float32/64, a
-    non-empty matrix), valid while the plan table's ``generation`` is the one they were made
-    in. ``tensor.SparseRLTensor`` keeps one (its ``_routes``); ``product(routes=)`` fills it on
-    a reference hit and ``routed_product`` serves the next such product without building the plan
-    key. Never copied (a copy would alias the original's values): ``copy``/``deepcopy`` give
-    an empty one."""
+    """One sparse tensor's shortcuts past the plan table: dense width (SpMM) or ``SPMV`` ->
+    what serves it, the torch CSR tensor to multiply by (a reference plan, float32/64, a
+    non-empty matrix) or the ``KernelPlan`` (once its first-use check passed), valid while the
+    plan table's ``generation`` is the one they were made in. ``tensor.SparseRLTensor`` keeps
+    one (its ``_routes``); ``product(routes=)`` fills it on a hit and ``routed_product`` serves
+    the next such product without building the plan key. Never copied (a copy would alias the
+    original's values): ``copy``/``deepcopy`` give an empty one."""
 
     __slots__ = ("generation", "native")
     MAX = 8  # widths kept per tensor (a model calling one weight at many widths starts again)
@@ -105,7 +105,7 @@ class Routes:
 
     def __init__(self):
         self.generation = -1
-        self.native: dict[int, torch.Tensor] = {}
+        self.native: dict[int, "torch.Tensor | KernelPlan"] = {}
 
     def get(self, n: int):
         return self.native.get(n) if self.generation == _table.generation else None
@@ -209,7 +209,12 @@ class KernelPlan:
         self.source = source
         self._direct = contract.FORMATS[header.format].value_array == "vals"
         self._vmemo: tuple | None = None
-        self._bound: tuple | None = None  # (n, value tensor, launcher.BoundKernel)
+        #: width -> (value tensor, launcher.BoundKernel): everything but x and y is fixed per
+        #: (width, value array), bound once (a model calls one weight at a few widths)
+        self._bound: dict[int, tuple] = {}
+        self._can_bind = hasattr(kernel, "bind")  # a kernel object without the prepared fast path launches plainly
+
+    BOUND_WIDTHS = 8  # widths kept bound per plan
 
     def _values(self, val):
         if self._direct:
@@ -222,29 +227,34 @@ class KernelPlan:
         return out
 
     def run(self, op, crow, col, val, x, n_rows, n_cols):
-        n = 1 if x.dim() == 1 else int(x.shape[1])
+        """Launch on ``x`` (contiguous, on the plan's device) into a new output; None where this
+        width does not suit the kernel's vector loads (the caller runs the reference)."""
+        vector = x.dim() == 1
+        n = 1 if vector else x.shape[1]
         ls = self.header.launch
         if n % ls.n_align:
-            return None  # this width does not suit the kernel's vector loads
+            return None
         if ls.n_align > 1 and x.data_ptr() % 16:
             x = x.clone()  # a view at an odd offset: vector loads need 16-byte-aligned rows
-        shape = (n_rows,) if x.dim() == 1 else (n_rows, n)
+        shape = (n_rows,) if vector else (n_rows, n)
         y = x.new_zeros(shape) if ls.zero_output else x.new_empty(shape)
-        v = self._values(val)
-        if not hasattr(self.kernel, "bind"):  # a kernel object without the prepared fast path
+        v = val if self._direct else self._values(val)
+        if not self._can_bind:
             args = self.fdata.kernel_args(op, n, self.arrays, v, x, y)
             self.kernel.launch(args, ls.grid(self.fdata.scalars, n), ls.block, ls.smem)
             return y
-        b = self._bound
-        if b is None or b[0] != n or b[1] is not v:
-            # everything but x and y is fixed per (width, value array): bind once, launch cheaply
+        b = self._bound.get(n)
+        if b is None or b[0] is not v:
+            if len(self._bound) >= self.BOUND_WIDTHS:
+                self._bound.clear()
             fixed = self.fdata.kernel_args(op, n, self.arrays, v, x, y)[:-2]
-            b = self._bound = (n, v, self.kernel.bind(fixed, grid=ls.grid(self.fdata.scalars, n)))
-        b[2](x, y)
+            b = self._bound[n] = (v, self.kernel.bind(fixed, grid=ls.grid(self.fdata.scalars, n)))
+        b[1](x, y)
         return y
 
     def __repr__(self) -> str:
         return f"KernelPlan(format={self.header.format}, block={self.header.launch.block})"
+
 
 def kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) -> KernelPlan:
     """Load a verified cubin as a plan: the format arrays converted and uploaded, the kernel loaded."""
@@ -360,6 +370,8 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
             y = None
         if y is not None:
             config.counts["kernel_calls"] += 1
+            if routes is not None and plan.checked:
+                routes.store(generation, n if op == "spmm" else Routes.SPMV, plan)
             return y
     config.counts["reference_calls"] += 1
     return reference_product(crow, col, val, x, n_rows, n_cols)
@@ -367,16 +379,32 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
 
 def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
     """``product`` for a sparse tensor holding ``routes``: where it has a route for this op and
-    width (a reference plan found earlier in this generation of the table), torch's product at
-    once, counted as the table hit it stands for; else ``product``, which stores one on a
-    reference hit."""
-    native = routes.get(Routes.SPMV if op == "spmv" else x.shape[1])
-    if native is None:
+    width (a plan found earlier in this generation of the table: torch's CSR tensor for the
+    reference, or a checked ``KernelPlan``), that at once, counted as the table hit it stands
+    for; else ``product``, which stores one on a hit. A routed kernel that cannot run this call
+    (a launch error, a width its vector loads do not suit) goes back through ``product``,
+    which falls back and logs as always."""
+    r = routes.get(Routes.SPMV if op == "spmv" else x.shape[1])
+    if r is None:
         return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
-    config.counts["calls"] += 1
-    config.counts["hits"] += 1
-    config.counts["reference_calls"] += 1
-    return reference.native_mm(native, x)
+    if type(r) is KernelPlan:
+        try:
+            y = r.run(op, crow, col, val, x, n_rows, n_cols)
+        except Exception:  # noqa: BLE001 - product() runs it again, falls back and logs why
+            y = None
+        if y is None:
+            return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
+        counts = config.counts
+        counts["calls"] += 1
+        counts["hits"] += 1
+        counts["kernel_calls"] += 1
+        return y
+    counts = config.counts
+    counts["calls"] += 1
+    counts["hits"] += 1
+    counts["reference_calls"] += 1
+    return reference.native_mm(r, x)
+
 
 def _plan_for(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
     if not kernels_possible(x.device):

@@ -410,7 +410,8 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
             f"shape mismatch: sparse ({m} x {k}) @ dense {tuple(X.shape)}: the dense operand "
             f"needs {k} rows"
         )
-    X = X.contiguous()
+    if not X.is_contiguous():
+        X = X.contiguous()
     mv = X.dim() == 1
     if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
         if t:

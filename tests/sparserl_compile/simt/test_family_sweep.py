@@ -8,7 +8,6 @@ Compiling is the cost (about 0.5 s of g++ per distinct source); the in-process t
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from sparserl_compile import formats, kernels, simt
