@@ -2,9 +2,10 @@
 
 With ``enable()`` (or inside ``with accelerate():``) a ``TorchFunctionMode`` looks at every
 ``torch.mm``, ``torch.mv``, ``torch.addmm``, ``torch.matmul``, ``@`` and ``torch.sparse.mm``
-call. When the left operand is a 2-D torch sparse CSR or coalesced COO matrix (any index dtype)
-and the right one a dense strided 1-D/2-D tensor of the same dtype (float32, float16, bfloat16,
-float64) and device, the product runs through ``torch.ops.sparserl.spmv``/``spmm`` (so the
+call (``torch.sparse.mm(A, B, reduce)`` with "sum" or "mean" too, on the CPU: PyG's call). When
+the left operand is a 2-D torch sparse CSR or coalesced COO matrix (any index dtype) and the
+right one a dense strided 1-D/2-D tensor of the same dtype (float32, float16, bfloat16, float64)
+and device, the product runs through ``torch.ops.sparserl.spmv``/``spmm`` (so the
 runtime's kernels and autograd w.r.t. the dense operand apply); when there is nothing to record
 (grad not needed, no dispatch mode, plain tensors) it calls the runtime directly, as
 ``SparseRLTensor`` products do, skipping the custom op's per-call layers. Everything else is
@@ -160,9 +161,29 @@ def _run(s: torch.Tensor, d: torch.Tensor):
     return fn(crow, col, vals, d, n_rows, n_cols, fp)
 
 
+def _route_reduce(args, kwargs):
+    """``torch.sparse.mm(A, B, reduce)`` with reduce "sum" (the product) or "mean" (the product
+    over each row's stored entries), on the CPU where torch implements it: PyG's CPU path for a
+    CSR ``adj_t`` (``torch_geometric.utils.spmm``; on CUDA PyG calls the two-argument form)."""
+    if len(args) + len(kwargs) != 3 or len(args) < 2:
+        return None
+    a, b = args[:2]
+    reduce = args[2] if len(args) == 3 else kwargs.get("reduce")
+    if reduce not in ("sum", "mean") or not (_is_native_sparse(a) and a.layout == torch.sparse_csr
+                                            and a.device.type == "cpu" and _dense_ok(a, b, (2,))):
+        return None
+    p = _run(a, b)
+    if p is None or reduce == "sum":
+        return p
+    crow = a.crow_indices()
+    return p / (crow[1:] - crow[:-1]).clamp(min=1).to(p.dtype).unsqueeze(1)
+
+
 def _route(func, args, kwargs):
     if "out" in kwargs:
         return None
+    if func is torch.sparse.mm and (len(args) == 3 or "reduce" in kwargs):
+        return _route_reduce(args, kwargs)
     if func in _MM:
         if len(args) != 2 or kwargs:
             return None

@@ -18,6 +18,9 @@ Written under ``--out`` (default ``benchmarks/results/``):
 
 One failing matrix or variant is recorded and skipped; ``--time-budget`` stops adding
 matrices once spent. ``--executor cpu`` (no GPU) verifies without timing: times are null.
+
+``--suite graphs`` is another benchmark: SpMM on graphs through the public API beside
+torch.sparse, with the first call's cost (``bench_graphs.py``).
 """
 
 from __future__ import annotations
@@ -327,6 +330,10 @@ def _arch() -> str:
 # ------------------------------------------------------------------ the run
 
 def run(args: argparse.Namespace) -> dict:
+    if args.suite == "graphs":  # SpMM through the public API beside torch.sparse (bench_graphs.py)
+        from sparserl_compile.commands import bench_graphs
+
+        return bench_graphs.run(args)
     from sparserl_compile import select
     from sparserl_compile.sandbox import SandboxPool
 
@@ -338,7 +345,7 @@ def run(args: argparse.Namespace) -> dict:
     sup_path = out_dir / f"supervision_{stamp}.jsonl.gz"
     ops: list[tuple[str, int]] = []
     widths = [int(w) for w in args.widths.split(",")] if args.widths else list(OPS_WIDTHS["spmm"])
-    if args.quick and args.widths == "8,32,128":
+    if args.quick and not args.widths:
         widths = [32]  # --quick: one SpMM width
     for op in args.ops.split(","):
         op = op.strip()
@@ -404,14 +411,16 @@ def _summary_line(r: dict) -> str:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark the kernel space against torch.sparse; "
                                             "writes results JSON and the policy's supervision data")
-    p.add_argument("--suite", default="all", choices=("generated", "grid", "grid2", "shared", "all"),
-                   help="generated: the scale-up suite; grid, grid2: the wider small grids (supervision data)")
+    p.add_argument("--suite", default="all", choices=("generated", "grid", "grid2", "shared", "all", "graphs"),
+                   help="generated: the scale-up suite; grid, grid2: the wider small grids (supervision data); "
+                        "graphs: SpMM on graphs through the public API beside torch.sparse (not part of all)")
     p.add_argument("--quick", action="store_true", help="a small subset (a few minutes on an H200)")
     p.add_argument("--ops", default="spmv,spmm", help="comma list of spmv, spmm")
-    p.add_argument("--widths", default="8,32,128", help="SpMM dense widths N")
+    p.add_argument("--widths", default="", help="SpMM dense widths N (default 8,32,128; graphs: 32,64,128,256)")
     p.add_argument("--dtype", default="f32", choices=("f32", "f16", "bf16"))
     p.add_argument("--time-budget", type=float, default=0.0, dest="time_budget",
-                   help="seconds; stop adding matrices once spent (0 = no limit)")
+                   help="seconds; stop adding matrices once spent (0 = no limit; graphs: 170 with --quick, "
+                        "else 520)")
     p.add_argument("--out", default=str(Path("benchmarks") / "results"))
     p.add_argument("--executor", default=None, choices=("gpu", "cpu"),
                    help="default: gpu if available; cpu verifies without timing")
@@ -422,4 +431,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per candidate in the sandbox")
     p.add_argument("--reps", type=int, default=30, help="timed repetitions per kernel")
     p.add_argument("--value-sets", type=int, default=3, dest="value_sets")
+    g = p.add_argument_group("--suite graphs")
+    g.add_argument("--graphs", default="", help="comma list of graph names (generated or shared; default the suite)")
+    g.add_argument("--dtypes", default="", help="comma list of f32, bf16, f16 (default f32,bf16)")
+    g.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                   help="default cuda if available; cpu runs the reference (checks the plumbing, no speed)")
+    g.add_argument("--provider", default=None, help="where candidates come from (default: the runtime's)")
+    g.add_argument("--k", type=int, default=0, help="candidates per product (0: the provider's default)")
+    g.add_argument("--cache-dir", default="", dest="cache_dir",
+                   help="kernel cache to use (default: a fresh temporary one, so every first call searches)")
     p.set_defaults(func=lambda a: (run(a), 0)[1])

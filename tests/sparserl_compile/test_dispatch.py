@@ -202,3 +202,21 @@ def test_coo_flagged_coalesced_but_not_row_sorted_gives_torchs_result():
         torch.testing.assert_close(lying @ x, want @ x)
     torch.testing.assert_close(S.sparsify(lying).to_dense(), want)
     torch.testing.assert_close(S.sparsify(lying) @ x, want @ x)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_sparse_mm_with_reduce_routed_on_cpu(reduce):
+    """``torch.sparse.mm(A, B, reduce)``: PyG's CPU call for a CSR adjacency; "mean" averages over
+    each row's stored entries (an empty row gives zeros), as torch does."""
+    A = native(40, 30, index=torch.int64, density=0.1)
+    X = torch.randn(30, 5)
+    want = torch.sparse.mm(A, X, reduce)
+    with S.accelerate():
+        got = torch.sparse.mm(A, X, reduce)
+        got_kw = torch.sparse.mm(A, X, reduce=reduce)
+    assert calls() == 2
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_kw, want)
+    with S.accelerate():  # "amax" and COO operands are torch's own
+        torch.sparse.mm(A, X, "amax")
+    assert calls() == 2
