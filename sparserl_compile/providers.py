@@ -9,26 +9,22 @@ the reference; the provider only proposes.
 Providers, by name for ``set_provider``:
 
 * ``"reference"`` (``ReferenceProvider``): proposes nothing, so every call uses the reference
-  (torch.sparse / cuSPARSE). What a machine without the search installed gets.
+  (torch.sparse / cuSPARSE).
 * ``"search"``: ``sparserl_compile.search.SearchProvider``, the hand-written kernel families
   searched by heuristics: every pruned point (27-60) is compiled, verified and timed.
-* ``"policy"``: ``policy.provider.PolicyProvider``, the trained language model (the shipped
-  checkpoint, version 5: its greedy kernel and three most likely departures).
 * ``"nearest"``: ``sparserl_compile.nearest.NearestProvider``, the winners of the most alike
   matrices measured on the H200 (a few candidates instead of the whole space; the search's own
   order fills in where the table has nothing alike).
+* ``"policy"``: the trained language model (the shipped checkpoint), run in a worker process of
+  its own (``proposer.ProcessProvider``) so that neither its load nor its decoding holds the
+  user's interpreter; while it loads, and should it fail, the lookup proposes
+  (``DefaultProvider(POLICY_CHAIN)``). Needs the ``train`` extra.
 
 Until one is set, the runtime asks a ``DefaultProvider`` (by name ``"default"``,
-``DEFAULT_PROVIDER``): the policy where the ``train`` extra (transformers, tokenizers,
-safetensors, llguidance) and the shipped checkpoint are installed, else the nearest-neighbour
-proposals, else the reference.
-It loads the model only when first asked for candidates (or by ``miss.prewarm``), so a
-process served from a pre-generated cache never loads it, and the runtime never waits for it:
-until the model is loaded and warmed up (on a background thread, started once the process's
-first search has built its plan) the lookup proposes (``DefaultProvider.propose``). Measured end to end on
-held-out matrices (docs/benchmarks.md): the policy's kernels reach 0.99 of the whole space's
-best and its first product on a new structure of <= 10^6 nonzeros takes a median 0.4-0.5 s
-(the lookup's 0.2 s), never a wrong result.
+``DEFAULT_PROVIDER``) over ``DEFAULT_CHAIN``: the lookup, else the reference. The policy is not
+the default because, measured end to end through the runtime at the same number of candidates,
+it is level with the lookup while its first call on a new structure costs more
+(docs/benchmarks.md); it becomes the default only once it beats the lookup there.
 
 The last three are imported lazily on first use, so ``import sparserl_compile`` never imports
 the policy (transformers) or the search. Every provider is a ``problem.Provider`` (the base
@@ -70,8 +66,13 @@ _lock = threading.Lock()
 #: (the trained policy, falling back to the nearest-neighbour proposals and then to the
 #: reference where it cannot load)
 DEFAULT_PROVIDER = "default"
-#: what ``DefaultProvider`` tries, in order
-DEFAULT_CHAIN = ("policy", "nearest", "reference")
+#: what the runtime's ``DefaultProvider`` tries, in order: the lookup of measured winners. The
+#: policy is not the default: through the runtime at the same k it is level with the lookup
+#: (docs/benchmarks.md, "The policy through the runtime") and its first call costs more
+DEFAULT_CHAIN = ("nearest", "reference")
+#: ``set_provider("policy")``: the policy, the lookup standing in while it loads and taking
+#: over should it fail
+POLICY_CHAIN = ("policy", "nearest", "reference")
 #: the modules the policy needs beyond the base install (``pip install 'sparserl[train]'``)
 POLICY_MODULES = ("transformers", "tokenizers", "safetensors", "llguidance")
 _active: Provider | None = None
@@ -223,8 +224,7 @@ class DefaultProvider(Provider):
 
     @staticmethod
     def _build(name: str) -> Provider:
-        p = resolve(name)  # the policy: in a worker process (``policy_in_process_worker``)
-        return p if isinstance(p, Provider) else _Adapted(p)
+        return build_one(name)
 
     def _fall_back(self, failed: Provider, e: Exception) -> Provider:
         """Replace ``failed`` (the chain's head) by the next of the chain, once."""
@@ -318,7 +318,7 @@ def resolve(obj_or_name: "Provider | str") -> Provider:
             why = policy_available()
             if why is not None:
                 raise ImportError(f"provider 'policy' cannot run here: {why}; or use set_provider('nearest')")
-            return policy_in_process_worker()
+            return DefaultProvider(POLICY_CHAIN)
         if name not in _LAZY:
             raise ValueError(
                 f"unknown provider {name!r}; use one of {('default', 'reference', 'policy', *_LAZY)} or pass an object "
@@ -342,6 +342,15 @@ def resolve(obj_or_name: "Provider | str") -> Provider:
             "'candidates(problem, k)' method returning a list of contract.Candidate"
         )
     return _Adapted(obj_or_name)
+
+
+def build_one(name: str) -> Provider:
+    """One provider of a ``DefaultProvider``'s chain, built: the policy as its worker process's
+    handle (``policy_in_process_worker``), the others by name."""
+    if name == "policy":
+        return policy_in_process_worker()
+    p = resolve(name)
+    return p if isinstance(p, Provider) else _Adapted(p)
 
 
 class _Adapted(Provider):

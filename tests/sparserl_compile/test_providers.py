@@ -25,7 +25,7 @@ def _without_module(monkeypatch, name: str) -> None:
 
 def _counting_resolve(monkeypatch, fail: set[str] = frozenset()) -> list[str]:
     """``providers.resolve`` recording the names it builds, raising for those in ``fail``."""
-    built, real = [], providers.resolve
+    built, real = [], providers.build_one
 
     def resolve(name):
         built.append(name)
@@ -33,7 +33,7 @@ def _counting_resolve(monkeypatch, fail: set[str] = frozenset()) -> list[str]:
             raise RuntimeError(f"{name} is broken here")
         return real(name) if name != "policy" else _SpareWish()  # no model load
 
-    monkeypatch.setattr(providers, "resolve", resolve)
+    monkeypatch.setattr(providers, "build_one", resolve)
     return built
 
 
@@ -62,7 +62,7 @@ def test_the_default_is_the_policy_and_its_cache_hash_needs_no_model(monkeypatch
     from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT, weights_sha256
 
     built = _counting_resolve(monkeypatch)
-    d = providers.DefaultProvider()
+    d = providers.DefaultProvider(providers.POLICY_CHAIN)
     assert d.name == "policy" and d.fallback_reason is None and d.sandbox_spare == 0
     assert d.checkpoint_hash == weights_sha256(DEFAULT_CHECKPOINT / "model.safetensors")
     assert providers.policy_hash(d) == d.checkpoint_hash
@@ -77,7 +77,7 @@ def test_without_the_train_extra_the_default_is_the_lookup(monkeypatch):
     _without_module(monkeypatch, "llguidance")
     why = providers.policy_available()
     assert "llguidance" in why and "sparserl[train]" in why
-    d = providers.DefaultProvider()
+    d = providers.DefaultProvider(providers.POLICY_CHAIN)
     assert d.name == "nearest" and d.fallback_reason == why
     assert d.checkpoint_hash is None and d.sandbox_spare == 0
     assert providers.policy_hash(d) == "none"  # its entries serve every provider
@@ -87,7 +87,7 @@ def test_a_policy_that_fails_to_load_falls_back_once_and_says_why(monkeypatch, c
     if providers.policy_available() is not None:
         pytest.skip(f"the policy cannot load here: {providers.policy_available()}")
     built = _counting_resolve(monkeypatch, fail={"policy"})
-    d = providers.DefaultProvider()
+    d = providers.DefaultProvider(providers.POLICY_CHAIN)
     with caplog.at_level(logging.WARNING, logger="sparserl_compile.providers"):
         d.load()
     assert d.name == "nearest" and "policy is broken here" in d.fallback_reason
@@ -167,7 +167,7 @@ def test_prewarm_warms_the_provider_up(monkeypatch):
     monkeypatch.setattr(formats, "warm", lambda: events.append("formats"))
     d = providers.DefaultProvider(("reference",))
     providers.set_provider(d)
-    monkeypatch.setattr(providers, "resolve", lambda name: Warms())  # what d loads
+    monkeypatch.setattr(providers, "build_one", lambda name: Warms())  # what d loads
     miss.prewarm().join()
     assert events == ["start", "formats", "warm_up", "start-wait"] and d.name == "warms"
 
@@ -197,8 +197,8 @@ def test_the_runtime_never_waits_for_the_policy_to_load(monkeypatch):
     built = {"policy": _Named("policy", gate), "nearest": _Named("nearest")}
     names = []
     monkeypatch.setattr(providers, "policy_available", lambda: None)
-    monkeypatch.setattr(providers, "resolve", lambda name: names.append(name) or built[name])
-    d = providers.DefaultProvider()
+    monkeypatch.setattr(providers, "build_one", lambda name: names.append(name) or built[name])
+    d = providers.DefaultProvider(providers.POLICY_CHAIN)
     assert d.propose(None, 4) == ([], "nearest") and not d.loading  # nothing loads beside a selection
     d.load_in_background()
     d.load_in_background()
@@ -217,7 +217,7 @@ def test_propose_builds_a_quick_provider_in_line(monkeypatch):
     """Without the policy at the head of the chain (no ``train`` extra) there is nothing to wait
     for: the lookup is built and proposes in line, no thread."""
     _without_module(monkeypatch, "llguidance")
-    d = providers.DefaultProvider()
+    d = providers.DefaultProvider(providers.POLICY_CHAIN)
     cands, who = d.propose(_problem(), 2)
     assert who == "nearest" and d.ready() and not d.loading
 
@@ -322,7 +322,7 @@ def test_warm_up_runs_once_however_many_ask(monkeypatch):
         def warm_up(self):
             warmed.append(1)
 
-    monkeypatch.setattr(providers, "resolve", lambda name: Counts("counts"))
+    monkeypatch.setattr(providers, "build_one", lambda name: Counts("counts"))
     d = providers.DefaultProvider(("counts",))
     threads = [threading.Thread(target=d.warm_up) for _ in range(3)]
     for t in threads:
