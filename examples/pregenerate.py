@@ -61,7 +61,7 @@ import scipy.sparse as sp
 import torch
 
 import sparserl_compile as sr
-from sparserl_compile import bench, cache, config, matrices, plans, pregen, providers
+from sparserl_compile import bench, cache, config, matrices, miss, plans, pregen, providers
 from sparserl_compile.problem import make_problem
 
 #: the serving GPU assumed when none is named and this machine has none (the H200 image:
@@ -277,10 +277,10 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                 verdict = ("missing" if not found else
                            "kernel" if after.kernel_calls > before.kernel_calls else "reference wins")
             else:
-                key = cache.cache_key(
+                key = miss.key_for(
                     make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
                                          target.arch), target)
-                entry = cache.lookup(store, key)  # as the GPU runtime looks it up
+                entry = miss.lookup(store, key)  # as the GPU runtime looks it up
                 found = entry is not None
                 verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
                            "kernel" if "kernel_us" in entry.times else "untimed kernel")

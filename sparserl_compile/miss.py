@@ -93,7 +93,7 @@ def verdict(op, crow, col, val, x, n_rows, n_cols, fp) -> Verdict:
     if store is not None:
         try:
             key = cache_key_for(problem, x.device)
-            entry = cache.lookup(store, key, fallback_hashes=("none", providers.shipped_policy_hash()))
+            entry = lookup(store, key)
         except Exception as e:  # noqa: BLE001 - an unusable cache must never stop a product
             log_once("disk cache unusable, searching without it", fp, f"{type(e).__name__}: {e}")
             store = None
@@ -343,12 +343,25 @@ def _background_worker(q) -> None:
 _targets: dict[tuple, cache.Target] = {}
 
 
+def key_for(problem: Problem, target: cache.Target) -> cache.CacheKey:
+    """The disk-cache key of ``problem`` on ``target`` as the runtime makes it: under the active
+    provider's policy hash (pre-generation keys its entries the same way)."""
+    return cache.cache_key(problem, target, providers.policy_hash(providers.get_provider()))
+
+
+def lookup(store, key: cache.CacheKey):
+    """``store``'s entry for ``key`` as the runtime looks it up: the key itself, then the
+    families-only entries (``"none"``: built with the search or the lookup), then the shipped
+    policy's (``cache.lookup``'s ``fallback_hashes``)."""
+    return cache.lookup(store, key, fallback_hashes=("none", providers.shipped_policy_hash()))
+
+
 def cache_key_for(problem: Problem, device: torch.device) -> cache.CacheKey:
     """The disk-cache key of ``problem`` on ``device`` under the active provider."""
     k = (device.type, device.index)
     if k not in _targets:
         _targets[k] = cache.local_target(device)
-    return cache.cache_key(problem, _targets[k], providers.policy_hash(providers.get_provider()))
+    return key_for(problem, _targets[k])
 
 
 def _store():

@@ -201,7 +201,7 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
         fp = fps.get(it.name) or structure.fingerprint(m.indptr, m.indices, m.shape)
         fps[it.name] = fp
         problem = make_problem(op, dtype, n, m.indptr, m.indices, m.shape, fp, target.arch)
-        key = cache.cache_key(problem, target)
+        key = miss.key_for(problem, target)
         hit = store.get(key)
         if hit is not None:
             rows.append(Row(it.name, op, n, m.nnz, "cached", "already in the cache",

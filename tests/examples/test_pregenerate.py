@@ -158,7 +158,7 @@ def test_a_cache_built_by_the_default_policy_serves_a_process_without_it(tmp_pat
     pg.write_demo_matrices(mats)
     out = tmp_path / "k"
     before = providers.get_provider()
-    b = pg.build([str(mats)], out, ops=("spmv",), progress=False, provider=providers.DefaultProvider())
+    b = pg.build([str(mats)], out, ops=("spmv",), progress=False, provider=providers.DefaultProvider(providers.POLICY_CHAIN))
     assert b.failed == 0 and b.policy_hash == providers.shipped_policy_hash() != "none"
     providers.set_provider("nearest")
     try:

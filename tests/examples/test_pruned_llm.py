@@ -191,7 +191,7 @@ def test_pregen_needs_a_gpu_device(capsys):
 def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, calib, tmp_path, monkeypatch):
     """Built for a named target on the CPU (CPU executor): one entry per weight and width, the
     alike weights explored once, and each entry under the key the runtime computes for it."""
-    from sparserl_compile import cache
+    from sparserl_compile import cache, miss
 
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "kernels"))
     target = cache.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
@@ -207,4 +207,4 @@ def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, calib, tm
         w = m.weight
         p = make_problem("spmm", "f32", 2, w.crow.numpy(), w.col.numpy(), (w.n_rows, w.n_cols),
                                  w.fingerprint, "sm_90")
-        assert store.get(cache.cache_key(p, target)) is not None
+        assert store.get(miss.key_for(p, target)) is not None

@@ -218,17 +218,17 @@ def test_numpy_and_nonfinite_record_values_round_trip(tmp_path):
 
 
 def test_a_policy_runtime_finds_families_only_entries_but_not_the_reverse(tmp_path):
-    from sparserl_compile import cache
+    from sparserl_compile import miss
 
     store = KernelCache(tmp_path / "c")
     families = _key()  # built with the search or nearest provider
     store.put(_entry(families))
     policy = _key(policy_hash="ab12")
-    assert cache.lookup(store, policy).key == families  # a policy process serves a search-built cache
+    assert miss.lookup(store, policy).key == families  # a policy process serves a search-built cache
     store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
-    assert cache.lookup(store, _key(fp="cd" * 16)) is None  # a policy's entries need that policy
-    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ab12")).key.policy_hash == "ab12"
-    assert cache.lookup(store, _key(fp="ef" * 16, policy_hash="ab12")) is None
+    assert miss.lookup(store, _key(fp="cd" * 16)) is None  # a policy's entries need that policy
+    assert miss.lookup(store, _key(fp="cd" * 16, policy_hash="ab12")).key.policy_hash == "ab12"
+    assert miss.lookup(store, _key(fp="ef" * 16, policy_hash="ab12")) is None
 
 
 def _read_only(monkeypatch):
@@ -253,19 +253,19 @@ def test_entries_built_by_the_shipped_policy_serve_every_process(tmp_path, monke
     """A cache pre-generated with the default provider (the shipped policy) is found by a
     process whose default fell back to the lookup (no ``train`` extra) and by one running another
     checkpoint; an entry of that other checkpoint still serves only it."""
-    from sparserl_compile import cache, providers
+    from sparserl_compile import miss, providers
 
     monkeypatch.setattr(providers, "shipped_policy_hash", lambda: "5h1p")
     store = KernelCache(tmp_path / "c")
     store.put(_entry(_key(policy_hash="5h1p")))
-    assert cache.lookup(store, _key()).key.policy_hash == "5h1p"  # the lookup's process
-    assert cache.lookup(store, _key(policy_hash="ab12")).key.policy_hash == "5h1p"
+    assert miss.lookup(store, _key()).key.policy_hash == "5h1p"  # the lookup's process
+    assert miss.lookup(store, _key(policy_hash="ab12")).key.policy_hash == "5h1p"
     store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
-    assert cache.lookup(store, _key(fp="cd" * 16)) is None
-    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="5h1p")) is None
+    assert miss.lookup(store, _key(fp="cd" * 16)) is None
+    assert miss.lookup(store, _key(fp="cd" * 16, policy_hash="5h1p")) is None
     store.put(_entry(_key(fp="cd" * 16)))  # families-only entries come before the shipped policy's
     store.put(_entry(_key(fp="cd" * 16, policy_hash="5h1p")))
-    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ef34")).key.policy_hash == "none"
+    assert miss.lookup(store, _key(fp="cd" * 16, policy_hash="ef34")).key.policy_hash == "none"
 
 
 def test_the_shipped_policy_hash_is_its_weights_sha256():

@@ -87,7 +87,7 @@ def test_cpu_build_machine_run_writes_untimed_entries_and_resumes(tmp_path):
 
     problem = make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape,
                                    structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
-    entry = store.get(cache.cache_key(problem, TARGET))
+    entry = store.get(miss.key_for(problem, TARGET))
     assert entry is not None and entry.cubin and "sparserl_kernel" in entry.source
     assert entry.verification["executor"] == "cpu"
     again = pregen.pregenerate(items, cache_dir=out, ops=("spmv",), target=TARGET, executor="cpu", progress=False)
@@ -101,7 +101,19 @@ def test_cli_without_gpu_or_target_explains(tmp_path, capsys):
         pytest.skip("this machine has a GPU")
     _save_npz(tmp_path / "s.npz", matrices.stencil2d(4))
     assert main(["pregen", str(tmp_path / "s.npz"), "--out", str(tmp_path / "k"), "--no-progress"]) == 2
-    assert "--target-gpu 'NVIDIA H200'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--target-gpu" in err and "sparserl target" in err
+    assert not (tmp_path / "k").exists()
+
+
+def test_cli_target_gpu_needs_the_serving_versions(tmp_path, capsys):
+    """Keys carry the serving machine's driver and NVRTC versions: entries keyed 'unknown' would
+    never be found there, so pregen refuses before any work."""
+    _save_npz(tmp_path / "s.npz", matrices.stencil2d(4))
+    assert main(["pregen", str(tmp_path / "s.npz"), "--out", str(tmp_path / "k"), "--no-progress",
+                 "--target-gpu", "NVIDIA H200"]) == 2
+    err = capsys.readouterr().err
+    assert "--target-driver and --target-nvrtc" in err and "sparserl target" in err
     assert not (tmp_path / "k").exists()
 
 
