@@ -102,6 +102,7 @@ from llm_models import (  # noqa: E402,F401
 from llm_pruning import (  # noqa: E402,F401
     METHODS, DenseWeights, PruneReport, apply_masks_, decoder_linears, eval_device, input_feature_norms, prune_,
     random_feature_norms)
+from llm_report import print_end, print_row, print_start  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -128,7 +129,10 @@ class DecodeRow:
     compile_s: dict | None = None  # the compiled warm-up runs (trace, compile, graph recording), by model
     background_wait_s: float | None = None  # on_miss="background": waiting for the searches
     torch_sparse_tokens_per_s: float | None = None  # the same sparse model, every product by torch.sparse
-    kernel_fraction: float | None = None  # of sparserl's products while timing, the share run by a generated kernel
+    #: of sparserl's products in the timed eager runs, the share a generated kernel ran (the prefill's
+    #: products, at another width, included)
+    kernel_fraction: float | None = None
+    memory: dict | None = None  # llm_memory.WidthMemory at this batch: what its plans read against dense
     sparserl_over_dense: float = field(init=False)  # tokens/s ratio (> 1: sparserl faster)
     compiled_over_dense_compiled: float | None = field(init=False)  # both compiled the same way
 
@@ -147,7 +151,7 @@ class LevelReport:
     ppl_sparserl: float | None
     decode: list[DecodeRow] = field(default_factory=list)
     pregen: dict | None = None  # what --pregen did for this level (counts, seconds)
-    memory: WeightMemory | None = None
+    memory: WeightMemory | None = None  # what the sparse weights and all their plans hold (per batch: DecodeRow.memory)
     seconds: float = 0.0
     sample_dense: str = ""
     sample_sparserl: str = ""
@@ -218,14 +222,17 @@ def run_level(weights: DenseWeights, tok, sparsity: float, method: str, batches:
               compile_: bool, check_ids: torch.Tensor | None, *, norms: dict | None = None,
               masks: dict[str, torch.Tensor] | None = None, masks_out: dict[str, torch.Tensor] | None = None,
               measure_ppl: bool = True, pregen_share: int | None = None, pregen_widths: list[int] | None = None,
-              compile_mode: str | None = "reduce-overhead", torch_sparse: bool = False) -> LevelReport:
+              compile_mode: str | None = "reduce-overhead", torch_sparse: bool = False,
+              on_progress=None) -> LevelReport:
     """One sparsity level (module doc, steps 1-4): ``weights`` restored and pruned (or zeroed
     where ``masks`` say; ``masks_out`` receives the pruning's keep-masks), a sparse copy made,
     logits checked on ``check_ids`` ([1, T]; also the perplexity text with ``measure_ppl``; None:
     the largest difference of the batches' one-token checks instead), each batch decoded
     (``decode_batch``), the weight memory counted. ``pregen_share``: pre-generate
     kernels first at ``pregen_widths`` (default: the batch sizes). ``torch_sparse`` (GPU): also
-    decode with every product by torch.sparse, last (it clears the plan table)."""
+    decode with every product by torch.sparse, last (it clears the plan table). ``on_progress(event,
+    report)`` is called with "start" (pruned, checked, pre-generated), "row" (after each batch, the
+    row appended) and "end"."""
     t_level = time.perf_counter()
     dense = weights.restore()
     if masks is None:
@@ -246,17 +253,21 @@ def run_level(weights: DenseWeights, tok, sparsity: float, method: str, batches:
     ppl = measure_ppl and check_ids is not None
     rep = LevelReport(pr, n_sparse, diff, perplexity(dense, check_ids) if ppl else None,
                       perplexity(sparse, check_ids) if ppl else None, pregen=pregen)
+    progress = on_progress or (lambda event, report: None)
+    progress("start", rep)
     if compile_:
         compile_for_decoding(dense, "inductor", compile_mode)
         compile_for_decoding(sparse, "sparserl", compile_mode)
     for b in batches:
         row, sample = decode_batch(dense, sparse, tok, b, new_tokens, compile_)
+        row.memory = asdict(weight_memory(sparse, [b]).widths[0])
         if b == batches[0]:
             rep.sample_dense, rep.sample_sparserl = sample
         rep.decode.append(row)
+        progress("row", rep)
     if rep.max_abs_logit_diff is None and rep.decode:
         rep.max_abs_logit_diff = max(r.max_abs_logit_diff for r in rep.decode)
-    rep.memory = weight_memory(sparse, batches)
+    rep.memory = weight_memory(sparse, [])
     if torch_sparse and eval_device(dense).type == "cuda":
         cfg = sr.get_config()
         sr.configure(kernels=False)
@@ -270,6 +281,7 @@ def run_level(weights: DenseWeights, tok, sparsity: float, method: str, batches:
     if eval_device(dense).type == "cuda":
         torch.cuda.empty_cache()
     rep.seconds = time.perf_counter() - t_level
+    progress("end", rep)
     return rep
 
 
@@ -386,52 +398,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.torch_sparse = not args.arch
 
 
-def _fmt(v, width: int, spec: str) -> str:
-    return f"{v:{width}{spec}}" if v is not None else f"{'-':>{width}s}"
-
-
-def print_level(r: LevelReport, method: str, s: float, ppl: str, real: bool) -> None:
-    diff = "-" if r.max_abs_logit_diff is None else f"{r.max_abs_logit_diff:.2e}"
-    print(f"\n== {method} {s:.0%}: {r.prune.layers} linears pruned ({r.prune.achieved:.1%} zeros), "
-          f"{r.sparsified_layers} sparsified; max |logit diff| sparserl vs pruned dense {diff}; {ppl}; "
-          f"{r.seconds:.0f} s")
-    if r.pregen:
-        pg = r.pregen
-        print(f"pregen (--share {pg['share']}): {pg['products']} products of {pg['matrices']} weights at widths "
-              f"{pg['widths']} in {pg['seconds']:.0f} s ({pg['full']} searched in full: {pg['full_seconds']:.0f} s; "
-              f"{pg['shared']} from a look-alike's kernels: {pg['shared_seconds']:.0f} s): {pg['kernel']} kernels, "
-              f"{pg['reference']} cuSPARSE verdicts, {pg['cached']} cached, {pg['failed']} failed")
-    print(f"{'batch':>5s} {'dense tok/s':>11s} {'sparserl':>9s} {'ratio':>6s} {'dense comp.':>11s} {'sparserl comp.':>14s} "
-          f"{'ratio':>6s} {'torch.sparse':>12s} {'kernels':>7s} {'read/dense':>10s} {'same tokens':>11s} {'first call':>10s}")
-    widths = {w.batch: w for w in (r.memory.widths if r.memory else [])}
-    for d in r.decode:
-        w = widths.get(d.batch)
-        same = f"{d.same_tokens:.0%}" + ("" if d.compiled_same_tokens is None else f"/{d.compiled_same_tokens:.0%}")
-        print(f"{d.batch:>5d} {d.dense_tokens_per_s:11.1f} {d.sparserl_tokens_per_s:9.1f} {d.sparserl_over_dense:6.2f} "
-              f"{_fmt(d.dense_compiled_tokens_per_s, 11, '.1f')} {_fmt(d.compiled_tokens_per_s, 14, '.1f')} "
-              f"{_fmt(d.compiled_over_dense_compiled, 6, '.2f')} {_fmt(d.torch_sparse_tokens_per_s, 12, '.1f')} "
-              f"{_fmt(d.kernel_fraction, 7, '.0%')} {_fmt(w.read_over_dense if w else None, 10, '.2f')} "
-              f"{same:>11s} {d.first_call_s:9.1f}s")
-    for d in r.decode:
-        notes = [f"{k} {TokenMatch(**m).describe()}" for k, m in (("eager:", d.tokens), ("compiled:", d.compiled_tokens))
-                 if m is not None and m["first_difference"] is not None]
-        if d.background_wait_s is not None:
-            notes.append(f"waited {d.background_wait_s:.1f} s for {d.searches} background selections")
-        elif d.searches:
-            notes.append(f"the first call ran {d.searches} selections")
-        if widths.get(d.batch):
-            notes.append("weights as " + ", ".join(f"{n} {k}" for k, n in sorted(widths[d.batch].formats.items())))
-        if not d.decode_only:
-            notes.append("tokens/s include the prefill (too few tokens to take it out)")
-        print(f"  batch {d.batch}: " + "; ".join(notes))
-    if r.memory:
-        m = r.memory
-        print(f"weight memory: {m.weights} sparse weights, dense {gib(m.dense_bytes)}; held by sparserl (CSR "
-              f"{gib(m.csr_bytes)} + every plan's arrays) {gib(m.held_bytes)} = {m.held_over_dense:.2f}x dense")
-    if r.decode and real:
-        print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
-
-
 def _load(args) -> LoadedModel:
     if args.arch:
         return llama_model(args.arch, layers=args.layers, dtype=args.dtype_, device=args.device, seed=args.seed)
@@ -489,16 +455,24 @@ def main(argv=None) -> int:
                 masks = load_masks(Path(args.patterns) / args.saved[f"{s:g}"]["file"], meta["shapes"])
             elif save_dir:
                 masks_out = {}
+
+            def progress(event, rep, method=method, s=s):
+                if event == "start":
+                    print_start(rep, method, s, _ppl_line(args, meta, ppl_dense, rep, s))
+                elif event == "row":
+                    print_row(rep.decode[-1])
+                else:
+                    print_end(rep, lm.real)
+                _write_json(args, lm, ppl_dense, [*runs, (method, s, rep)])  # a run cut short keeps its rows
+
             r = run_level(weights_kept, lm.tokenizer, s, method, args.batch_sizes, args.new_tokens, args.compile,
                           None if args.arch else eval_ids, norms=norms, masks=masks, masks_out=masks_out,
                           measure_ppl=not meta and not args.arch, pregen_share=args.pregen,
                           pregen_widths=None if args.arch else [*args.batch_sizes, int(eval_ids.shape[1])],
-                          compile_mode=args.compile_mode, torch_sparse=args.torch_sparse)
+                          compile_mode=args.compile_mode, torch_sparse=args.torch_sparse, on_progress=progress)
             runs.append((method, s, r))
             if masks_out is not None:
                 saved_levels.append(_save_level(save_dir, s, masks_out, r))
-            print_level(r, method, s, _ppl_line(args, meta, ppl_dense, r, s), lm.real)
-            _write_json(args, lm, ppl_dense, runs)
     if save_dir:
         _save_meta(save_dir, lm, args.methods[0], args.levels, ppl_dense, eval_ids, saved_levels)
     return 0
@@ -517,7 +491,7 @@ def _ppl_line(args, meta, ppl_dense, r: LevelReport, s: float) -> str:
 
 
 def _write_json(args, lm: LoadedModel, ppl_dense, runs) -> None:
-    """The results so far (written after every level: a run cut short keeps the levels it finished)."""
+    """The results so far (written after every batch)."""
     if not args.json:
         return
     meta = args.meta

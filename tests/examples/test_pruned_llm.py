@@ -195,7 +195,8 @@ def test_main_tiny_runs_end_to_end(tmp_path, capsys):
     assert [d["batch"] for d in level["decode"]] == [1, 2]
     assert all(d["dense_tokens_per_s"] > 0 and d["sparserl_tokens_per_s"] > 0 for d in level["decode"])
     assert all(d["same_tokens"] == 1.0 and d["tokens"]["first_difference"] is None for d in level["decode"])
-    assert [w["batch"] for w in level["memory"]["widths"]] == [1, 2]
+    assert [d["memory"]["batch"] for d in level["decode"]] == [1, 2] and level["memory"]["widths"] == []
+    assert all(d["memory"]["formats"] == {llm.CUSPARSE: 14} for d in level["decode"])
     # sparserl's perplexity is the pruned dense model's (the same function, another product)
     assert level["ppl_sparserl"] == pytest.approx(level["ppl_pruned"], rel=1e-4)
 
@@ -333,13 +334,16 @@ def test_provider_and_on_miss_are_set_for_the_run_and_recorded(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, tmp_path, monkeypatch, dtype):
+def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, tmp_path, monkeypatch, request, dtype):
     """Built for a named target on the CPU (CPU executor): one entry per weight and width, in the
     weights' dtype, the alike weights explored once, and each entry under the key the runtime
     computes for it."""
     from sparserl_compile import cache, contract
 
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "kernels"))
+    before, k = sr.get_provider(), sr.get_config().k
+    sr.configure(provider="search", k=2)  # the hand-written families, two points: deterministic and quick
+    request.addfinalizer(lambda: sr.configure(provider=before, k=k))
     target = cache.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
     dense = copy.deepcopy(tiny.model).to(dtype)
     llm.prune_(dense, 0.75, "magnitude")
@@ -371,7 +375,8 @@ def test_speed_run_on_a_gpu_serves_pregenerated_kernels(tmp_path, monkeypatch):
         sr.configure(on_miss=cfg.on_miss)
     (lv,) = json.loads(out.read_text())["levels"]
     assert lv["pregen"]["products"] == 14 * 2 and lv["pregen"]["failed"] == 0
-    for d, w in zip(lv["decode"], lv["memory"]["widths"]):
+    for d in lv["decode"]:
+        w = d["memory"]
         assert d["searches"] == 0 and w["unplanned"] == 0 and sum(w["formats"].values()) == 14
         for m in (d["tokens"], d["compiled_tokens"]):  # the same tokens, or a near tie explains the difference
             assert m["first_difference"] is None or m["explained"], m
