@@ -247,8 +247,7 @@ def pregenerate_weights(model: nn.Module, widths: list[int], share: int, *, targ
                full=len(full), seconds=round(time.perf_counter() - t0, 1),
                full_seconds=round(sum(r.seconds for r in full), 1),
                shared_seconds=round(sum(r.seconds for r in shared), 1),
-               families=sorted({r.detail.removeprefix("shared ").split(": ")[-1] for r in rows
-                                if r.outcome == "kernel"}),
+               families=sorted({r.detail.split(": ")[-1].split("[")[0] for r in rows if r.outcome == "kernel"}),
                speedups=[round(r.reference_us / r.kernel_us, 3) for r in rows
                          if r.outcome == "kernel" and r.kernel_us and r.reference_us])
     return out

@@ -22,10 +22,13 @@ def print_start(r, method: str, s: float, ppl: str) -> None:
           f"{r.sparsified_layers} sparsified; max |logit diff| sparserl vs pruned dense {diff}; {ppl}")
     if r.pregen:
         pg = r.pregen
+        each = lambda t, n: f"{t:.0f} s, {t / n:.2f} s each" if n else "none"  # noqa: E731
         print(f"pregen (--share {pg['share']}): {pg['products']} products of {pg['matrices']} weights at widths "
-              f"{pg['widths']} in {pg['seconds']:.0f} s ({pg['full']} searched in full: {pg['full_seconds']:.0f} s; "
-              f"{pg['shared']} from a look-alike's kernels: {pg['shared_seconds']:.0f} s): {pg['kernel']} kernels, "
-              f"{pg['reference']} cuSPARSE verdicts, {pg['cached']} cached, {pg['failed']} failed")
+              f"{pg['widths']} in {pg['seconds']:.0f} s ({pg['full']} searched in full: "
+              f"{each(pg['full_seconds'], pg['full'])}; {pg['shared']} from a look-alike's kernels: "
+              f"{each(pg['shared_seconds'], pg['shared'])}): {pg['kernel']} kernels, {pg['reference']} cuSPARSE "
+              f"verdicts, {pg['cached']} cached, {pg['failed']} failed; kernels of "
+              f"{', '.join(pg['families']) or 'no family'}")
     print(f"{'batch':>5s} {'dense tok/s':>11s} {'sparserl':>9s} {'ratio':>6s} {'dense comp.':>11s} {'sparserl comp.':>14s} "
           f"{'ratio':>6s} {'kernels':>7s} {'read/dense':>10s} {'same tokens':>11s} {'first call':>10s}", flush=True)
 
@@ -47,7 +50,8 @@ def print_end(r, real: bool) -> None:
         if d.background_wait_s is not None:
             notes.append(f"waited {d.background_wait_s:.1f} s for {d.searches} background selections")
         elif d.searches:
-            notes.append(f"the first call ran {d.searches} selections")
+            notes.append(f"the first call waited {d.first_call_s:.1f} s for {d.searches} selections (--pregen K, i.e. "
+                         f"sparserl pregen --share K, pays them once ahead; --on-miss background does not wait)")
         if d.memory:
             notes.append("weights as " + ", ".join(f"{n} {k}" for k, n in sorted(d.memory["formats"].items())))
         if d.compile_s:
