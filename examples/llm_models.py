@@ -86,7 +86,16 @@ class ByteTokenizer:
         return [self.bos_id] + [b + 3 for b in text.encode("utf-8")]
 
     def decode(self, ids) -> str:
-        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+        """The bytes of ids 3..258 as UTF-8; an id beyond them (a larger vocabulary's random-weight
+        model) as ``<id>``; pad, bos and eos as nothing."""
+        parts, run = [], bytearray()
+        for i in map(int, ids):
+            if 3 <= i < self.vocab_size:
+                run.append(i - 3)
+            elif i >= self.vocab_size:
+                parts += [run.decode("utf-8", errors="replace"), f"<{i}>"]
+                run = bytearray()
+        return "".join(parts) + run.decode("utf-8", errors="replace")
 
 
 class HFTokenizer:

@@ -323,7 +323,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     carry.add_argument("--patterns", metavar="DIR", help="no model file: random weights pruned by DIR's saved masks")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--arch, --patterns) and of "
                                                         "--arch's Wanda calibration activations")
-    p.add_argument("--json", help="write the results to this JSON file (after every level)")
+    p.add_argument("--json", help="write the results to this JSON file (again after every batch size)")
     p.add_argument("--pregen", type=int, default=None, metavar="K",
                    help="first pre-generate kernels for every sparse weight at the decoding widths (and, for real "
                         "weights, the logits check's): sparserl pregen --share K (alike weights share their "

@@ -400,3 +400,9 @@ def test_background_selection_on_a_gpu_is_waited_for_and_reported(tmp_path, monk
     assert d["searches"] >= 14 and d["background_wait_s"] >= 0
     assert d["memory"]["unplanned"] == 0 and sum(d["memory"]["formats"].values()) == 14
     assert d["tokens"]["first_difference"] is None or d["tokens"]["explained"], d["tokens"]
+
+
+def test_byte_tokenizer_round_trips_text_and_shows_ids_beyond_bytes():
+    tok = llm.ByteTokenizer()
+    assert tok.decode(tok.encode("naïve café")) == "naïve café"
+    assert tok.decode([0, 1, 3 + ord("a"), 70000, 3 + ord("b"), 2]) == "a<70000>b"
