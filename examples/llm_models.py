@@ -144,7 +144,7 @@ def llama_model(arch: str, *, layers: int | None = None, dtype: torch.dtype = to
                 device: str | torch.device = "cpu", seed: int = 0) -> LoadedModel:
     """``LlamaForCausalLM`` of the ``ARCHS[arch]`` shape (``layers`` decoder blocks instead of
     the published depth, if given) with seeded random weights in ``dtype``, built on ``device``
-    (a 1B model initializes in seconds on a GPU, minutes on a CPU), with a byte tokenizer."""
+    (no initialization on the CPU and copy), with a byte tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if arch not in ARCHS:

@@ -8,7 +8,7 @@ Two questions, two kinds of model:
 * **Speed** (``--arch NAME``): a Llama of a published shape -- ``llama-3.2-1b`` (16 blocks,
   hidden 2048, MLP 8192, 1.24 B parameters), ``tinyllama-1.1b`` -- with random weights, built on
   the device (no download): how fast a pruned model decodes depends on its shapes and sparsity
-  pattern, not on its values, and a model of ~1B parameters is large enough for decoding to be
+  pattern, not on its values, and ~1B parameters is the size at which decoding is expected to be
   bound by the bytes of its weights rather than by kernel launches. ``--layers L`` builds the
   same width with fewer blocks (every weight shape, fewer weights to select kernels for).
   ``--arch tiny`` is the 2-layer stand-in (CPU tests).
@@ -55,10 +55,16 @@ verifying in the sandbox and timing candidates. Three ways to pay for them:
   run on a background thread; the script then waits for them (``sr.wait_for_searches()``),
   reports how long, and times decoding with the kernels in place.
 
+``--quick`` is the speed run cut to fit a time-limited GPU call: the Llama-3.2-1B width with 4
+blocks (all four weight shapes, 28 weights, so 8 full searches and 48 shared ones at its two
+widths), magnitude pruning to 70 %, batches 1 and 8, 16 new tokens, eager and compiled, and on a
+GPU ``--pregen 1``; each of these can still be given. Its pre-generation line (seconds per full and
+per shared search) and the compiled warm-up times say what the full model costs before it is run.
+
 On the CPU every sparserl product runs the reference (torch's CPU CSR kernel; generated kernels
 are GPU-only), so CPU tokens/s compare torch's sparse CSR matmul with dense MKL. ``--compile``
-traces the decoding step once per model and batch size (a minute or more each for a 1B model).
-On a loaded machine pass ``--threads 1``.
+traces and compiles the decoding step once per model and batch size (each row reports how long:
+``compile_s``). On a loaded machine pass ``--threads 1``.
 
 Pattern carry (for a GPU machine that cannot receive the GGUF file): ``--save-patterns DIR`` (with
 the real model, on the CPU) writes each level's keep-masks, the config and the CPU perplexities;
