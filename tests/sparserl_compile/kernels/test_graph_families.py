@@ -58,7 +58,7 @@ def test_csr_split_verifies_on_the_cpu_over_its_widths(dtype):
         c = _point(dtype, v, order, piece)
         r = verify.verify(c, m, executor="cpu", n=n, value_sets=1)
         assert r.ok, (c.name, n, r.reason)
-        assert r.checks_passed[-1] == "deterministic"
+        assert "deterministic" in r.checks_passed and "stale" in r.checks_passed
 
 
 def test_csr_split_wide_hub_blocks_verify_on_the_cpu():
