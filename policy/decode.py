@@ -614,8 +614,10 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
 
 
 def header_prefix(op: str, fmt: str) -> str:
-    """The start of a kernel up to and including its format choice (header line 1)."""
-    return f"// sparserl op={op} format={fmt}"
+    """The start of a kernel up to and including its format choice (header line 1) and the next
+    key, ``dtype``, which closes the format's name: forced or scored without it, ``format=csr``
+    would go on as ``csr_split`` (a format whose name extends another's)."""
+    return f"// sparserl op={op} format={fmt} dtype"
 
 
 def format_of(source: str) -> str | None:
@@ -784,6 +786,7 @@ def stale_departure(greedy_text: str, text: str) -> str | None:
     departure to another format makes the model write that format's SpMV kernel: it fills one
     output column (version 5's SELL departure on a uniform random SpMM, thirty-fourth session)."""
     from sparserl_compile import contract
+    from sparserl_compile.graphformats import LAYOUT_ONLY_PARAMS
 
     try:
         g, d = contract.parse_header(greedy_text), contract.parse_header(text)
@@ -800,7 +803,8 @@ def stale_departure(greedy_text: str, text: str) -> str | None:
         return "stale: an SpMM header over a body that never reads n (an SpMV body: one output column)"
     fields = [(k, getattr(g.launch, k), getattr(d.launch, k)) for k in ("block", "per_block", "tile_n", "smem")]
     if g.format == d.format:
-        fields += [(k, gv, d.params[k]) for k, gv in g.format_params]
+        # a layout-only parameter (the row order) leaves the body as it is: nothing to go by
+        fields += [(k, gv, d.params[k]) for k, gv in g.format_params if k not in LAYOUT_ONLY_PARAMS]
     changed = [(k, old, new) for k, old, new in fields if old != new and min(old, new) >= 2]
     if not changed:
         return None

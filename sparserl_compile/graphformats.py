@@ -58,6 +58,9 @@ from numba import njit
 
 #: order code -> name (the ``order`` header parameter)
 ORDERS = {1: "natural", 2: "degree", 3: "rcm", 4: "bfs"}
+#: format parameters that change only the stored arrays, never the kernel text (the kernel reads
+#: the row map the layout stores)
+LAYOUT_ONLY_PARAMS = frozenset({"order"})
 #: condensed columns per tensor-core tile (the k of the wmma shapes the tcw kernels use)
 TILE_K = 16
 MAX_WINDOW = 64

@@ -119,7 +119,7 @@ def _prefetch_values(d: int, per16: int, regs: int) -> list[str]:
     chunk ``lane + 32*i`` into ``p{i}``)."""
     lines = ["{", f"    int ch = (te{d} - tp{d}) / {per16};",
              f"    const float4* src = reinterpret_cast<const float4*>(bm_val + tp{d});"]
-    lines += [f"    if (lane + {32 * i} < ch) p{i} = src[lane + {32 * i}];" for i in range(regs)]
+    lines += [f"    if (lane + 32 * {i} < ch) p{i} = src[lane + 32 * {i}];" for i in range(regs)]
     return lines + ["}"]
 
 
@@ -137,20 +137,20 @@ def _warp_loop(op: str, dtype: str, R: int, W: int, v: int, stage: bool) -> list
     if stage:
         lines += [" ".join(f"float4 p{i} = make_float4(0.0f, 0.0f, 0.0f, 0.0f);" for i in range(regs))]
         lines += _prefetch_values(0, per16, regs)
-        lines.append(f"const {DTYPES[dtype]}* sv = reinterpret_cast<const {DTYPES[dtype]}*>(stage + warp * {s4});")
+        lines.append(f"const {DTYPES[dtype]}* sv = reinterpret_cast<const {DTYPES[dtype]}*>(stage + warp * (1024 / {per16}));")
     lines.append(f"for (int ct = warp; ct < n_ctiles; ct += {W}) {{")
     body = []
     if stage:
         body += _meta(2, f"ct + {2 * W}", True)
         body.append(f"int ch0 = (te0 - tp0) / {per16};")
-        body += [f"if (lane + {32 * i} < ch0) stage[warp * {s4} + lane + {32 * i}] = p{i};" for i in range(regs)]
+        body += [f"if (lane + 32 * {i} < ch0) stage[warp * (1024 / {per16}) + lane + 32 * {i}] = p{i};" for i in range(regs)]
         body.append("__syncwarp();")
         body += _prefetch_values(1, per16, regs)
     else:
         body += _meta(1, f"ct + {W}", False)
     body += ["unsigned w = w0;"] + ([] if stage else ["int tp = tp0;"]) + ["int cnt = __popc(w);"] + _scan()
     val = t.to_float(dtype, "sv[k]") if stage else t.ldg(dtype, "bm_val", "tp + k")
-    body += [f"int col0 = ct * {1024 // R} + (lane / {R}) * 32;", "while (w != 0u) {",
+    body += [f"int col0 = (ct * {32 // R} + lane / {R}) * 32;", "while (w != 0u) {",
              "    int b = __ffs((int)w) - 1;", "    w &= w - 1u;", f"    float val = {val};"]
     body += t.indent(_warp_products(op, dtype, v), 1) + ["    ++k;", "}"]
     if stage:
@@ -174,7 +174,7 @@ def warp_render(op: str, dtype: str, params: dict, structure=None):
     if smem > _SMEM_LIMIT:
         raise ValueError(f"bitmap_warp: R={R} warps={W} stage={stage} needs {smem} bytes of shared memory "
                          f"in {dtype}, over the {_SMEM_LIMIT} a block has; use fewer warps or stage=False")
-    body = [f"__shared__ float red[{W * R * v}];"]
+    body = [f"__shared__ float red[{W} * {R} * {v}];"]
     if stage:
         body.append(f"__shared__ float4 stage[{W * 1024 * _ESIZE[dtype] // 16}];")
     body += ["int warp = threadIdx.x / 32;", "int lane = threadIdx.x % 32;",
