@@ -22,10 +22,11 @@ later calls in this process reuse it, as the runtime keeps a plan's layout).
 Default graphs: R-MAT 2^20 (edge factor 16) and 2^18 (edge factor 8), then the shared graphs
 largest first; widths 32, 64, 128, 256; f32 and bf16. ``--time-budget`` stops starting new
 problems once spent (the results so far are written after every problem). ``--quick``: R-MAT
-2^18, wiki-Vote and Cora at N = 64 and 128, two points per family.
+2^18, wiki-Vote and Cora at N = 64 and 128, one point per family (four per graph family).
 
     python benchmarks/graph_kernels.py [--quick] [--graphs rmat:20:16,wiki-Vote] [--widths 32,64]
-        [--dtypes f32,bf16] [--max-points 3] [--time-budget 210] [--out $OUT/graph_kernels.json]
+        [--dtypes f32,bf16] [--max-points 2] [--max-graph-points 6] [--time-budget 210]
+        [--out $OUT/graph_kernels.json]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pathlib import Path
 
 GRAPHS = ("rmat:20:16", "rmat:18:8", "astro-ph", "wiki-Vote", "PGPgiantcompo", "polblogs", "hep-th",
           "cora_adj", "citeseer_adj")
-QUICK = {"graphs": ("rmat:18:8", "wiki-Vote", "cora_adj"), "widths": (64, 128), "max_points": 2, "max_graph_points": 4}
+QUICK = {"graphs": ("rmat:18:8", "wiki-Vote", "cora_adj"), "widths": (64, 128), "max_points": 1, "max_graph_points": 4}
 WIDTHS = (32, 64, 128, 256)
 DTYPES = ("f32", "bf16")
 GRAPH_FAMILIES = ("csr_split", "tcw_wmma")
@@ -77,15 +78,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated: rmat:SCALE:EDGE_FACTOR or shared matrix names (default {','.join(GRAPHS)})")
     p.add_argument("--widths", type=lambda s: _csv(int, s), default=None, help="dense widths N (default 32,64,128,256)")
     p.add_argument("--dtypes", type=lambda s: _csv(str, s), default=None, help="f32, f16, bf16 (default f32,bf16)")
-    p.add_argument("--max-points", type=int, default=None, help="points per family and problem (default 3; quick 2)")
+    p.add_argument("--max-points", type=int, default=None, help="points per family and problem (default 2; quick 1)")
     p.add_argument("--max-graph-points", type=int, default=None,
                    help="points per graph family (csr_split, tcw_wmma) and problem (default 6; quick 4)")
-    p.add_argument("--reps", type=int, default=15, help="L2-flushed timings per point (median kept)")
+    p.add_argument("--reps", type=int, default=10, help="L2-flushed timings per point (median kept)")
     p.add_argument("--time-budget", type=float, default=210.0, help="seconds; no new problem starts after it")
-    p.add_argument("--quick", action="store_true", help="R-MAT 2^18, wiki-Vote, Cora; N = 64, 128; 2 points per family")
+    p.add_argument("--quick", action="store_true",
+                   help="R-MAT 2^18, wiki-Vote, Cora; N = 64, 128; 1 point per family, 4 per graph family")
     p.add_argument("--out", default=None, help="result JSON (default $OUT/graph_kernels.json, else ./graph_kernels.json)")
     a = p.parse_args(argv)
-    base = QUICK if a.quick else {"graphs": GRAPHS, "widths": WIDTHS, "max_points": 3, "max_graph_points": 6}
+    base = QUICK if a.quick else {"graphs": GRAPHS, "widths": WIDTHS, "max_points": 2, "max_graph_points": 6}
     a.graphs = a.graphs or base["graphs"]
     a.widths = a.widths or base["widths"]
     a.dtypes = a.dtypes or DTYPES
@@ -275,7 +277,7 @@ def run_problem(label: str, pat, m, op_n: int, dtype: str, a, offset: int) -> di
         if not v.ok:
             rec["reason"] = v.reason[:300]
         else:
-            t = bench.time_fn(runner[0].launch_fn(), warmup=3, reps=a.reps, hide_host_us=bench.HIDE_HOST_US)
+            t = bench.time_fn(runner[0].launch_fn(), warmup=2, reps=a.reps, hide_host_us=bench.HIDE_HOST_US)
             rec.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, impossible=bench.is_impossible(t.median_us, floor))
             if rec["impossible"]:  # faster than the bytes it must move: a kernel that skipped work
                 rec.update(ok=False, reason="faster than the byte floor", us=None)

@@ -315,7 +315,7 @@ def tcw(ip, ix, shape, p: dict[str, int]):
     H = p["H"]
     if H > MAX_WINDOW:
         raise ValueError(f"tcw: H={H} rows per window exceeds {MAX_WINDOW}")
-    order = row_order(ip, ix, shape, p["order"])
+    order = row_order(ip, ix, shape, p["order"]).copy()  # writable: one numba specialization for every order
     win_ptr = _tcw_count(ip, ix, order, H, n_cols)
     row_id, tile_col, tile_ptr, pos, vm = _tcw_fill(ip, ix, order, H, n_cols, win_ptr)
     if tile_ptr[-1] > np.iinfo(np.int32).max or tile_col.size > np.iinfo(np.int32).max:
