@@ -26,6 +26,7 @@ demo: setup
 	$(BIN)/python examples/applications.py
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # The pruned-LLM patterns the device decodes with (docs/benchmarks.md, "Pruned LLM"): the real

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 import sparserl_compile as sr
-from sparserl_compile import matrices, providers, runtime
+from sparserl_compile import matrices, miss, plans, providers
 from sparserl_compile.bench import stream_us, sync, wall_median_us
 from sparserl_compile.fileio import write_json
 
@@ -107,7 +107,7 @@ def _make_provider(spec: str):
 
 def _spare(spec: str) -> int | None:
     """The ``+spareN`` of a provider spec (None without: the runtime keeps what the provider asks
-    for, ``runtime.sandbox_spare``)."""
+    for, ``miss.sandbox_spare``)."""
     return _parse_spec(spec)["spare"]
 
 
@@ -139,8 +139,8 @@ def first_product(a, native, x, dev) -> tuple[float, float]:
     """(seconds, relative error against torch.sparse) of ``a @ x`` on a cleared plan table:
     the first call on a structure the runtime has not seen (its ``first_uses()`` log then holds
     that call's breakdown)."""
-    runtime.clear()
-    runtime.reset_stats()
+    plans.clear()
+    plans.reset_stats()
     sync(dev)
     t0 = time.perf_counter()
     y = a @ x
@@ -183,10 +183,10 @@ def _run(provider_specs, widths, dev, mats, on_row, rows) -> None:
                 stats = getattr(prov, "stats", None)
                 screened = getattr(stats, "screened_out", 0)
                 first, err = first_product(a, native, x, dev)
-                plan = next(iter(runtime.plans().values()), None)
-                logged = runtime.first_uses()
+                plan = next(iter(plans.plans().values()), None)
+                logged = miss.first_uses()
                 row = {"provider": pspec, "k": int(k), "matrix": label, "nnz": int(m.nnz), "n": n,
-                       "sandbox_spare": runtime.sandbox_spare(prov),
+                       "sandbox_spare": miss.sandbox_spare(prov),
                        "screened_out": getattr(stats, "screened_out", 0) - screened if stats is not None else None,
                        "first_call_s": first,
                        "steady_us": wall_median_us(lambda: a @ x, dev),

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gnn_inference as g  # noqa: E402
 
 import sparserl_compile as sr  # noqa: E402
-from sparserl_compile import matrices, runtime  # noqa: E402
+from sparserl_compile import config, matrices, plans  # noqa: E402
 from sparserl_compile.bench import wall_median_us  # noqa: E402
 
 
@@ -45,10 +45,10 @@ def main(argv=None) -> int:
         print(f"sparserl eager          {per_call_us(lambda: m(x), args.calls):8.1f} us")
         c = torch.compile(m, backend="sparserl", fullgraph=True)
         c(x)
-        runtime.reset_stats()
+        plans.reset_stats()
         print(f"sparserl compiled       {per_call_us(lambda: c(x), args.calls):8.1f} us")
-        print("runtime stats over those calls:", runtime.stats())
-        print("plans:", {k[1:3]: repr(v) for k, v in runtime.plans().items()})
+        print("runtime stats over those calls:", config.stats())
+        print("plans:", {k[1:3]: repr(v) for k, v in plans.plans().items()})
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(args.calls):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one script the lead runs on the device (one H200), in one call:
-#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] [DECODE="..."] [RAFT_DECODE="..."] [PROPOSE="..."] [DRAFTS="..."] bash benchmarks/device_run.sh [sparserl bench args...]
+# Everything a GPU machine runs, in one call:
+#   [GNN="..."] [LLM="..."] [EVAL="..."] [COLD="..."] [E2E="..."] [PREGEN="..."] bash benchmarks/device_run.sh [sparserl bench args...]
 #   e.g. --quick --time-budget 300 (no bench args: no suite)
 # Installs the package (no deps: the image has torch etc.), prints versions, runs the GPU tests
 # and the CPU tests of the GPU pieces, then `sparserl bench` with the given args, and writes
@@ -25,7 +25,7 @@ fi
 
 # numba's disk cache, as `make setup` writes it: otherwise the first process here (a test, a
 # benchmark's first case) would also compile sparserl's numba code (seconds)
-python3 -m sparserl_compile.cli warm >"$LOGS/warm.log" 2>&1; head -1 "$LOGS/warm.log"
+python3 -m sparserl_compile.commands.cli warm >"$LOGS/warm.log" 2>&1; head -1 "$LOGS/warm.log"
 
 echo "== versions"
 python3 - <<'EOF' 2>&1 | tee "$LOGS/versions.log"
@@ -52,7 +52,7 @@ python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit_cpu.xml" \
   tests/sparserl_compile/test_launcher.py tests/sparserl_compile/test_sandbox.py \
   tests/sparserl_compile/test_verify.py tests/sparserl_compile/test_bench.py \
   tests/sparserl_compile/test_select.py tests/sparserl_compile/test_search.py \
-  tests/sparserl_compile/test_suite.py >"$LOGS/pytest_cpu.log" 2>&1
+  tests/sparserl_compile/commands/test_bench.py >"$LOGS/pytest_cpu.log" 2>&1
 CPU_RC=$?
 tail -8 "$LOGS/pytest_cpu.log"
 fi
@@ -79,12 +79,21 @@ run_hook gnn "${GNN:-}" "${GNN_TIMEOUT:-400}" 60 "^ *warn\|UserWarning" \
 run_hook llm "${LLM:-}" "${LLM_TIMEOUT:-400}" 40 "^ *warn\|UserWarning" \
   python3 examples/pruned_llm.py --json "$BENCH_DIR/llm.json"
 
+# The hot path, graph SpMM families, pruned-LLM layers: HOT="args of benchmarks/hot_path.py",
+# GRAPHK="args of benchmarks/graph_kernels.py", LLMK="args of benchmarks/llm_layers.py"
+run_hook hot "${HOT:-}" "${HOT_TIMEOUT:-300}" 60 "$QUIET" \
+  python3 benchmarks/hot_path.py --json "$BENCH_DIR/hot_path.json"
+run_hook graphk "${GRAPHK:-}" "${GRAPHK_TIMEOUT:-300}" 60 "$QUIET" \
+  python3 benchmarks/graph_kernels.py --json "$BENCH_DIR/graph_kernels.json"
+run_hook llmk "${LLMK:-}" "${LLMK_TIMEOUT:-300}" 60 "$QUIET" \
+  python3 benchmarks/llm_layers.py --json "$BENCH_DIR/llm_layers.json"
+
 # The policy's held-out evaluation: EVAL="args of sparserl eval"; EVAL2 runs a second one after
 # it (e.g. another checkpoint), each cut at EVAL_TIMEOUT seconds
 for i in "" 2; do
   v="EVAL$i"
   run_hook "eval$i" "${!v:-}" "${EVAL_TIMEOUT:-300}" 40 "^ *warn\|Warning\|Loading weights" \
-    python3 -m sparserl_compile.cli eval --out "$BENCH_DIR/eval$i.json"
+    python3 -m sparserl_compile.commands.cli eval --out "$BENCH_DIR/eval$i.json"
 done
 
 # Cold start per provider: COLD="args of benchmarks/cold_start.py"
@@ -107,32 +116,10 @@ run_hook pregen "${PREGEN:-}" "${PREGEN_TIMEOUT:-300}" 60 "Warning\|warn" \
 [ -z "${PREGEN:-}" ] || [ ! -d "$PREGEN_CACHE" ] \
   || tar czf "$OUT/pregen_cache.tgz" -C "$(dirname "$PREGEN_CACHE")" "$(basename "$PREGEN_CACHE")"
 
-# Policy decoding, plain vs speculative (the k samples also in one batch): DECODE="args of
-# benchmarks/decode_speed.py", e.g. "--k 4"
-run_hook decode "${DECODE:-}" "${DECODE_TIMEOUT:-180}" 20 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/decode_speed.py --json "$BENCH_DIR/decode_speed.json"
-
-# RAFT's candidate decoding by origin, format candidates plain vs drafted (needs the shared
-# matrices: SPARSERL_SHARED_MATRICES): RAFT_DECODE="args of benchmarks/raft_decode_speed.py", e.g. "--device cuda"
-# (add --traced-samples to time the samples traced as before, --batched-samples in one undrafted batch,
-# --batch-drafts the drafted samples and format candidates speculatively in one batch)
-run_hook raft_decode "${RAFT_DECODE:-}" "${RAFT_DECODE_TIMEOUT:-300}" 12 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/raft_decode_speed.py --json "$BENCH_DIR/raft_decode_speed.json"
-
-# The policy provider's proposal, its candidates one at a time vs in one batch:
-# PROPOSE="args of benchmarks/propose_speed.py", e.g. "--device cuda"
-run_hook propose "${PROPOSE:-}" "${PROPOSE_TIMEOUT:-240}" 12 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/propose_speed.py --json "$BENCH_DIR/propose_speed.json"
-
-# Decoding with and without a draft of every format, on the held-out records:
-# DRAFTS="args of benchmarks/format_drafts.py", e.g. "--k 4 --device cuda"
-run_hook drafts "${DRAFTS:-}" "${DRAFTS_TIMEOUT:-240}" 8 "Warning\|warn\|Loading weights\|forward_call" \
-  python3 benchmarks/format_drafts.py --json "$BENCH_DIR/format_drafts.json"
-
 BENCH_RC=skipped
 if [ $# -gt 0 ]; then
 echo "== sparserl bench $*"
-python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
+python3 -m sparserl_compile.commands.cli bench --out "$BENCH_DIR" "$@" >"$LOGS/bench.log" 2>&1
 BENCH_RC=$?
 tail -30 "$LOGS/bench.log"
 fi
@@ -140,7 +127,7 @@ fi
 if [ -n "${BENCH2:-}" ]; then
   echo "== sparserl bench $BENCH2"
   sleep 1  # results files are named by the second
-  python3 -m sparserl_compile.cli bench --out "$BENCH_DIR" $BENCH2 >"$LOGS/bench2.log" 2>&1
+  python3 -m sparserl_compile.commands.cli bench --out "$BENCH_DIR" $BENCH2 >"$LOGS/bench2.log" 2>&1
   BENCH_RC="$BENCH_RC/$?"
   tail -20 "$LOGS/bench2.log"
 fi
@@ -170,6 +157,9 @@ for r in rows:
 if sp: print(f"geomean speedup {math.exp(sum(map(math.log, sp))/len(sp)):.2f} over {len(sp)} rows")
 EOF
 fi
-# at most 8 files come back from a call: pack the logs
+# at most 8 files come back from a call: pack the logs, and the results where there are many
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+if [ "$(ls "$BENCH_DIR" | wc -l)" -gt 5 ]; then
+  tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$BENCH_DIR"
+fi
 ls -la "$OUT" "$BENCH_DIR"

@@ -4,11 +4,11 @@
     python benchmarks/host_overhead.py --cuda     # GPU: search a kernel, then time eager calls
 
 On the CPU it installs a kernel plan whose launch does nothing, so the figure is the Python
-path alone (SparseRLTensor.__matmul__ -> tensor._product -> runtime.product ->
+path alone (SparseRLTensor.__matmul__ -> tensor._product -> plans.product ->
 KernelPlan.run -> bound launch), next to torch's own CSR ``mv`` for scale, and times the
 reference plan's path (a CPU product, which the runtime leaves to torch) on a tiny matrix
 against ``torch.mv`` itself, with and without the tensor's route past the plan table
-(``runtime.Routes``), alternated. On a GPU it lets the
+(``plans.Routes``), alternated. On a GPU it lets the
 runtime find a real kernel for a 2D stencil and reports host microseconds per call (no sync
 inside the timed loop) for sparserl and for torch.sparse. Both also time ``F.linear`` with a
 pruned weight (1536 x 576, 90 % zeros in every row, the shape of a SmolLM2-135M MLP
@@ -24,7 +24,7 @@ import time
 import torch
 
 import sparserl_compile as S
-from sparserl_compile import formats, kernels, matrices, runtime
+from sparserl_compile import formats, kernels, matrices, plans, reference
 from sparserl_compile.bench import wall_median_us
 
 
@@ -42,9 +42,9 @@ class _NoopKernel:
         return lambda x, y: None
 
 
-class _NoRoute(runtime.Routes):
+class _NoRoute(plans.Routes):
     """Routes that never serve: every product of a tensor holding them takes the plan table's
-    path (the runtime before ``runtime.Routes``), for the side-by-side rows."""
+    path (the runtime before ``plans.Routes``), for the side-by-side rows."""
 
     def get(self, n):
         return None
@@ -78,9 +78,9 @@ def linear_rows(device: str, noop: bool) -> None:
         x = torch.randn(tokens, 1, wd.shape[1], device=device)
         F.linear(x, ws)  # plan it (on the GPU: search, verify, cache)
         if noop:  # CPU: every plan of this weight launches nothing (the Python path alone)
-            for key in list(runtime._table):
+            for key in list(plans._table):
                 if key[0] == ws.fingerprint:
-                    runtime._table[key] = _noop_plan(ws, "spmm", key[2])
+                    plans._table[key] = _noop_plan(ws, "spmm", key[2])
         rows = [("sparserl F.linear", lambda: F.linear(x, ws)), ("dense F.linear", lambda: F.linear(x, wd))]
         if device == "cuda":
             x2 = x.reshape(tokens, -1)
@@ -92,11 +92,11 @@ def linear_rows(device: str, noop: bool) -> None:
             print(f"  {tokens:2d} token(s) {name:22s}: {us:7.1f} us host per call")
 
 
-def _noop_plan(a, op: str, n: int) -> runtime.KernelPlan:
+def _noop_plan(a, op: str, n: int) -> plans.KernelPlan:
     """A checked CSR kernel plan for ``a`` (CPU tensors) whose launch does nothing."""
     cand = next(c for c in kernels.space(op, "f32", n=n) if c.header.format == "csr")
     fd = formats.convert(a.crow.numpy(), a.col.numpy(), (a.n_rows, a.n_cols), "csr")
-    p = runtime.KernelPlan(cand.header, _NoopKernel(), fd, formats.to_device(fd, "cpu"), cand.source)
+    p = plans.KernelPlan(cand.header, _NoopKernel(), fd, formats.to_device(fd, "cpu"), cand.source)
     p.checked = True
     return p
 
@@ -105,7 +105,7 @@ def cpu(side: int) -> None:
     torch.set_num_threads(1)
     m = matrices.stencil2d(side)
     a = S.sparsify(m)
-    runtime._table[(a.fingerprint, "spmv", 1, a.val.dtype, "cpu")] = _noop_plan(a, "spmv", 1)
+    plans._table[(a.fingerprint, "spmv", 1, a.val.dtype, "cpu")] = _noop_plan(a, "spmv", 1)
     x = torch.randn(m.shape[1])
     native = torch.sparse_csr_tensor(a.crow, a.col, a.val, m.shape)
     print(f"stencil2d({side}), {m.nnz} nonzeros, CPU, one thread")
@@ -129,18 +129,18 @@ def cuda(side: int) -> None:
     x = torch.randn(m.shape[1], device="cuda")
     a @ x  # search, verify, cache: the first call
     torch.cuda.synchronize()
-    plan = next(iter(runtime.plans().values()))
+    plan = next(iter(plans.plans().values()))
     native = torch.sparse_csr_tensor(a.crow, a.col, a.val, m.shape)
     print(f"stencil2d({side}), {m.nnz} nonzeros, {torch.cuda.get_device_name()}; plan: {plan!r}")
     rows = [("SparseRLTensor @ x", lambda: a @ x), ("torch.mv on CSR", lambda: torch.mv(native, x)),
             ("CSR @ x", lambda: native @ x),
-            ("reference_product", lambda: runtime.reference_product(a.crow, a.col, a.val, x, *m.shape))]
+            ("reference_product", lambda: reference.reference_product(a.crow, a.col, a.val, x, *m.shape))]
     for name, fn in rows:
         us = _per_call_us(fn, n=5000)
         torch.cuda.synchronize()
         print(f"  {name:20s}: {us:7.1f} us host per call, {wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
-    for key in list(runtime._table):  # the same calls when the runtime falls back to torch.sparse
-        runtime._table[key] = runtime.ReferencePlan("forced by host_overhead.py")
+    for key in list(plans._table):  # the same calls when the runtime falls back to torch.sparse
+        plans._table[key] = plans.ReferencePlan("forced by host_overhead.py")
     aw = _without_route(a)
     for _ in range(2):  # alternated: the tensor's route to cuSPARSE and the table's path side by side
         for name, fn in (("... reference plan", lambda: a @ x), ("... without route", lambda: aw @ x),

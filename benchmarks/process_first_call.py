@@ -47,7 +47,7 @@ def child(provider: str, prewarm: bool, device: str) -> dict:
     import torch
 
     import sparserl_compile as sr
-    from sparserl_compile import matrices, providers, runtime
+    from sparserl_compile import matrices, miss, plans, providers
     from sparserl_compile.bench import sync
 
     out = {"import_s": time.perf_counter() - t0}
@@ -72,12 +72,12 @@ def child(provider: str, prewarm: bool, device: str) -> dict:
         y = a @ x
         sync(dev)
         out[f"{label}_s"] = time.perf_counter() - t0
-        log = runtime.first_uses()
+        log = miss.first_uses()
         row = log[-1] if log else {}
         for part in ("propose", "select", "plan"):  # plan: the winner's conversion, upload and load
             out[f"{label}_{part}_s"] = row.get(f"{part}_s")
         out[f"{label}_proposer"] = (row.get("verification") or {}).get("provider")  # who proposed
-        out[f"{label}_plan"] = next((pl.kind for key, pl in runtime.plans().items() if key[0] == a.fingerprint), None)
+        out[f"{label}_plan"] = next((pl.kind for key, pl in plans.plans().items() if key[0] == a.fingerprint), None)
         out[f"{label}_finite"] = bool(torch.isfinite(y).all())
         out[f"{label}_record"] = row.get("verification")
     p = providers.get_provider()

@@ -49,7 +49,7 @@ import torch
 
 import sparserl_compile as sr
 from cold_start import _breakdown, _make_provider, first_product, native_csr
-from sparserl_compile import bench, matrices, runtime
+from sparserl_compile import bench, matrices, miss, plans
 from sparserl_compile.fileio import write_json
 from sparserl_compile.training.evaluate import geomean
 
@@ -94,14 +94,14 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
             x = torch.randn(m.shape[1], device=dev) if r.op == "spmv" else torch.randn(m.shape[1], r.n, device=dev)
             native = native_csr(m, dev)
             first, err = first_product(a, native, x, dev)
-            logged = runtime.first_uses()
+            logged = miss.first_uses()
             rec = (logged[-1].get("verification") or {}) if logged else {}
             leak = _host_leak(native, x) if dev.type == "cuda" else None
             ref_us, kept_us = rec.get("reference_us"), _kept_us(rec)
             ours_us, ref2_us = (bench.time_side_by_side(lambda: a @ x, lambda: native @ x) if dev.type == "cuda"
                                 else (None, None))
             best = r.best()
-            plan = next(iter(runtime.plans().values()), None)
+            plan = next(iter(plans.plans().values()), None)
             row = {"provider": label, "k": k, "sandbox_spare": spare, "matrix": r.matrix.label, "nnz": int(m.nnz), "op": r.op,
                    "n": r.n, "first_call_s": round(first, 4), "reference_us": ref_us, "kept_us": kept_us,
                    "speedup": (ref_us / kept_us) if (ref_us and kept_us) else 1.0,
@@ -126,7 +126,7 @@ def run(provider_specs: list[str], records, device: str = "cuda", wrong_tol: flo
 
 def parse_spec(spec: str) -> tuple[str, int, int | None]:
     """``NAME[+SAMPLES][@CHECKPOINT]:K[/SPARE]`` -> (provider spec, k, idle sandbox workers or
-    None for the provider's own wish; ``runtime.sandbox_spare``)."""
+    None for the provider's own wish; ``miss.sandbox_spare``)."""
     pspec, _, tail = spec.rpartition(":")
     k, slash, spare = tail.partition("/")
     try:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparserl_compile as sr
-from sparserl_compile import matrices, runtime
+from sparserl_compile import matrices, miss, plans
 
 
 def normalized_adjacency(a: sp.csr_matrix, kind: str = "gcn") -> sp.csr_matrix:
@@ -214,7 +214,7 @@ def profile_table(fn, calls: int = 5, rows: int = 14) -> str:
 def plan_summary() -> list[str]:
     """The runtime's plans, one line each: (op, width bucket) -> kernel format or reference."""
     return sorted({f"{k[1]} n~{k[2]}: {getattr(p, 'header', None) and p.header.format or repr(p)[:80]}"
-                   for k, p in runtime.plans().items()})
+                   for k, p in plans.plans().items()})
 
 
 def bench_graph(spec: str, hidden: int, n_features: int, profile: bool = False) -> list[dict]:
@@ -244,14 +244,14 @@ def bench_graph(spec: str, hidden: int, n_features: int, profile: bool = False) 
                 timings["torch_compile_default_error"] = repr(e)[:200]
             m.adj = srt
             torch.cuda.synchronize()
-            runtime.reset_stats()
+            plans.reset_stats()
             t_first = time.perf_counter()
             m(x)  # first call: search/verify/cache for this structure (a one-off, kept apart)
             torch.cuda.synchronize()
             timings["sparserl_first_call_s"] = time.perf_counter() - t_first
             # where it went: one row per product planned (provider, compile + sandboxed
             # verification + timing, conversion and upload of the winner)
-            timings["sparserl_first_uses"] = runtime.first_uses()
+            timings["sparserl_first_uses"] = miss.first_uses()
             timings["sparserl_eager_us"] = _time(lambda: m(x))
             torch._dynamo.reset()
             comp = torch.compile(m, backend="sparserl", fullgraph=True)
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
         print(" | ".join(keys))
         for r in rows:
             print(" | ".join(f"{r.get(k):.1f}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys))
-        for r in rows:  # where each first call went (runtime.first_uses())
+        for r in rows:  # where each first call went (miss.first_uses())
             parts = {k: sum(u.get(k) or 0.0 for u in r.get("sparserl_first_uses", [])) for k in
                      ("problem_s", "propose_s", "select_s", "plan_s")}
             print(f"first call {r['graph']} {r['model']} {r['hidden']}: {r.get('sparserl_first_call_s', 0):.2f}s over "

@@ -10,7 +10,7 @@ Two phases, as a deployment runs them on two machines:
      cuSPARSE there, and the entries carry the times.
    * Without a GPU, name the serving GPU (``--target-gpu``, ``--target-arch``,
      ``--target-driver``, ``--target-nvrtc``: they must equal what
-     ``runtime.local_target()`` prints on the serving machine, or every lookup misses).
+     ``cache.local_target()`` prints on the serving machine, or every lookup misses).
      Candidates are compiled for its arch and verified with the CPU executor
      (``executor="cpu"``); the entries are *untimed*, and the serving runtime times each one
      against cuSPARSE once, on first use, before it trusts it.
@@ -61,19 +61,19 @@ import scipy.sparse as sp
 import torch
 
 import sparserl_compile as sr
-from sparserl_compile import bench, cache, matrices, pregen, providers, runtime
+from sparserl_compile import bench, cache, config, matrices, plans, pregen, providers
 from sparserl_compile.problem import make_problem
 
 #: the serving GPU assumed when none is named and this machine has none (the H200 image:
 #: CUDA 13 driver, NVRTC 13.0); a wrong driver/NVRTC version makes every lookup miss
-DEFAULT_TARGET = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
+DEFAULT_TARGET = cache.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildReport:
     """What the build phase did."""
 
-    target: runtime.Target
+    target: cache.Target
     executor: str  # "gpu" (verified and timed here) or "cpu" (verified, untimed)
     rows: list[pregen.Row]
     seconds: float
@@ -110,7 +110,7 @@ class ServeReport:
     device: str
     entries: int  # valid entry files in the folder
     lookups: list[Lookup]
-    stats: runtime.RuntimeStats | None  # GPU only: the runtime's counters over the served products
+    stats: config.RuntimeStats | None  # GPU only: the runtime's counters over the served products
 
     @property
     def misses(self) -> int:
@@ -163,15 +163,15 @@ def pruned_mlp_onnx(path: str | os.PathLike, sizes=(1024, 1024, 1024), sparsity:
 
 
 def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
-          target: runtime.Target | None = None, progress: bool = True, provider=None) -> BuildReport:
+          target: cache.Target | None = None, progress: bool = True, provider=None) -> BuildReport:
     """Fill the cache at ``out`` for every matrix under ``paths`` (``sparserl pregen``'s API).
     ``provider`` (a name or a provider object): who proposes the candidates while building
     (``"search"``: the whole pruned kernel space); the runtime's provider is restored afterwards,
     so serving uses its own."""
     on_gpu = torch.cuda.is_available()
     if target is None:
-        target = runtime.local_target() if on_gpu else DEFAULT_TARGET
-    executor = "gpu" if on_gpu and target == runtime.local_target() else "cpu"
+        target = cache.local_target() if on_gpu else DEFAULT_TARGET
+    executor = "gpu" if on_gpu and target == cache.local_target() else "cpu"
     items = pregen.discover(paths)
     if not items:
         raise SystemExit(f"no matrices (.npz, .mtx, .onnx) under {paths}")
@@ -183,7 +183,7 @@ def build(paths: list[str], out: str | os.PathLike, *, ops=("spmv", "spmm"), wid
                                   executor=executor, progress=progress)
     finally:
         providers.set_provider(before)
-    return BuildReport(target, executor, rows, time.perf_counter() - t0, runtime.policy_hash(builder))
+    return BuildReport(target, executor, rows, time.perf_counter() - t0, providers.policy_hash(builder))
 
 
 @contextlib.contextmanager
@@ -191,12 +191,12 @@ def serving_from(cache_dir: str | os.PathLike):
     """``SPARSERL_CACHE_DIR=cache_dir`` and a fresh plan table, restored afterwards."""
     old = os.environ.get("SPARSERL_CACHE_DIR")
     os.environ["SPARSERL_CACHE_DIR"] = str(cache_dir)
-    runtime.clear()
-    runtime.reset_stats()
+    plans.clear()
+    plans.reset_stats()
     try:
         yield
     finally:
-        runtime.clear()
+        plans.clear()
         if old is None:
             os.environ.pop("SPARSERL_CACHE_DIR", None)
         else:
@@ -242,7 +242,7 @@ def search_first_calls(paths: list[str], *, ops=("spmv", "spmm"), widths=(32,),
     disk cache off, so the runtime's provider proposes and the selection compiles, verifies and
     times on first use. Same products and order as ``serve``. One ``(first call s, us, torch us)``
     each; ``timed``: the plan's median after that first call and torch.sparse's beside it (else None)."""
-    old = runtime.get_config().cache
+    old = config.get_config().cache
     sr.configure(cache=False)
     try:
         out = []
@@ -255,7 +255,7 @@ def search_first_calls(paths: list[str], *, ops=("spmv", "spmm"), widths=(32,),
 
 
 def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"), widths=(32,),
-          target: runtime.Target | None = None, timed: bool = False) -> ServeReport:
+          target: cache.Target | None = None, timed: bool = False) -> ServeReport:
     """Serve every product from the cache at ``cache_dir`` (see the module docstring).
     ``timed`` (GPU): also time each served product against torch.sparse's CSR product, side by
     side (``bench.time_side_by_side``: L2 flushed, host hidden)."""
@@ -268,19 +268,19 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
         if not on_gpu:
             target = target or DEFAULT_TARGET
         for it, A, op, n, x_np, x in _products(paths, ops, widths, device):
-            before = runtime.stats()
+            before = config.stats()
             y, first_s = _first_call(A, x, device)  # GPU: plan from the cache; CPU: torch's CSR kernel
             err = _rel_err(y, it.matrix.astype(np.float64) @ x_np.astype(np.float32).astype(np.float64))
             if on_gpu:
-                after = runtime.stats()
+                after = config.stats()
                 found = after.cache_hits > before.cache_hits
                 verdict = ("missing" if not found else
                            "kernel" if after.kernel_calls > before.kernel_calls else "reference wins")
             else:
-                key = runtime.cache_key(
+                key = cache.cache_key(
                     make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
                                          target.arch), target)
-                entry = runtime.lookup(store, key)  # as the GPU runtime looks it up
+                entry = cache.lookup(store, key)  # as the GPU runtime looks it up
                 found = entry is not None
                 verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
                            "kernel" if "kernel_us" in entry.times else "untimed kernel")
@@ -291,7 +291,7 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                                   torch_us=torch_us))
         if on_gpu:
             torch.cuda.synchronize()
-            stats = runtime.stats()
+            stats = config.stats()
         entries = sum(x.entry is not None for x in store.ls())
     return ServeReport(str(cache_dir), device, entries, lookups, stats)
 
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     widths = tuple(int(w) for w in args.widths.split(",") if w)
     target = None
     if args.target_gpu:
-        target = runtime.Target(args.target_arch, args.target_gpu, args.target_driver, args.target_nvrtc)
+        target = cache.Target(args.target_arch, args.target_gpu, args.target_driver, args.target_nvrtc)
     with contextlib.ExitStack() as stack:
         paths = args.paths
         if not paths:
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
 
         if args.serve_provider:
             providers.set_provider(args.serve_provider)
-        serving = runtime.policy_hash(providers.get_provider())
+        serving = providers.policy_hash(providers.get_provider())
         if b is not None and b.policy_hash not in ("none", serving, providers.shipped_policy_hash()):
             print(f"note: these entries are keyed to the policy checkpoint {b.policy_hash[:12]}, and the serving "
                   f"provider ({providers.get_provider().name}) will not find them: serve with that checkpoint's "
@@ -432,7 +432,7 @@ def main(argv=None) -> int:
                   f"kernel_calls={st.kernel_calls} reference_calls={st.reference_calls} fallbacks={st.fallbacks}")
         else:
             print("(CPU: no kernel is launched here; the keys above are the ones the GPU runtime looks up)")
-            from sparserl_compile.cli import main as sparserl
+            from sparserl_compile.commands.cli import main as sparserl
 
             print("\n$ sparserl cache ls")
             sparserl(["cache", "--dir", str(args.out), "ls"])

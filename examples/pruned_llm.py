@@ -675,7 +675,7 @@ def main(argv=None) -> int:
                "ppl_dense": ppl_dense, "method": method, "new_tokens": args.new_tokens,
                "threads": torch.get_num_threads(), "patterns_from": args.patterns, "patterns_saved_to": args.save_patterns,
                "compile_mode": args.compile_mode if args.compile else None,
-               "provider": sr.get_config().provider, "k": sr.get_config().k,
+               "provider": sr.get_provider().name, "k": sr.get_config().k,
                "levels": [{**asdict(r), "achieved_sparsity": r.prune.achieved} for r in reports]}
         if meta:
             out["ppl_source"] = (f"CPU, {'real' if meta['real'] else 'saved tiny model'} weights, {meta['date']} "

@@ -227,7 +227,7 @@ class PolicyProvider:
                                             if checkpoint_path is not None else None)
 
     def warm_up(self) -> None:
-        """Pay a process's one-time decoding costs now (``runtime.prewarm`` calls it): one proposal
+        """Pay a process's one-time decoding costs now (``miss.prewarm`` calls it): one proposal
         for a small SpMV and one for an SpMM, each op's first, build llguidance's view of the
         tokenizer and each grammar, load the numba structure statistics and, on a GPU, the model's
         first kernels (together 2-3 s on an H100 in a fresh process: the first new structure's

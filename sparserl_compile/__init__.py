@@ -11,13 +11,19 @@ product on a CUDA device first needs them.
         y = A_csr @ x
 """
 
+from sparserl_compile.version import version as _version
 from sparserl_compile import ops  # noqa: F401  (registers torch.ops.sparserl.*)
 from sparserl_compile.dispatch import accelerate, disable, enable
-from sparserl_compile.providers import set_provider
-from sparserl_compile.runtime import configure, get_config, prewarm, stats
+from sparserl_compile.config import get_config, stats
+from sparserl_compile.miss import first_uses, prewarm
+from sparserl_compile.plans import configure, wait_for_searches
+from sparserl_compile.providers import get_provider, set_provider
 from sparserl_compile.tensor import SparseRLTensor, sparsify, sparsify_
+
+__version__ = _version()
 
 __all__ = [
     "SparseRLTensor", "sparsify", "sparsify_", "enable", "disable", "accelerate",
-    "configure", "get_config", "prewarm", "set_provider", "stats",
+    "configure", "get_config", "prewarm", "get_provider", "set_provider", "stats", "first_uses",
+    "wait_for_searches", "__version__",
 ]

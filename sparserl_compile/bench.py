@@ -7,10 +7,20 @@
   into the event time. ``hide_host_us`` adds a GPU sleep of that length after the flush for
   callables whose host path is longer (torch.sparse's ``mv``, the runtime's Python path),
   so the events time the GPU work alone.
+* ``before=`` (``time_fn``): a callable run before each repetition, ahead of the flush and
+  outside the events: the sandbox re-poisons the candidate's output there, so no timed call
+  finds the previous call's answer in ``y`` (a kernel that skips its work when ``y`` already
+  holds numbers then times as slowly as it really is).
 * ``time_graph(fn, launches=)``: ``launches`` back-to-back calls captured into one CUDA graph
   and replayed; per-call time = replay time / launches. This is the figure for kernels of a
   few microseconds whose single-launch timing is dominated by the host (anchors README);
   operands stay in L2 across the launches, so it is a hot-cache figure.
+* ``time_hot(call, launches)``: the hot-L2, back-to-back figure the selection compares for
+  every product: ``call(k)`` for k < ``launches`` captured into one graph (the sandbox gives
+  each call an output of its own, re-poisoned by ``before`` ahead of every replay, outside the
+  events), falling back to back-to-back events without a flush where capture fails.
+  ``hot_launches`` picks how many: enough for about ``HOT_REPLAY_US`` of replay, at least 3
+  and at most 100, fewer where that many outputs would pass ``HOT_OUTPUT_BYTES``.
 * ``copy_bandwidth()``: bytes read + written per second of a large device-to-device copy,
   measured once per process; ``floor_us(bytes)`` = bytes over it. A kernel measured (L2
   flushed) faster than ``floor_us / IMPOSSIBLE_SLACK`` cannot have done its work:
@@ -120,17 +130,22 @@ def sleep_cycles_per_us() -> float:
 
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, flush_l2: bool = True,
-            hide_host_us: float = 0.0) -> BenchResult:
+            hide_host_us: float = 0.0, before: Callable[[], object] | None = None) -> BenchResult:
     """Median of ``reps`` CUDA-event timings of one ``fn()`` each, after ``warmup`` calls;
-    ``hide_host_us``: keep the GPU busy that long before each start event (module doc)."""
+    ``hide_host_us``: keep the GPU busy that long before each start event; ``before``: run
+    ahead of every call, warm-up included, outside the events (module doc)."""
     torch = _torch()
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     buf = _flush_buffer() if flush_l2 else None
     spin = int(hide_host_us * sleep_cycles_per_us()) if hide_host_us > 0 else 0
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
+        if before is not None:
+            before()
         if buf is not None:
             buf.fill_(i & 0xFF)
         if spin:
@@ -173,6 +188,63 @@ def time_graph(fn: Callable[[], object], *, launches: int = 100, reps: int = 10,
     torch.cuda.synchronize()
     samples = []
     for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        samples.append(s.elapsed_time(e) * 1e3 / launches)
+    del graph
+    return BenchResult.from_samples(samples, "graph", False)
+
+
+#: replay length the hot timing aims for (us), and the most its outputs may take together
+HOT_REPLAY_US = 2000.0
+HOT_OUTPUT_BYTES = 1 << 30
+
+
+def hot_launches(median_us: float, out_bytes: int = 0) -> int:
+    """Calls per replay of ``time_hot`` for a call of ``median_us`` writing ``out_bytes``."""
+    k = max(3, min(100, int(HOT_REPLAY_US / max(float(median_us), 1e-3))))
+    if out_bytes > 0:
+        k = min(k, max(2, HOT_OUTPUT_BYTES // int(out_bytes)))
+    return k
+
+
+def time_hot(call: Callable[[int], object], launches: int, *, reps: int = 5, warmup: int = 2,
+             before: Callable[[], object] | None = None, hide_host_us: float = HIDE_HOST_US) -> BenchResult:
+    """Per-call time of ``call(0) .. call(launches - 1)`` back to back with a hot L2: captured
+    into one CUDA graph and replayed ``reps`` times (``before()`` ahead of each replay, outside
+    the events; method "graph"), or, where capture fails, ``reps`` event timings of single calls
+    without a flush, the host hidden behind ``hide_host_us`` of GPU sleep (method
+    "events_hot")."""
+    torch = _torch()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside capture, as torch.cuda.graphs requires
+            for _ in range(warmup):
+                for k in range(launches):
+                    call(k)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for k in range(launches):
+                call(k)
+    except RuntimeError:  # not capturable here
+        torch.cuda.synchronize()
+        r = time_fn(lambda: call(0), warmup=warmup, reps=max(reps, 10), flush_l2=False,
+                    hide_host_us=hide_host_us, before=before)
+        return BenchResult(r.median_us, r.p10_us, r.p90_us, r.samples_us, "events_hot", False)
+    if before is not None:
+        before()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        if before is not None:
+            before()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         graph.replay()
@@ -282,9 +354,9 @@ def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = 
     """torch.sparse CSR timings with int32 and int64 indices (L2 flushed), keyed by index type.
 
     ``graph_below_us``: when the first index type timed (int32, else int64) has a flushed median
-    below it, that index type is also timed by CUDA-graph replay (``time_graph``, hot L2; as many
-    launches as fill about 2 ms of replay, 20 to 100) under the key ``"<index type>_graph"``. The
-    key is absent where the graph capture fails (cuSPARSE's path is not always capturable)."""
+    below it (``math.inf``: always, what the sandbox asks), that index type is also timed back
+    to back with a hot L2 (``time_hot``: graph replay, or events without a flush where cuSPARSE's
+    path is not capturable) under the key ``"<index type>_graph"``."""
     torch = _torch()
     from sparserl_compile.contract import TORCH_NAMES
 
@@ -302,9 +374,7 @@ def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = 
         except RuntimeError:  # dtype/index combination cuSPARSE does not support
             continue
         if graph_below_us is not None and len(out) == 1 and out[it].median_us < graph_below_us:
-            try:
-                launches = max(20, min(100, int(2000 / max(out[it].median_us, 1e-3))))
-                out[f"{it}_graph"] = time_graph(fn, launches=launches)
-            except RuntimeError:  # not capturable here: no hot-L2 figure for this index type
-                torch.cuda.synchronize()
+            out_bytes = int(shape[0]) * (1 if op == "spmv" else n) * x.element_size()
+            launches = hot_launches(out[it].median_us, out_bytes)
+            out[f"{it}_graph"] = time_hot(lambda k, fn=fn: fn(), launches, hide_host_us=hide_host_us or HIDE_HOST_US)
     return out

@@ -48,8 +48,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sparserl_compile.fileio import write_atomic
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("sparserl.cache")
 
@@ -64,12 +68,10 @@ class CacheWarning(UserWarning):
 
 
 def package_version() -> str:
-    try:
-        from importlib.metadata import version
+    """The package version in every key (``version.version()``)."""
+    from sparserl_compile.version import version
 
-        return version("sparserl")
-    except Exception:  # pragma: no cover - not installed (running from a bare checkout)
-        return "0+unknown"
+    return version()
 
 
 def width_bucket(n: int) -> int:
@@ -443,127 +445,71 @@ def _parse(raw: bytes, path: Path, expect: CacheKey | None = None) -> CacheEntry
     return entry
 
 
-# -------------------------------------------------------------------- CLI
+# -------------------------------------------------------------------- keys for a machine
 
 
-def _age(t: float) -> str:
-    s = max(0.0, time.time() - t)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s / n:.0f}{unit}"
-    return f"{s:.0f}s"
+@dataclass(frozen=True)
+class Target:
+    """The GPU a kernel is generated for: the machine-dependent fields of the cache key."""
+
+    arch: str  # "sm_90"
+    gpu_name: str  # "NVIDIA H200"
+    driver_version: str  # cuDriverGetVersion, e.g. "13000"
+    nvrtc_version: str  # "13.0"
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+def local_target(device: "torch.device | None" = None) -> Target:
+    """The ``Target`` of this machine's current (or given) CUDA device."""
+    import torch
+
+    from sparserl_compile.problem import device_arch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device here: name the target GPU (sparserl pregen --target-gpu ...)")
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    driver = "unknown"
+    try:
+        from cuda.bindings import driver as drv
+
+        _, v = drv.cuDriverGetVersion()
+        driver = str(v)
+    except Exception:
+        pass
+    try:
+        from sparserl_compile.compiler import nvrtc_version
+
+        nv = ".".join(str(p) for p in nvrtc_version())
+    except Exception:
+        nv = "unknown"
+    return Target(device_arch(device), torch.cuda.get_device_name(device), driver, nv)
 
 
-def _open(args, write: bool = False) -> KernelCache | None:
-    """The folder of ``--dir`` (never created: these commands inspect); ``write``: the command
-    removes files, so a read-only folder is an error."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CacheWarning)
-        c = KernelCache(args.dir, create=False)
-    if not c.readable:
-        print(f"error: cannot use the cache folder: {c.disabled_reason}")
-        return None
-    if write and not c.on_disk:
-        print(f"error: cannot change the cache folder: {c.read_only_reason}")
-        return None
-    return c
+def cache_key(problem, target: Target, policy_hash: str = "none") -> CacheKey:
+    """The key of ``problem`` (a ``problem.Problem``) on ``target`` for kernels proposed under a
+    policy checkpoint of ``policy_hash`` (``"none"``: the hand-written families only)."""
+    from sparserl_compile.kernels import KERNEL_SPACE_VERSION
+
+    return CacheKey(
+        fingerprint=problem.fingerprint, op=problem.op, dtype=problem.dtype,
+        width=width_bucket(problem.n), arch=target.arch, gpu_name=target.gpu_name,
+        driver_version=target.driver_version, nvrtc_version=target.nvrtc_version,
+        kernel_space_version=KERNEL_SPACE_VERSION, policy_hash=policy_hash,
+    )
 
 
-def _cmd_ls(args) -> int:
-    c = _open(args)
-    if c is None:
-        return 1
-    items = c.ls()
-    if not items:
-        print(f"{c.directory}: empty")
-        return 0
-    rows = [["DIGEST", "OP", "DTYPE", "WIDTH", "ARCH", "VERDICT", "KERNEL_US", "REF_US", "SIZE", "AGE"]]
-    for x in items:
-        if x.entry is None:
-            rows.append([x.digest[:12], "?", "?", "?", "?", "CORRUPT", "-", "-", str(x.size), "-"])
+def lookup(store: "KernelCache", key: CacheKey, fallback_hashes=()) -> "CacheEntry | None":
+    """``store``'s entry for ``key``, else the same problem and target's entry built under
+    each of ``fallback_hashes`` in order (the runtime passes ``"none"``, the families-only
+    entries of the search and the lookup, then the shipped default policy's hash). A kernel
+    verified and timed on this GPU kind is as valid whoever proposed it, so a cache built with
+    the search serves a process running the policy, and one built with the default policy
+    serves a process without the ``train`` extra. Entries built by any other checkpoint are
+    keyed to it and only a process running it finds them: a new policy is asked again instead
+    of being served an old one's verdicts."""
+    for h in dict.fromkeys((key.policy_hash, *fallback_hashes)):  # in order, once each
+        if h is None:
             continue
-        e, k = x.entry, x.entry.key
-        fmt = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
-        rows.append([x.digest[:12], k.op, k.dtype, str(k.width), k.arch,
-                     "reference" if e.reference_wins else "kernel",
-                     fmt(e.times.get("kernel_us")), fmt(e.times.get("reference_us")),
-                     str(x.size), _age(e.created)])
-    print(_table(rows))
-    print(f"{len(items)} entries in {c.directory}")
-    return 0
-
-
-def _cmd_show(args) -> int:
-    c = _open(args)
-    if c is None:
-        return 1
-    hits = c.find(args.key)
-    if len(hits) != 1:
-        print(f"error: {len(hits)} entries match {args.key!r}; give a longer digest prefix (see `sparserl cache ls`)")
-        return 1
-    x = hits[0]
-    if x.entry is None:
-        print(f"{x.path}: CORRUPT ({x.problem}); `sparserl cache verify` removes it")
-        return 1
-    e = x.entry
-    print(f"entry   {x.path}")
-    for k, v in dataclasses.asdict(e.key).items():
-        print(f"key.{k:<22} {v}")
-    print("verdict " + ("reference wins (no kernel)" if e.reference_wins else
-                        f"kernel, cubin {len(e.cubin)} bytes sha256 {hashlib.sha256(e.cubin).hexdigest()[:16]}"))
-    print(f"times   {json.dumps(e.times, sort_keys=True)}")
-    print(f"verify  {json.dumps(e.verification, sort_keys=True)}")
-    print(f"created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e.created))}")
-    if e.source:
-        print("source:\n" + e.source.rstrip())
-    return 0
-
-
-def _cmd_clear(args) -> int:
-    c = _open(args, write=True)
-    if c is None:
-        return 1
-    n = sum(p.is_file() for p in c._files())
-    if not args.yes:
-        print(f"would remove {n} entries from {c.directory}; run again with --yes to remove them")
-        return 1
-    print(f"removed {c.clear()} entries from {c.directory}")
-    return 0
-
-
-def _cmd_verify(args) -> int:
-    c = _open(args, write=True)
-    if c is None:
-        return 1
-    r = c.verify()
-    for p in r.removed:
-        print(f"removed {p}")
-    for p in r.failed:
-        print(f"error: {p}")
-    print(f"{r.valid} valid entries, {len(r.removed)} removed"
-          + (f", {len(r.failed)} corrupt and not removable" if r.failed else "") + f" in {c.directory}")
-    return 1 if r.failed else 0
-
-
-def add_cli(subparsers) -> None:
-    """``sparserl cache ls | show KEY | clear [--yes] | verify | merge SRC... --into DST``."""
-    p = subparsers.add_parser("cache", help="inspect or repair the kernel cache")
-    p.add_argument("--dir", default=None, help="cache folder (default $SPARSERL_CACHE_DIR or ~/.cache/sparserl)")
-    sub = p.add_subparsers(dest="cache_command", metavar="ACTION")
-    sub.add_parser("ls", help="list entries").set_defaults(func=_cmd_ls)
-    s = sub.add_parser("show", help="show one entry by digest prefix")
-    s.add_argument("key", help="digest or a unique prefix of it")
-    s.set_defaults(func=_cmd_show)
-    c = sub.add_parser("clear", help="remove every entry")
-    c.add_argument("--yes", action="store_true", help="really remove them")
-    c.set_defaults(func=_cmd_clear)
-    sub.add_parser("verify", help="re-hash every entry and remove corrupt ones").set_defaults(func=_cmd_verify)
-    from sparserl_compile import merge  # `cache merge SRC... --into DST` (merge.py)
-
-    merge.add_cli(sub)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+        entry = store.get(key if h == key.policy_hash else dataclasses.replace(key, policy_hash=h))
+        if entry is not None:
+            return entry
+    return None

@@ -17,7 +17,12 @@ from the CUDA toolkit's include directory, found by ``cuda.pathfinder`` (the
 Cache. The key is sha256 of (source, options, arch, NVRTC version, this module's
 ``COMPILER_VERSION``). Entries live in memory and under ``$SPARSERL_CACHE_DIR/cubin/`` (else
 ``~/.cache/sparserl/cubin``) as ``<key>.cubin`` files carrying a 32-byte sha256 of the cubin in
-front: written to a temporary file, fsynced and renamed; a short or corrupt file is a miss.
+front: written to a temporary file (0600), fsynced and renamed; a short or corrupt file is a
+miss. A cubin from there is loaded into a GPU process, so only this user's files are read:
+the folder is opened without following symlinks and refused (a ``CubinCacheWarning``, once,
+and no disk cache) when another user owns it or may write it; a file is opened with
+``O_NOFOLLOW`` relative to that folder and is a miss unless it is a regular file this user
+owns that no one else may write.
 
 Dumps. With ``SPARSERL_DUMP_DIR`` set, each compile writes ``<key>.cu`` (the full source NVRTC
 saw), ``<key>.log`` and ``<key>.cubin`` (on success) there, Triton-style.
@@ -29,13 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-from sparserl_compile.fileio import write_atomic
 
 COMPILER_VERSION = "1"
 
@@ -181,16 +186,101 @@ _MEMORY: dict[str, CompileResult] = {}
 _LOCK = threading.Lock()
 
 
-def _disk_read(key: str) -> bytes | None:
-    p = cache_dir() / f"{key}.cubin"
+class CubinCacheWarning(RuntimeWarning):
+    """The disk cache of cubins is not used: its folder is not this user's alone."""
+
+
+_WARNED: set[str] = set()
+
+
+def _unsafe(st: os.stat_result, what: str) -> str | None:
+    """Why a folder or file another user could have written must not be trusted, or None."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{what} is owned by uid {st.st_uid}, not this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _open_dir(create: bool) -> int | None:
+    """A descriptor of the cubin folder if it is safe to use (module docstring), else None."""
+    d = cache_dir()
     try:
-        blob = p.read_bytes()
+        if create:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a symlink (ELOOP), not a folder, no permission
+        why = f"{d} cannot be opened as a folder of its own ({e.strerror or e}); a symlink is never followed"
+        fd, st = None, None
+    else:
+        st = os.fstat(fd)
+        why = _unsafe(st, str(d))
+    if why is None:
+        return fd
+    if fd is not None:
+        os.close(fd)
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"the cubin cache is not used: {why}. Another user could plant cubins there; "
+                      f"run `chmod 700 {d}` if it is yours, or set SPARSERL_CACHE_DIR to a folder of your own",
+                      CubinCacheWarning, stacklevel=4)
+    return None
+
+
+def _disk_read(key: str) -> bytes | None:
+    dfd = _open_dir(create=False)
+    if dfd is None:
+        return None
+    try:
+        fd = os.open(f"{key}.cubin", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError:
+        return None  # absent, or a symlink: a miss
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or _unsafe(st, key) is not None:
+            return None  # planted by someone else, or writable by them: never served
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            blob = f.read()
     except OSError:
         return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     digest, cubin = blob[:32], blob[32:]
     if len(blob) <= 32 or hashlib.sha256(cubin).digest() != digest:
         return None  # partial or corrupt: a miss, never a crash
     return cubin
+
+
+def _disk_write(key: str, cubin: bytes) -> None:
+    """Write an entry (0600, temporary file then rename, both inside the checked folder)."""
+    dfd = _open_dir(create=True)
+    if dfd is None:
+        return
+    tmp = f".tmp-{key[:16]}-{os.getpid()}-{threading.get_ident()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(hashlib.sha256(cubin).digest() + cubin)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, f"{key}.cubin", src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+    except OSError:  # a read-only cache is not an error: the memory cache still serves
+        pass
+    finally:
+        os.close(dfd)
 
 
 def _dump(key: str, src: str, log: str, cubin: bytes | None) -> None:
@@ -258,12 +348,7 @@ def compile_cubin(source: str, arch: str | None = None, options: tuple[str, ...]
         raise CompileError(f"NVRTC could not compile the kernel for {arch}: {first.strip()}",
                            log=log, source=src, options=opts, arch=arch)
     res = CompileResult(cubin, log, arch, opts, nvrtc_version(), seconds, key)
-    try:
-        d = cache_dir()
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_atomic(d / f"{key}.cubin", hashlib.sha256(cubin).digest() + cubin, private=True)
-    except OSError:  # a read-only cache is not an error: the memory cache still serves
-        pass
+    _disk_write(key, cubin)
     with _LOCK:
         _MEMORY[key] = res
     return res

@@ -40,13 +40,13 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sparserl_compile import runtime, structure
+from sparserl_compile import plans, structure
+from sparserl_compile.reference import VALUE_DTYPES
 from sparserl_compile.tensor import _eager_plain, _is_canonical, check_csr_arrays
 
 #: native structures whose fingerprint and int32 indices are kept
 MEMO_SIZE = 32
 
-_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _dense_ok(s: torch.Tensor, d, ndims: tuple[int, ...]) -> bool:
     return (
         isinstance(d, torch.Tensor) and d.layout == torch.strided and type(d) is torch.Tensor
         and d.dim() in ndims and d.dtype == s.dtype and d.device == s.device
-        and s.dtype in _VALUE_DTYPES and s.dim() == 2 and d.shape[0] == s.shape[1]
+        and s.dtype in VALUE_DTYPES and s.dim() == 2 and d.shape[0] == s.shape[1]
         and not (s.requires_grad and torch.is_grad_enabled())
     )
 
@@ -154,7 +154,7 @@ def _run(s: torch.Tensor, d: torch.Tensor):
     d = d.contiguous()
     vals = vals.detach()
     if _eager_plain(vals, d):  # nothing to record: call the runtime, not the custom op's layers
-        fn = runtime.spmv if d.dim() == 1 else runtime.spmm
+        fn = plans.spmv if d.dim() == 1 else plans.spmm
     else:
         fn = torch.ops.sparserl.spmv if d.dim() == 1 else torch.ops.sparserl.spmm
     return fn(crow, col, vals, d, n_rows, n_cols, fp)

@@ -116,30 +116,3 @@ def _merge_one(dst: KernelCache, src: str, digest: str, entry: CacheEntry | None
 
 
 # -------------------------------------------------------------------- CLI
-
-
-def _cmd(args) -> int:
-    try:
-        report = merge_caches(args.sources, args.into, prefer_faster=args.prefer_faster)
-    except ValueError as e:
-        print(f"error: {e}")
-        return 1
-    for note in report.warnings:
-        print(f"warning: {note}")
-    for a in report.actions:
-        if a.outcome in ("corrupt", "failed", "kept", "replaced"):
-            label = {"corrupt": "skipped corrupt entry"}.get(a.outcome, a.outcome)
-            print(f"{label} {a.digest[:12]} from {a.source}: {a.detail}")
-    print(f"merged into {report.into}: {report.summary()}")
-    return 1 if report.count("failed") else 0
-
-
-def add_cli(cache_subparsers) -> None:
-    """Add ``merge`` to the ``sparserl cache`` actions."""
-    m = cache_subparsers.add_parser("merge", help="merge cache folders of several ranks/machines into one",
-                                    description=__doc__.split("\n\n")[0])
-    m.add_argument("sources", nargs="+", metavar="SRC", help="cache folders to read (e.g. kernels/rank0 kernels/rank1)")
-    m.add_argument("--into", required=True, metavar="DST", help="cache folder to fill (created 0700)")
-    m.add_argument("--prefer-faster", action="store_true",
-                   help="on a conflict keep the faster entry when both are timed (default: keep the existing one)")
-    m.set_defaults(func=_cmd)

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from sparserl_compile.contract import Candidate
+from sparserl_compile.problem import Provider
 
 TABLE = Path(__file__).resolve().parent / "data" / "neighbours.json.gz"
 DEFAULT_K = 4
@@ -128,7 +129,7 @@ def load_table(path: str | Path = TABLE) -> list[Entry]:
             for e in doc["entries"]]
 
 
-class NearestProvider:
+class NearestProvider(Provider):
     """Proposes the winners of the nearest measured problems (module docstring)."""
 
     name = "nearest"

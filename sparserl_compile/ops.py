@@ -1,4 +1,4 @@
-"""The custom ops every sparserl product goes through: ``torch.ops.sparserl.*``.
+"""The custom ops ``torch.ops.sparserl.*``: how traced graphs and autograd reach a product.
 
 Four ops, each ``(crow_indices, col_indices, values, dense, n_rows: int, n_cols: int,
 fingerprint: str) -> Tensor`` where the first three are A's int32 CSR arrays (A is
@@ -12,7 +12,10 @@ fingerprint: str) -> Tensor`` where the first three are A's int32 CSR arrays (A 
 They are opaque to Dynamo and Inductor (``torch.library.custom_op``): a compiled graph calls
 them like any extern kernel, and the fingerprint travels as a constant string argument, so the
 fake (meta) kernels below use shapes only and never read index data. The real kernels call
-``runtime`` (plan table -> generated kernel or torch.sparse reference).
+``plans.product`` (plan table -> generated kernel or torch.sparse reference), the one door of
+every product: plain eager products with nothing to record (no autograd, no tracing, no
+dispatch mode) call it directly from ``tensor.py``/``dispatch.py`` and skip these ops' Python
+layers, with the same result.
 
 Autograd: the gradient w.r.t. the dense operand is the product with the transposed matrix
 (spmm <-> spmm_t, spmv <-> spmv_t), so higher derivatives work too. The sparse *values* get
@@ -34,9 +37,9 @@ from __future__ import annotations
 
 import torch
 
-from sparserl_compile import runtime
+from sparserl_compile import plans
+from sparserl_compile.reference import VALUE_DTYPES
 
-_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check(name: str, crow, col, val, dense, n_rows: int, n_cols: int, transposed: bool, vector: bool):
@@ -44,7 +47,7 @@ def _check(name: str, crow, col, val, dense, n_rows: int, n_cols: int, transpose
     torch._check(crow.dtype == torch.int32 and col.dtype == torch.int32,
                  lambda: f"sparserl::{name}: crow_indices/col_indices must be int32, got "
                          f"{crow.dtype}/{col.dtype}; build the operand with sparserl_compile.sparsify")
-    torch._check(val.dtype in _VALUE_DTYPES,
+    torch._check(val.dtype in VALUE_DTYPES,
                  lambda: f"sparserl::{name}: values dtype {val.dtype} is not supported; use float32, "
                          "float16, bfloat16 or float64")
     torch._check(dense.dtype == val.dtype,
@@ -72,7 +75,7 @@ def _check(name: str, crow, col, val, dense, n_rows: int, n_cols: int, transpose
 def _fast_ok(crow, col, val, dense, n_rows: int, n_cols: int, transposed: bool, vector: bool) -> bool:
     """All of ``_check`` in one expression (the eager hot path); ``_check`` names a failure."""
     return (
-        crow.dtype == torch.int32 and col.dtype == torch.int32 and val.dtype in _VALUE_DTYPES
+        crow.dtype == torch.int32 and col.dtype == torch.int32 and val.dtype in VALUE_DTYPES
         and dense.dtype == val.dtype and dense.device == val.device == crow.device == col.device
         and crow.dim() == 1 and col.dim() == 1 and val.dim() == 1 and crow.shape[0] == n_rows + 1
         and col.shape[0] == val.shape[0] and dense.dim() == (1 if vector else 2)
@@ -137,8 +140,8 @@ def _define_graph_twin(name: str, fn, transposed: bool, vector: bool):
 
 
 #: (name, runtime function, transposed, vector) of every op
-_OPS = (("spmv", runtime.spmv, False, True), ("spmm", runtime.spmm, False, False),
-        ("spmv_t", runtime.spmv_t, True, True), ("spmm_t", runtime.spmm_t, True, False))
+_OPS = (("spmv", plans.spmv, False, True), ("spmm", plans.spmm, False, False),
+        ("spmv_t", plans.spmv_t, True, True), ("spmm_t", plans.spmm_t, True, False))
 
 spmv, spmm, spmv_t, spmm_t = (_define(name, fn, t, v) for name, fn, t, v in _OPS)
 

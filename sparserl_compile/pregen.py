@@ -1,4 +1,4 @@
-"""``sparserl pregen``: fill a deployable kernel cache ahead of time.
+"""Pre-generation: fill a deployable kernel cache ahead of time (``sparserl pregen``).
 
 Input: Matrix Market (``.mtx``, ``.mtx.gz``) and CSR ``.npz`` files, directories of them
 (searched recursively), and ONNX models, whose 2-D float initializers that are stored sparse
@@ -17,7 +17,7 @@ machine of the same GPU kind, driver and NVRTC loads the entries without searchi
 On a machine without a GPU, pass ``--target-gpu`` (and the driver/NVRTC versions of the
 serving machine): candidates are compiled for its arch and verified with the CPU executor;
 such entries carry no timings, and the runtime times them against cuSPARSE in its sandbox on
-first use before it trusts them (``runtime.search_entry``).
+first use before it trusts them (``miss.search_entry``).
 
 ``--share K`` (for models whose pruned weights come in families: an LLM's 30 ``q_proj``
 matrices pruned to the same per-row sparsity): matrices with the same shape and the same row
@@ -38,7 +38,6 @@ filesystem, which is also safe (atomic renames, the shards hold disjoint matrice
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -184,12 +183,12 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
     ``share=K > 0``: explore once per group of alike products (module doc, ``--share``)."""
     from tqdm import tqdm
 
-    from sparserl_compile import cache, providers, runtime, structure
+    from sparserl_compile import cache, config, miss, providers, structure
 
     store = cache.KernelCache(cache_dir)
     if not store.on_disk:
         raise SystemExit(f"cannot write the kernel cache at {cache_dir}: {store.disabled_reason}")
-    target = target or runtime.local_target()
+    target = target or cache.local_target()
     jobs = [(it, op, n) for it in items for op in ops for n in ((1,) if op == "spmv" else widths)]
     rows: list[Row] = []
     bar = tqdm(jobs, disable=not progress, unit="product", file=sys.stderr)
@@ -202,7 +201,7 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
         fp = fps.get(it.name) or structure.fingerprint(m.indptr, m.indices, m.shape)
         fps[it.name] = fp
         problem = make_problem(op, dtype, n, m.indptr, m.indices, m.shape, fp, target.arch)
-        key = runtime.cache_key(problem, target)
+        key = cache.cache_key(problem, target)
         hit = store.get(key)
         if hit is not None:
             rows.append(Row(it.name, op, n, m.nnz, "cached", "already in the cache",
@@ -212,17 +211,17 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
         shared = groups.get(gkey) if share else None
         try:
             if shared:
-                entry = runtime.search_entry(problem, key, candidates=shared, executor=executor)
+                entry = miss.search_entry(problem, key, candidates=shared, executor=executor)
             else:
                 prov = providers.get_provider()
-                cands = prov.candidates(problem, runtime.get_config().k)
+                cands = prov.candidates(problem, config.get_config().k)
                 if prov.name == "search" and len(cands) > 1:
                     # the kernel space's own sources (not generated code): compile them in
                     # threads here, so the sandbox worker finds them in the compile cache
                     from sparserl_compile import compiler
 
                     compiler.precompile([c.source for c in cands], arch=target.arch)
-                entry = runtime.search_entry(problem, key, candidates=cands, executor=executor)
+                entry = miss.search_entry(problem, key, candidates=cands, executor=executor)
                 if share:
                     groups[gkey] = ranked_candidates(cands, entry, share)
             store.put(entry)
@@ -251,93 +250,3 @@ def format_table(rows: list[Row]) -> str:
     counts = {k: sum(r.outcome == k for r in rows) for k in ("kernel", "reference", "cached", "failed")}
     lines.append(" ".join(f"{k}={v}" for k, v in counts.items()))
     return "\n".join(lines)
-
-
-def _widths(text: str) -> tuple[int, ...]:
-    """``--widths``: a comma list of SpMM dense widths, each >= 1 (argparse type)."""
-    try:
-        widths = tuple(int(w) for w in text.split(",") if w.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of integers, e.g. 8,32,128") from None
-    if not widths or min(widths) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every width must be at least 1")
-    return widths
-
-
-def _ops(text: str) -> tuple[str, ...]:
-    """``--ops``: a comma list of spmv, spmm (argparse type)."""
-    ops = tuple(o.strip() for o in text.split(",") if o.strip())
-    bad = [o for o in ops if o not in ("spmv", "spmm")]
-    if not ops or bad:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of spmv, spmm")
-    return ops
-
-
-def _cmd(args) -> int:
-    import torch
-
-    from sparserl_compile import providers, runtime
-
-    if not args.target_gpu and not torch.cuda.is_available():
-        print("error: no CUDA device here: name the GPU the cache will serve, e.g. --target-gpu 'NVIDIA H200' "
-              "(with --target-arch, --target-driver and --target-nvrtc of that machine); the kernels are then "
-              "compiled for it and verified with the CPU executor, untimed", file=sys.stderr)
-        return 2
-    if args.provider:
-        providers.set_provider(args.provider)
-    target = None
-    if args.target_gpu:
-        target = runtime.Target(arch=args.target_arch, gpu_name=args.target_gpu,
-                                driver_version=args.target_driver, nvrtc_version=args.target_nvrtc)
-    items = discover(args.paths, args.min_sparsity)
-    if not items:
-        print("no matrices found", file=sys.stderr)
-        return 1
-    total = len(items)
-    items = shard(items, args.rank, args.world_size)
-    if args.world_size > 1:
-        print(f"rank {args.rank}/{args.world_size}: {len(items)} of {total} matrices", file=sys.stderr)
-    out = args.out.replace("{rank}", str(args.rank))
-    rows = pregenerate(items, cache_dir=out, ops=args.ops, widths=args.widths,
-                       dtype=args.dtype, target=target, executor=args.executor, progress=not args.no_progress,
-                       share=args.share)
-    print(format_table(rows))
-    digest = runtime.policy_hash(providers.get_provider())
-    if digest not in ("none", providers.shipped_policy_hash()):
-        print(f"note: the entries are keyed to the policy checkpoint {digest[:12]}: a serving process finds "
-              f"them only while running that checkpoint; entries built with the default provider (the "
-              f"shipped policy) or --provider search or nearest serve every process")
-    return 1 if any(r.outcome == "failed" for r in rows) else 0
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("pregen", help="pre-generate a deployable kernel cache",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("paths", nargs="+", help=".npz / .mtx files, directories of them, or .onnx models")
-    p.add_argument("--out", required=True, help="cache directory to fill (created 0700)")
-    p.add_argument("--ops", default=_ops("spmv,spmm"), type=_ops, help="comma list of spmv, spmm")
-    p.add_argument("--widths", default=_widths("32"), type=_widths, help="SpMM dense widths, comma list")
-    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
-    p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's)")
-    p.add_argument("--executor", default=None, choices=["gpu", "cpu"], help="default: gpu if present")
-    p.add_argument("--min-sparsity", type=float, default=0.5, help="ONNX: fraction of zeros to count as sparse")
-    p.add_argument("--target-gpu", default=None, help="without a GPU: the serving GPU's name, e.g. 'NVIDIA H200'")
-    p.add_argument("--target-arch", default="sm_90")
-    p.add_argument("--target-driver", default="unknown", help="serving machine's CUDA driver version, e.g. 13000")
-    p.add_argument("--target-nvrtc", default="unknown", help="serving machine's NVRTC version, e.g. 13.0")
-    p.add_argument("--share", type=int, default=0, metavar="K",
-                   help="search alike matrices (same shape and row lengths) once; the others get the "
-                        "K best kernels as candidates, verified and timed on each (default 0: off)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
-                   help="this shard (default $RANK, as torchrun sets it, else 0)")
-    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
-                   help="number of shards (default $WORLD_SIZE, else 1); --out may contain {rank}")
-    p.set_defaults(func=_cmd)
-
-
-def main(argv=None) -> int:  # pragma: no cover - `python -m sparserl_compile.pregen`
-    parser = argparse.ArgumentParser(prog="sparserl")
-    add_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["pregen", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)

@@ -22,7 +22,7 @@ Until one is set, the runtime asks a ``DefaultProvider`` (by name ``"default"``,
 ``DEFAULT_PROVIDER``): the policy where the ``train`` extra (transformers, tokenizers,
 safetensors, llguidance) and the shipped checkpoint are installed, else the nearest-neighbour
 proposals, else the reference.
-It loads the model only when first asked for candidates (or by ``runtime.prewarm``), so a
+It loads the model only when first asked for candidates (or by ``miss.prewarm``), so a
 process served from a pre-generated cache never loads it, and the runtime never waits for it:
 until the model is loaded and warmed up (on a background thread, started once the process's
 first search has built its plan) the lookup proposes (``DefaultProvider.propose``). Measured end to end on
@@ -31,44 +31,32 @@ best and its first product on a new structure of <= 10^6 nonzeros takes a median
 (the lookup's 0.2 s), never a wrong result.
 
 The last three are imported lazily on first use, so ``import sparserl_compile`` never imports
-the policy (transformers) or the search. Any object with a ``name`` and a
-``candidates(problem, k)`` method may be set as well.
+the policy (transformers) or the search. Every provider is a ``problem.Provider`` (the base
+class declares what the runtime may ask of one); any object with a ``name`` and a
+``candidates(problem, k)`` method may be set as well and gets the base class's defaults.
 
 This module holds no kernels and does no compiling, verifying or caching.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
-
-import numpy as np
-
+from pathlib import Path
 from sparserl_compile import contract
-from sparserl_compile.problem import Problem
+from sparserl_compile.problem import Problem, Provider
 
 #: provider name -> (module, class) imported on first use
 _LAZY = {
     "search": ("sparserl_compile.search", "SearchProvider"),
-    "policy": ("sparserl_compile.policy.provider", "PolicyProvider"),
     "nearest": ("sparserl_compile.nearest", "NearestProvider"),
 }
 
 
-@runtime_checkable
-class Provider(Protocol):
-    """Proposes candidate kernels for a problem; an empty list means "use the reference"."""
-
-    name: str
-
-    def candidates(self, problem: Problem, k: int) -> list[contract.Candidate]: ...
-
-
-class ReferenceProvider:
+class ReferenceProvider(Provider):
     """Proposes no kernels: every product runs on the reference (torch.sparse / cuSPARSE)."""
 
     name = "reference"
@@ -90,52 +78,85 @@ _active: Provider | None = None
 log = logging.getLogger("sparserl_compile.providers")
 
 
+def _policy_dir() -> Path | None:
+    """Where the ``sparserl_compile.policy`` package lives, found without importing it (its
+    modules import transformers, which the user's process never needs: the policy runs in a
+    worker process of its own)."""
+    spec = importlib.util.find_spec("sparserl_compile.policy")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_checkpoint() -> Path | None:
+    """The shipped policy checkpoint's folder (package data), None without the policy package."""
+    d = _policy_dir()
+    return None if d is None else d / "checkpoints" / "default"
+
+
 def policy_available() -> str | None:
     """None when the default policy can be loaded here, else why not (a missing module of the
     ``train`` extra, or no shipped checkpoint). Looks, imports nothing heavy."""
     missing = [m for m in POLICY_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         return (f"the policy needs {', '.join(missing)} (pip install 'sparserl[train]')")
-    from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT
-
-    if not (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
-        return f"no policy checkpoint at {DEFAULT_CHECKPOINT}"
+    ckpt = default_checkpoint()
+    if ckpt is None or not (ckpt / "model.safetensors").is_file():
+        return f"no policy checkpoint at {ckpt}"
     return None
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file (a checkpoint's weights: the cache key's policy hash)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 _shipped_hash: list[str | None] = []
 
 
 def shipped_policy_hash() -> str | None:
-    """The sha256 of the shipped default checkpoint's weights (``policy/checkpoints/default``;
-    package data, there with or without the ``train`` extra), None where it is absent. Read
-    once per process (a 16 MiB file: ~15 ms)."""
+    """The sha256 of the shipped default checkpoint's weights (package data, there with or
+    without the ``train`` extra), None where it is absent. Read once per process."""
     if not _shipped_hash:
+        ckpt = default_checkpoint()
+        f = None if ckpt is None else ckpt / "model.safetensors"
         try:
-            from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT, weights_sha256
-
-            f = DEFAULT_CHECKPOINT / "model.safetensors"
-            digest = weights_sha256(f) if f.is_file() else None
-        except (ImportError, OSError):  # no policy package or an unreadable file: no such entries
+            digest = file_sha256(f) if f is not None and f.is_file() else None
+        except OSError:  # an unreadable file: no such entries
             digest = None
         _shipped_hash.append(digest)
     return _shipped_hash[0]
 
 
-class DefaultProvider:
-    """The runtime's provider until one is set: the first of ``DEFAULT_CHAIN`` that loads.
+def policy_in_process_worker() -> Provider:
+    """The shipped policy as the runtime asks it: a ``ProcessProvider`` (its model loads and
+    decodes in a worker process, never on the user's interpreter). Keyed by the shipped
+    weights' hash before it is built; one spare sandbox worker (its departures from the greedy
+    kernel fail verification now and then)."""
+    from sparserl_compile.proposer import ProcessProvider
 
-    Which one is decided when constructed, without loading anything (``policy_available``);
-    the policy's model is loaded on the first ``candidates`` call, ``load()`` or ``warm_up()``
-    (which ``runtime.prewarm`` calls), so reading a pre-generated cache never loads it. Its
-    ``checkpoint_hash`` (the cache key's policy hash) is the shipped weights' sha256, read from
-    the file. Should loading fail even so, it logs why, falls back to the next of the chain
-    (``fallback_reason`` says why) and proposes from that one.
+    return ProcessProvider("sparserl_compile.policy.provider:PolicyProvider", name="policy",
+                           checkpoint_hash=shipped_policy_hash(), sandbox_spare=1)
+
+
+class DefaultProvider(Provider):
+    """The runtime's provider until one is set: the first of ``DEFAULT_CHAIN`` that works.
+
+    Which one heads the chain is decided when constructed, without loading anything
+    (``policy_available``). The policy runs in a worker process (``proposer.ProcessProvider``),
+    started by ``warm_up`` (which ``prewarm`` calls) or ``load_in_background`` (which the runtime
+    calls once a process's first search has built its plan), so reading a pre-generated cache
+    never starts it. Its ``checkpoint_hash`` (the cache key's policy hash) is the shipped
+    weights' sha256, read from the file. Should the policy fail to load or to propose, it logs
+    why, falls back to the next of the chain (``fallback_reason`` says why) and proposes from that.
 
     The runtime asks through ``propose``, which never waits for the model: until the policy is
-    loaded and warmed up the next provider of the chain (the lookup) proposes, and once its
-    first search has built its plan the runtime starts the load on a background thread
-    (``load_in_background``). ``candidates`` (pre-generation, the demo) waits for the model.
+    loaded and warmed up the next provider of the chain (the lookup) proposes. ``candidates``
+    (pre-generation, the demo) waits for the model.
     """
 
     def __init__(self, chain: tuple[str, ...] = DEFAULT_CHAIN):
@@ -151,12 +172,11 @@ class DefaultProvider:
                 self.fallback_reason = why
                 chain = chain[1:]
         self._chain = chain
-        self._ready = threading.Event()  # built (and warmed up, when asked): proposals wait on nothing
-        self._side = threading.Lock()  # the background load and the standby provider
-        self._loader: threading.Thread | None = None
+        self._ready = threading.Event()  # built and warmed up: proposals wait on nothing
+        self._side = threading.Lock()  # the standby provider
         self._standby: Provider | None = None
         self._warm_lock = threading.Lock()
-        self._warmed = False
+        self._loader: threading.Thread | None = None
 
     @property
     def name(self) -> str:
@@ -166,40 +186,32 @@ class DefaultProvider:
     @property
     def checkpoint_hash(self) -> str | None:
         if self._inner is not None:
-            return getattr(self._inner, "checkpoint_hash", None)
+            return self._inner.checkpoint_hash
         return shipped_policy_hash() if self._chain[0] == "policy" else None
 
     @property
     def sandbox_spare(self) -> int:
-        """The loaded provider's wish (``PolicyProvider.sandbox_spare``: one spare, its departures
-        fail now and then); none before it is loaded, while the lookup proposes (its points are
-        measured ones, and a fresh process's first search then starts one worker, not two)."""
-        if self._inner is not None:
-            return getattr(self._inner, "sandbox_spare", 0)
-        return 0
+        """The ready provider's wish (the policy: one spare, its departures fail now and then);
+        none while the lookup stands in (its points are measured ones)."""
+        return self._inner.sandbox_spare if self._inner is not None and self._ready.is_set() else 0
 
     def ready(self) -> bool:
-        """Whether the provider is built (and warmed up, when ``warm_up`` was called)."""
+        """Whether the provider is built and warmed up."""
         return self._ready.is_set()
 
     @property
     def loading(self) -> bool:
-        """Whether the background load (``load_in_background``) is still running."""
+        """Whether a background load is running."""
         return self._loader is not None and self._loader.is_alive()
 
     def load(self) -> Provider:
-        """Build the provider (loading the policy's model); on any failure the next in the chain
-        (a broken install must not cost every new structure a retry, nor any product its answer)."""
-        p = self._load()
-        self._ready.set()
-        return p
-
-    def _load(self) -> Provider:
+        """The provider of the chain's head, built (for the policy: the worker's handle; the
+        model loads on its first request)."""
         with self._lock:
             while self._inner is None:
                 name = self._chain[0]
                 try:
-                    self._inner = resolve(name)
+                    self._inner = self._build(name)
                 except Exception as e:  # noqa: BLE001 - whatever failed, the next one serves
                     if len(self._chain) == 1:
                         raise
@@ -209,43 +221,75 @@ class DefaultProvider:
                     self._chain = self._chain[1:]
             return self._inner
 
+    @staticmethod
+    def _build(name: str) -> Provider:
+        p = resolve(name)  # the policy: in a worker process (``policy_in_process_worker``)
+        return p if isinstance(p, Provider) else _Adapted(p)
+
+    def _fall_back(self, failed: Provider, e: Exception) -> Provider:
+        """Replace ``failed`` (the chain's head) by the next of the chain, once."""
+        with self._lock:
+            if self._inner is failed and len(self._chain) > 1:
+                self.fallback_reason = f"{self._chain[0]}: {type(e).__name__}: {e}"
+                log.warning("sparserl: the default provider %r failed (%s); using %r",
+                            self._chain[0], e, self._chain[1])
+                close = getattr(failed, "close", None)
+                if callable(close):
+                    close()
+                self._chain = self._chain[1:]
+                self._inner = self._build(self._chain[0])
+            elif self._inner is failed:
+                raise e
+            return self._inner
+
     def warm_up(self) -> None:
-        """Build the provider, then its own ``warm_up`` where it has one (the policy: its first
-        decoding costs); ``ready()`` once done. Once per provider: a second caller (``prewarm``
-        beside ``load_in_background``) waits for the first. ``runtime.prewarm`` calls it."""
+        """Build the provider and pay its one-time costs (the policy: its worker's start, the
+        model's load, its first decodings); ``ready()`` once done. On failure, the next of the
+        chain is built and warmed up instead."""
         with self._warm_lock:
-            if self._warmed:
+            if self._ready.is_set():
                 return
-            try:
-                warm = getattr(self._load(), "warm_up", None)
-                if callable(warm):
-                    warm()
-            finally:
-                self._warmed = True
-                self._ready.set()
+            while True:
+                p = self.load()
+                try:
+                    p.warm_up()
+                    break
+                except Exception as e:  # noqa: BLE001 - the next of the chain serves
+                    self._fall_back(p, e)
+            self._ready.set()
 
     def candidates(self, problem: Problem, k: int) -> list[contract.Candidate]:
-        return self.load().candidates(problem, k)
+        self.warm_up()
+        p = self.load()
+        try:
+            return p.candidates(problem, k)
+        except Exception as e:  # noqa: BLE001 - the next of the chain serves
+            return self._fall_back(p, e).candidates(problem, k)
 
     def propose(self, problem: Problem, k: int) -> tuple[list[contract.Candidate], str]:
         """``(candidates, name of the provider that proposed them)`` without waiting for the
         policy's model: when the chain starts with the policy and it is not ``ready()``, the next
         provider of the chain (the lookup) proposes. The runtime starts the model's load once its
-        first search has built its plan (``load_in_background``, ``runtime._load_provider_later``),
-        so that search's sandbox worker start, timing and plan do not share the process and
-        the GPU with it. Otherwise the provider
+        first search has built its plan (``load_in_background``). Otherwise the provider
         proposes (the lookup and the reference build in milliseconds)."""
         if not self._ready.is_set() and self._chain[0] == "policy" and len(self._chain) > 1:
             with self._side:
                 if self._standby is None:  # the rest of the chain, with its own fallback
-                    self._standby = DefaultProvider(self._chain[1:]).load()
+                    self._standby = DefaultProvider(self._chain[1:])
+                    self._standby.warm_up()
             return self._standby.candidates(problem, k), self._standby.name
+        self.warm_up()  # a quick provider (the lookup, the reference) builds in line
         p = self.load()
-        return p.candidates(problem, k), p.name
+        try:
+            return p.candidates(problem, k), p.name
+        except Exception as e:  # noqa: BLE001 - the next of the chain serves
+            q = self._fall_back(p, e)
+            return q.candidates(problem, k), q.name
 
     def load_in_background(self) -> None:
         """Start ``warm_up`` on a background thread, once, unless the provider is ready (what the
-        runtime calls after a search's plan: later searches get the policy once it is ready)."""
+        runtime calls after a search's plan: later searches get the policy once it is ready).
+        The thread only waits: the policy loads in its worker process."""
         if self._ready.is_set():
             return
         with self._side:
@@ -257,7 +301,7 @@ class DefaultProvider:
     def _warm_in_background(self) -> None:
         try:
             self.warm_up()
-        except Exception as e:  # noqa: BLE001 - the next proposal loads in line and reports it
+        except Exception as e:  # noqa: BLE001 - the next proposal reports it
             log.warning("sparserl: loading the default provider in the background failed: %s", e)
 
 
@@ -270,9 +314,14 @@ def resolve(obj_or_name: "Provider | str") -> Provider:
             return ReferenceProvider()
         if name == "default":
             return DefaultProvider()
+        if name == "policy":  # in a worker process: its model never holds the user's interpreter
+            why = policy_available()
+            if why is not None:
+                raise ImportError(f"provider 'policy' cannot run here: {why}; or use set_provider('nearest')")
+            return policy_in_process_worker()
         if name not in _LAZY:
             raise ValueError(
-                f"unknown provider {name!r}; use one of {('default', 'reference', *_LAZY)} or pass an object "
+                f"unknown provider {name!r}; use one of {('default', 'reference', 'policy', *_LAZY)} or pass an object "
                 "with .name and .candidates(problem, k)"
             )
         mod, cls = _LAZY[name]
@@ -285,18 +334,51 @@ def resolve(obj_or_name: "Provider | str") -> Provider:
                 "or use set_provider('reference')"
             ) from e
         return factory()
-    if not isinstance(obj_or_name, Provider):
+    if isinstance(obj_or_name, Provider):
+        return obj_or_name
+    if not isinstance(getattr(obj_or_name, "name", None), str) or not callable(getattr(obj_or_name, "candidates", None)):
         raise TypeError(
             f"{type(obj_or_name).__name__} is not a provider: it needs a 'name' attribute and a "
             "'candidates(problem, k)' method returning a list of contract.Candidate"
         )
-    return obj_or_name
+    return _Adapted(obj_or_name)
+
+
+class _Adapted(Provider):
+    """A foreign provider object (a ``name`` and ``candidates``) with the ``Provider``
+    defaults for whatever else it does not define."""
+
+    def __init__(self, obj):
+        self.inner = obj
+        self.name = obj.name
+
+    def candidates(self, problem, k):
+        return self.inner.candidates(problem, k)
+
+    @property
+    def checkpoint_hash(self):
+        return getattr(self.inner, "checkpoint_hash", None)
+
+    @property
+    def sandbox_spare(self):
+        return getattr(self.inner, "sandbox_spare", 0)
+
+    def warm_up(self) -> None:
+        warm = getattr(self.inner, "warm_up", None)
+        if callable(warm):
+            warm()
+
+
+def policy_hash(provider: Provider) -> str:
+    """The cache key's ``policy_hash`` for entries ``provider`` proposes: its checkpoint's
+    sha256 (the policy), or ``"none"`` (search, nearest: the hand-written families only)."""
+    return str(provider.checkpoint_hash or "none")
 
 
 def set_provider(obj_or_name: "Provider | str") -> Provider:
     """Make ``obj_or_name`` the active provider and return it.
 
-    Plans already in the runtime's table stay; ``runtime.configure(provider=...)`` also clears
+    Plans already in the runtime's table stay; ``plans.configure(provider=...)`` also clears
     them so the next call of every structure asks the new provider.
     """
     global _active

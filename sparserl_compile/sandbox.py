@@ -9,12 +9,14 @@ while the worker is still starting). A ``SandboxJob``
 names a candidate kernel, the op/dtype/width, value-set seeds, the executor and whether to
 time it; the matrix pattern travels once per worker and is reused by the following jobs on
 the same pattern (a search sends ~100 candidates for one matrix). The worker compiles,
-verifies (``verify.verify``, every check) and, on the GPU and when asked, times the kernel
-(``bench.time_fn`` L2-flushed, the host path hidden behind a GPU sleep of
-``bench.HIDE_HOST_US``, plus ``bench.time_graph`` for kernels under ``GRAPH_BELOW_US``) and
-flags impossible speed against the byte floor. A job without a candidate times the torch.sparse
-reference (int32 and int64 indices, and graph replay under ``REFERENCE_GRAPH_BELOW_US``) in the
-same worker, side by side with the candidates.
+verifies (``verify.verify``, every check, at every width of ``SandboxJob.widths``) and, on the
+GPU and when asked, times the kernel twice: L2-flushed (``bench.time_fn``, the host path
+hidden behind a GPU sleep of ``bench.HIDE_HOST_US``) and back to back with a hot L2
+(``bench.time_hot``), its output re-poisoned before every timed call (outside the events), so
+a kernel that keeps what ``y`` holds cannot time faster than its work; and it flags impossible
+speed against the byte floor. A job without a candidate times the torch.sparse reference
+(int32 and int64 indices, flushed and hot) in the same worker, side by side with the
+candidates.
 
 The parent waits at most ``timeout_s`` per job: a hang is killed (``timeout``); a worker that
 dies (segfault, abort, OOM kill) gives ``crash``; a CUDA error (illegal address, ...) gives
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import multiprocessing as mp
 import os
 import subprocess
@@ -52,11 +55,9 @@ _RESTART = {"wrong", "impossible", "fault", "cuda_error", "timeout", "crash", "i
 #: verify check -> result kind
 _CHECK_KIND = {"header": "contract", "language": "contract", "signature": "contract", "align": "contract",
                "format": "unsuitable", "compile": "compile_error", "launch": "fault"}
-#: kernels faster than this (flushed, us) are also timed by CUDA-graph replay
+#: products under this (flushed, us) were the only ones timed with a hot L2 before every
+#: product was; a cached verdict for a longer one made then has no hot figure to show
 GRAPH_BELOW_US = 50.0
-#: the reference is graph-timed below this: twice the candidates' bound, so every candidate
-#: with a graph figure that beats the reference by up to 2x flushed has one to compare with
-REFERENCE_GRAPH_BELOW_US = 2 * GRAPH_BELOW_US
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class SandboxJob:
     warmup: int = 5
     reps: int = 30
     static: bool = True  # False skips the static checks (fault-injection tests only)
+    #: dense widths to verify, ``n`` first (``verify.widths_to_verify``); () = just ``n``
+    widths: tuple[int, ...] = ()
+    #: False leaves out the special value sets (``operands.SPECIAL``): measurements of their cost only
+    special: bool = True
     #: GPU sleep (us) before each timed call, so no host path enters a timing (bench.time_fn);
     #: None: ``bench.HIDE_HOST_US``
     hide_host_us: float | None = None
@@ -87,7 +92,7 @@ class SandboxResult:
     error: str = ""
     verify: VerifyResult | None = None
     bench: dict | None = None  # BenchResult.to_dict() of the L2-flushed timing
-    graph_bench: dict | None = None  # per-launch time from CUDA-graph replay (hot L2)
+    graph_bench: dict | None = None  # per-call time back to back with a hot L2 (``bench.time_hot``)
     reference: dict | None = None  # index type -> BenchResult.to_dict() (reference jobs)
     floor_us: float | None = None
     cubin: bytes | None = field(default=None, repr=False)
@@ -133,15 +138,25 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
 
         ref = bench.time_reference(pattern.indptr, pattern.indices, pattern.shape, op=job.op, n=job.n,
                                    dtype=job.dtype, warmup=job.warmup, reps=job.reps, seed=job.seed,
-                                   hide_host_us=_hide(job), graph_below_us=REFERENCE_GRAPH_BELOW_US)
+                                   hide_host_us=_hide(job), graph_below_us=math.inf)
         return SandboxResult("ok", reference={k: v.to_dict() for k, v in ref.items()},
                              floor_us=_floor(job, pattern), wall_s=time.perf_counter() - t0, worker_pid=os.getpid())
     from sparserl_compile import verify as V
 
     runners: list = []
-    vr = V.verify(job.candidate, pattern, op=job.op, dtype=job.dtype, executor=job.executor, n=job.n,
-                  value_sets=job.value_sets, seed=job.seed, static=job.static, runner_out=runners)
-    cubin = getattr(runners[0], "cubin", None) if runners else None
+    try:
+        vr = V.verify(job.candidate, pattern, op=job.op, dtype=job.dtype, executor=job.executor, n=job.n,
+                      value_sets=job.value_sets, seed=job.seed, static=job.static, runner_out=runners,
+                      widths=tuple(job.widths) or None, special=job.special)
+        return _after_verify(job, pattern, vr, runners[0] if runners else None, t0)
+    finally:
+        for r in runners:
+            r.close()
+
+
+def _after_verify(job: SandboxJob, pattern: Pattern, vr: VerifyResult, runner, t0: float) -> SandboxResult:
+    """The job's result once verified: on the GPU, when asked, the two timings."""
+    cubin = getattr(runner, "cubin", None)
     if not vr.ok:
         kind = _CHECK_KIND.get(vr.failed, "wrong")
         if kind == "fault" and job.executor == "gpu":
@@ -153,16 +168,18 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
     phases = dict(vr.phases)
     if job.time and job.executor == "gpu":
         from sparserl_compile import bench
+        from sparserl_compile import verify as V
 
         t1 = time.perf_counter()
-        fn = runners[0].launch_fn()
-        br = bench.time_fn(fn, warmup=job.warmup, reps=job.reps, flush_l2=True, hide_host_us=_hide(job))
+        call, poison, out_bytes = V.timing_fns(runner, job.dtype, job.seed)
+        br = bench.time_fn(lambda: call(0), warmup=job.warmup, reps=job.reps, flush_l2=True,
+                           hide_host_us=_hide(job), before=poison)
         b = br.to_dict()
         t2 = time.perf_counter()
         phases["time"] = t2 - t1
-        if br.median_us < GRAPH_BELOW_US:
-            g = bench.time_graph(fn).to_dict()
-            phases["graph"] = time.perf_counter() - t2
+        g = bench.time_hot(call, bench.hot_launches(br.median_us, out_bytes), before=poison,
+                           hide_host_us=_hide(job)).to_dict()
+        phases["graph"] = time.perf_counter() - t2
         floor = _floor(job, pattern)
         if bench.is_impossible(br.median_us, floor):
             kind, err = "impossible", (f"impossible speed: {br.median_us:.2f} us with L2 flushed is below the "
@@ -513,7 +530,7 @@ class SandboxPool:
     def start(self, wait: bool = False, count: int = 1) -> None:
         """Start workers in the background now, up to ``count`` (plus ``spare``) idle or starting ones (e.g. the
         pool's ``workers`` before a first ``map``), so the first jobs do not wait for them
-        (``runtime.prewarm``, RL's reward workers while the policy decodes); ``wait=True``
+        (``miss.prewarm``, RL's reward workers while the policy decodes); ``wait=True``
         returns once ``count`` are up (or none is starting any more)."""
         with self._lock:
             if self._closed:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sparserl_compile.contract import Candidate
+from sparserl_compile.problem import Provider
 
 MAX_DIAGS = 128
 MIN_DIAG_FILL = 0.3
@@ -79,7 +80,7 @@ class _Pattern:
         self.indptr, self.indices, self.shape = indptr, indices, shape
 
 
-class SearchProvider:
+class SearchProvider(Provider):
     """Proposes the pruned kernel space for a problem, in the space's own order."""
 
     name = "search"

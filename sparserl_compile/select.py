@@ -1,23 +1,28 @@
 """Pick the kernel for a problem: sandboxed verify + time every candidate against the reference.
 
 ``choose(problem, candidates)`` runs each candidate through a ``SandboxPool`` worker
-(compile, every verification check, and on the GPU L2-flushed timing with the impossible-
-speed check), times the reference (torch.sparse CSR, i.e. cuSPARSE, int32 and int64
-indices) in the same worker so both are measured side by side, and returns a ``Choice``:
+(compile, every verification check at every dense width the plan will serve, and on the GPU
+the two timings with the impossible-speed check), times the reference (torch.sparse CSR, i.e.
+cuSPARSE, int32 and int64 indices) in the same worker so both are measured side by side, and
+returns a ``Choice``:
 
-* GPU with timing: the fastest verified candidate, kept only if its median is strictly
-  below ``(1 - margin)`` x the reference's (int32 indices; int64 if int32 is unsupported);
-  otherwise ``candidate=None``: the reference wins and the runtime falls back to it. The
-  reference is timed before the candidates and, once one of them has a time, again after
-  them; the faster of its two medians counts. A reference timed while the GPU was slow (its
-  clocks still rising, another process busy) would otherwise let a kernel through that only
-  beat a bad measurement: the rule errs towards cuSPARSE.
-  Short products are also timed with a hot L2 (CUDA-graph replay of back-to-back calls: a
-  candidate under ``sandbox.GRAPH_BELOW_US`` flushed, the reference under
-  ``sandbox.REFERENCE_GRAPH_BELOW_US``). Where both have that figure, a candidate is kept only
-  if it is not slower there either: a kernel that wins with the L2 flushed but loses when its
-  operands stay cached (an eager loop over one small matrix) would be slower per call than
-  torch.sparse. Among the candidates that pass both, the fastest flushed is kept.
+* Widths: plans and cache entries are keyed by ``cache.width_bucket(n)``, so each candidate
+  is verified at ``verify.widths_to_verify(op, n, n_align)``: the call's ``n`` and the other
+  widths of its bucket the kernel can take; the record lists them (``widths_verified``).
+* GPU with timing: every product is timed twice, with the L2 flushed before each call and
+  back to back with a hot L2 (``bench.time_hot``). A verified candidate is kept only if it
+  beats the reference by ``margin`` both ways: its flushed median strictly below
+  ``(1 - margin)`` x the reference's (int32 indices; int64 if int32 is unsupported) and its
+  hot figure strictly below ``(1 - margin)`` x the reference's hot figure. A kernel that wins
+  flushed but loses with cached operands (an eager loop over one matrix) would be slower per
+  call than torch.sparse; one that wins hot but loses flushed would be slower where the
+  operands are evicted between calls. Among the candidates that pass both, the fastest
+  flushed is kept; otherwise ``candidate=None``: the reference wins and the runtime falls back
+  to it. A candidate or reference without a hot figure cannot pass. The reference is timed
+  before the candidates and, once one of them has a time, again after them; the faster of its
+  two medians (each way) counts. A reference timed while the GPU was slow (its clocks still
+  rising, another process busy) would otherwise let a kernel through that only beat a bad
+  measurement: the rule errs towards cuSPARSE.
 * CPU executor (or ``time=False``): nothing can be timed, so the rule is "the first verified
   candidate in the provider's order" (providers list their best guess first); all times None.
 
@@ -145,6 +150,7 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     timed = time and executor == "gpu"
     common = dict(op=problem.op, dtype=problem.dtype, n=problem.n, executor=executor, seed=seed,
                   value_sets=value_sets, time=timed, reps=reps)
+    widths = [_widths(problem, c) for c in candidates]
     run = lambda job: pool.run(job, pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)  # noqa: E731
     if precompile and executor == "gpu" and not first_verified and len(candidates) > 1:
         from sparserl_compile import compiler
@@ -154,8 +160,8 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     checked = None
     if parallel_verify and not first_verified and len(candidates) > 1 and pool.workers > 1:
         t1 = _time.perf_counter()
-        checked = pool.map([SandboxJob(c, **{**common, "time": False}) for c in candidates], pattern,
-                           pattern_key=problem.fingerprint, timeout_s=timeout_s)
+        checked = pool.map([SandboxJob(c, **{**common, "time": False}, widths=w) for c, w in zip(candidates, widths)],
+                           pattern, pattern_key=problem.fingerprint, timeout_s=timeout_s)
         parts["verify"] = _time.perf_counter() - t1
     ref = None
     if timed:
@@ -166,7 +172,7 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     results = []
     for i, c in enumerate(candidates):
         if checked is None:
-            r = run(SandboxJob(c, **common))
+            r = run(SandboxJob(c, **common, widths=widths[i]))
         elif checked[i].ok and timed:  # verified on every value set: re-checked on the first, then timed
             r = run(SandboxJob(c, **{**common, "value_sets": 1}))
             r = _merged(checked[i], r)
@@ -187,6 +193,15 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     return Evaluation(tuple(results), ref, _time.perf_counter() - t0, again, parts)
 
 
+def _widths(problem, c: Candidate) -> tuple[int, ...]:
+    """The widths ``c`` is verified at for ``problem`` (just ``n`` where ``n`` does not suit its
+    ``n_align``: the align check then rejects it)."""
+    from sparserl_compile.verify import widths_to_verify
+
+    align = c.header.launch.n_align
+    return (problem.n,) if problem.n % align else widths_to_verify(problem.op, problem.n, align)
+
+
 def _merged(checked: SandboxResult, timed: SandboxResult) -> SandboxResult:
     """A candidate's outcome under ``parallel_verify``: the timed job's (its kind, times and
     cubin; a failed re-check stands), with the full verification's result and phases."""
@@ -205,9 +220,12 @@ def outcome_record(c: Candidate, r: SandboxResult) -> dict:
             "format": c.header.format, "kind": r.kind, "error": r.error[:500],
             "failed_check": v.failed if v else None,
             "max_rel_err": max(v.max_rel_err) if v and v.max_rel_err else None,
+            "widths_verified": list(v.widths) if v else [], "oob": v.oob if v else None,
             "kernel_us": r.kernel_us, "p10_us": r.bench["p10_us"] if r.bench else None,
             "p90_us": r.bench["p90_us"] if r.bench else None,
             "graph_us": r.graph_bench["median_us"] if r.graph_bench else None,
+            "hot_us": r.graph_bench["median_us"] if r.graph_bench else None,
+            "hot_method": r.graph_bench.get("method") if r.graph_bench else None,
             "floor_us": r.floor_us, "wall_s": round(r.wall_s, 4),
             "phases": {k: round(v, 4) for k, v in r.phases.items()},
             "overhead": {k: round(v, 4) for k, v in r.overhead.items()}}
@@ -219,11 +237,11 @@ def _jsonable(x):
 
 def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAULT_MARGIN) -> Choice:
     """Apply the selection rule of the module docstring to an ``Evaluation``."""
-    ref_us, ref_graph = ev.reference_us(), ev.reference_graph_us()
+    ref_us, ref_hot = ev.reference_us(), ev.reference_graph_us()
     record = {"candidates": [outcome_record(c, r) for c, r in zip(candidates, ev.results)],
               "reference": ev.reference.reference if ev.reference else None,
               "reference_us": ref_us, "reference_runs_us": ev.reference_runs_us(),
-              "reference_graph_us": ref_graph,
+              "reference_graph_us": ref_hot, "reference_hot_us": ref_hot,
               "margin": margin, "seconds": round(ev.seconds, 3),
               "parts": {k: round(v, 4) for k, v in ev.parts.items()},
               "reference_wall_s": round(ev.reference.wall_s, 4) if ev.reference else None}
@@ -234,29 +252,56 @@ def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAU
     timed = [(c, r) for c, r in ok if r.kernel_us is not None]
     if not timed:
         c, r = ok[0]
-        record.update(chosen=c.name, rule="untimed: first verified candidate in provider order")
+        record.update(chosen=c.name, widths_verified=list(r.verify.widths) if r.verify else [],
+                      rule="untimed: first verified candidate in provider order")
         return Choice(c, r.cubin, None, ref_us, record)
     c, r = min(timed, key=lambda cr: cr[1].kernel_us)
     beats = timed if ref_us is None else [(c2, r2) for c2, r2 in timed if r2.kernel_us < (1.0 - margin) * ref_us]
     if not beats:
-        record.update(chosen=None, best=c.name, best_us=r.kernel_us,
+        record.update(chosen=None, best=c.name, best_us=r.kernel_us, best_hot_us=_hot(r),
                       rule=f"reference wins: best {r.kernel_us:.2f} us not below (1-{margin}) x {ref_us:.2f} us")
         return Choice(None, None, r.kernel_us, ref_us, record)
-    hot = [(c2, r2) for c2, r2 in beats if _hot_ok(r2, ref_graph)]
+    hot = beats if ref_us is None else [(c2, r2) for c2, r2 in beats if _hot_ok(r2, ref_hot, margin)]
     if not hot:
-        g = r.graph_bench["median_us"]
-        record.update(chosen=None, best=c.name, best_us=r.kernel_us, best_graph_us=g,
-                      rule=f"reference wins with a hot L2: every candidate that beats it flushed is slower "
-                           f"in graph replay (fastest flushed {g:.2f} us vs {ref_graph:.2f} us)")
+        g = _hot(r)
+        record.update(chosen=None, best=c.name, best_us=r.kernel_us, best_graph_us=g, best_hot_us=g,
+                      rule=f"reference wins with a hot L2: no candidate that beats it flushed also beats it by "
+                           f"{margin} back to back (fastest flushed: {_us(g)} vs the reference's {_us(ref_hot)})")
         return Choice(None, None, r.kernel_us, ref_us, record)
     c, r = min(hot, key=lambda cr: cr[1].kernel_us)
-    record.update(chosen=c.name, chosen_us=r.kernel_us, rule="fastest verified candidate beats the reference")
+    record.update(chosen=c.name, chosen_us=r.kernel_us, chosen_hot_us=_hot(r),
+                  widths_verified=list(r.verify.widths) if r.verify else [],
+                  rule="fastest verified candidate beats the reference flushed and hot")
     return Choice(c, r.cubin, r.kernel_us, ref_us, record)
 
 
-def _hot_ok(r: SandboxResult, ref_graph_us: float | None) -> bool:
-    """Not slower than the reference with a hot L2, where both were graph-timed."""
-    return ref_graph_us is None or r.graph_bench is None or r.graph_bench["median_us"] <= ref_graph_us
+def _hot(r: SandboxResult) -> float | None:
+    return None if r.graph_bench is None else float(r.graph_bench["median_us"])
+
+
+def _us(t: float | None) -> str:
+    return "none" if t is None else f"{t:.2f} us"
+
+
+def _hot_ok(r: SandboxResult, ref_hot_us: float | None, margin: float) -> bool:
+    """Beats the reference by ``margin`` with a hot L2 (both must have the figure)."""
+    g = _hot(r)
+    return g is not None and ref_hot_us is not None and g < (1.0 - margin) * ref_hot_us
+
+
+def outdated(record: dict) -> str | None:
+    """Why a cached verdict's record (``Choice.record``) was decided by rules older than
+    ``decide``'s, or None. Only a kept kernel can be outdated: the rules only grew stricter,
+    so a verdict that the reference wins stands. A kept kernel must list the widths it was
+    verified at and, if timed, the reference's hot figure it beat."""
+    chosen = record.get("chosen")
+    if chosen is None or not record.get("candidates"):
+        return None
+    if "widths_verified" not in record:
+        return "it was verified at one width only, not at every width of its bucket"
+    if record.get("reference_us") is not None and record.get("reference_hot_us") is None:
+        return "it was not compared with the reference with a hot L2"
+    return None
 
 
 def choose(problem, candidates: list[Candidate], *, executor: str | None = None, time: bool = True,

@@ -43,13 +43,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparserl_compile import runtime as _runtime
+from sparserl_compile import plans as _plans
+from sparserl_compile.reference import VALUE_DTYPES
 from sparserl_compile.structure import check_csr_arrays
 from sparserl_compile.structure import fingerprint as _fingerprint
 
 aten = torch.ops.aten
 
-_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INT32_MAX = 2**31 - 1
 
 _ATEN_TABLE: dict = {}
@@ -91,7 +91,7 @@ class SparseRLTensor(torch.Tensor):
         self.n_cols = n_cols
         self.fingerprint = fingerprint
         self.transposed = transposed
-        self._routes = _runtime.Routes()  # eager shortcuts to the reference (runtime.Routes)
+        self._routes = _plans.Routes()  # eager shortcuts to the reference (plans.Routes)
 
     # ------------------------------------------------------------------ subclass protocol
 
@@ -201,8 +201,8 @@ class SparseRLTensor(torch.Tensor):
             raise ValueError(
                 f"with_values: got {tuple(values.shape)} values for a pattern with nnz={self.nnz}"
             )
-        if values.dtype not in _VALUE_DTYPES:
-            raise TypeError(f"with_values: dtype {values.dtype} unsupported; use one of {_VALUE_DTYPES}")
+        if values.dtype not in VALUE_DTYPES:
+            raise TypeError(f"with_values: dtype {values.dtype} unsupported; use one of {VALUE_DTYPES}")
         return self._with(val=values.to(self.val.device))
 
 
@@ -255,7 +255,7 @@ def _from_csr(crow, col, values, shape, *, device=None) -> SparseRLTensor:
     if not isinstance(values, torch.Tensor):
         values = torch.as_tensor(np.asarray(values))
     values = values.detach()
-    if values.dtype not in _VALUE_DTYPES:
+    if values.dtype not in VALUE_DTYPES:
         raise TypeError(
             f"values dtype {values.dtype} is not supported: sparserl takes float32, float16, "
             "bfloat16 or float64 (float64 uses the reference path); convert with .float()"
@@ -308,7 +308,7 @@ def sparsify(a, *, device=None) -> SparseRLTensor:
         if a.layout == torch.strided:
             if a.dim() != 2:
                 raise ValueError(f"sparsify needs a 2-D matrix, got a {a.dim()}-D tensor of shape {tuple(a.shape)}")
-            if a.dtype not in _VALUE_DTYPES:
+            if a.dtype not in VALUE_DTYPES:
                 raise TypeError(f"dense dtype {a.dtype} is not supported; convert with .float()")
             a = a.detach().to_sparse_csr()
         elif a.layout == torch.sparse_coo:
@@ -369,7 +369,7 @@ def sparsify_(module: torch.nn.Module, min_sparsity: float = 0.5) -> torch.nn.Mo
         if not isinstance(sub, torch.nn.Linear) or isinstance(sub.weight, SparseRLTensor):
             continue
         w = sub.weight.detach()
-        if w.numel() == 0 or w.dtype not in _VALUE_DTYPES:
+        if w.numel() == 0 or w.dtype not in VALUE_DTYPES:
             continue
         zeros = float((w == 0).sum()) / w.numel()
         if zeros >= min_sparsity:
@@ -410,13 +410,14 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
             f"shape mismatch: sparse ({m} x {k}) @ dense {tuple(X.shape)}: the dense operand "
             f"needs {k} rows"
         )
-    X = X.contiguous()
+    if not X.is_contiguous():
+        X = X.contiguous()
     mv = X.dim() == 1
     if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
         if t:
-            return (_runtime.spmv_t if mv else _runtime.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols,
+            return (_plans.spmv_t if mv else _plans.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols,
                                                                A.fingerprint)
-        return _runtime.routed_product(A._routes, "spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows,
+        return _plans.routed_product(A._routes, "spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows,
                                        A.n_cols, A.fingerprint)
     args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
     if mv:
@@ -556,7 +557,7 @@ def _linear(func, types, args, kwargs):
             and x.dtype == val.dtype and x.device == val.device and _eager_plain(val, x)):
         # the eager hot path of a sparsified model (a decoder runs hundreds of these per token):
         # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do
-        y = _runtime.routed_product(w._routes, "spmm", w.crow, w.col, val, x.reshape(-1, k).t().contiguous(),
+        y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, x.reshape(-1, k).t().contiguous(),
                                     w.n_rows, k, w.fingerprint)
         y = y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
@@ -602,8 +603,8 @@ def _to_copy(func, types, args, kwargs):
     a = args[0]
     dtype = kwargs.get("dtype") or a.dtype
     device = kwargs.get("device") or a.device
-    if dtype not in _VALUE_DTYPES:
-        raise TypeError(f"SparseRLTensor values cannot be {dtype}; use one of {_VALUE_DTYPES}")
+    if dtype not in VALUE_DTYPES:
+        raise TypeError(f"SparseRLTensor values cannot be {dtype}; use one of {VALUE_DTYPES}")
     return a._with(crow=a.crow.to(device), col=a.col.to(device), val=a.val.to(device=device, dtype=dtype))
 
 

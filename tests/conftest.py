@@ -52,19 +52,19 @@ def _session_runtime_settings():
     """The runtime's settings as the session starts, before any fixture or test changes them:
     the default configuration and one ``DefaultProvider`` (made without loading anything; on a
     GPU the policy it loads stays loaded for later tests)."""
-    from sparserl_compile import providers, runtime
+    from sparserl_compile import config, providers
 
-    return runtime.get_config(), providers.get_provider()
+    return config.get_config(), providers.get_provider()
 
 
 @pytest.fixture(autouse=True)
 def _runtime_settings_restored(_session_runtime_settings):
     """Whatever a test sets (``configure``, ``set_provider``), the next test starts from the
     session's first settings, not from what an earlier module left behind."""
-    from sparserl_compile import providers, runtime
+    from sparserl_compile import config, plans, providers
 
-    config, active = _session_runtime_settings
+    settings, active = _session_runtime_settings
     yield
-    if runtime.get_config() is not config or providers.get_provider() is not active:
-        runtime._config, providers._active = config, active  # as they were: no provider is built
-        runtime.clear()
+    if config.get_config() is not settings or providers.get_provider() is not active:
+        config.current, providers._active = settings, active  # as they were: no provider is built
+        plans.clear()

@@ -49,7 +49,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || tail -20 "$LOGS/install.log"
 python3 -c "import llguidance, torch; print('llguidance', llguidance.__version__ if hasattr(llguidance, '__version__') else 'ok', 'cuda', torch.cuda.is_available())"
 
-SR="python3 -m sparserl_compile.cli"
+SR="python3 -m sparserl_compile.commands.cli"
 keep() {  # a stage's checkpoint (weights, tokenizer, configs, trainer log; not the optimizer) and
   # the logs so far, as tarballs: the device returns few files per call, each under 16 MiB, so
   # RL's validation-best checkpoint (--validate: <out>/best/) is a tarball of its own

@@ -372,7 +372,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
         return tables[0]
 
     from sparserl_compile.fileio import write_json
-    from sparserl_compile.suite import run_stamp
+    from sparserl_compile.version import run_stamp
 
     report = {**run_stamp(), "held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
               "samples": cfg.samples + (" untraced" if cfg.untraced_samples and cfg.samples == "temperature" else "")

@@ -178,7 +178,7 @@ def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: 
     probs = validation_problems(count, seed, max_nnz, mix=parse_mix(mix) if mix else None, spmm_widths=spmm_widths)
     ev = make_evaluator(evaluator, workers)
     v = Validator(probs, ev, max_new_tokens=max_new_tokens)
-    from sparserl_compile.suite import run_stamp
+    from sparserl_compile.version import run_stamp
 
     out = {**run_stamp(), "problems": [f"{p.label} {p.op}" for p in probs], "evaluator": evaluator, "checkpoints": {}}
     try:

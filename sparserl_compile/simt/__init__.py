@@ -21,7 +21,7 @@ under ``$SPARSERL_CACHE_DIR/simt`` (``build``). g++ errors raise ``SimtCompileEr
 log and the numbered source.
 
 ``SimtKernel.launch(grid, block, smem, args, *, step_limit=None, time_limit_s=10.0,
-workers=1, racecheck=None) -> LaunchStats`` takes exactly the contract-ordered argument list
+workers=1, racecheck=None, guard=None, placement=0) -> LaunchStats`` takes exactly the contract-ordered argument list
 ``formats.FormatData.kernel_args`` builds: ``np.int32`` scalars and C-contiguous numpy arrays
 (``int32`` structure, ``float32``/``float16`` values, bfloat16 as ``ml_dtypes.bfloat16`` or
 ``uint16`` bit patterns); ``y`` is written in place.
@@ -48,7 +48,11 @@ What is modelled:
 
 Faults raise ``SimtFault`` subclasses naming the thread, block and (where known) line:
 ``OutOfBounds`` (array name, index, extent; guarded builds check every access through the
-kernel's pointers, shared and local arrays), ``MisalignedAccess`` (a ``float4``/``half2``
+kernel's pointers, shared and local arrays, and a guarded launch copies every array argument
+between 32 GiB of PROT_NONE address space, so an access through a raw pointer past it (``(&x[0])[k]``)
+faults too and a write into the fill beside it is found after the launch: ``guard.h``),
+``GlobalMemoryRace`` (guarded: two threads touching one element of ``y``, one writing, with
+nothing ordering them), ``MisalignedAccess`` (a ``float4``/``half2``
 access off its alignment), ``BarrierDivergence`` (``__syncthreads`` reached by part of a
 block or at different lines), ``WarpMaskError`` (mask without the caller, lanes that never
 arrive, disagreeing masks, reads from lanes outside the mask), ``SharedMemoryRace``
@@ -59,14 +63,17 @@ What is not: anything outside the language (refused); exact float summation orde
 GPU's FMA contraction (the CPU build uses ``-ffp-contract=off``: verify with a tolerance,
 or with integer-valued data for bit-exactness); memory-model subtleties beyond barriers
 (fibers run in a fixed order); accesses through raw pointers taken with ``&a[i]`` and
-multi-dimensional arrays are not bounds-checked; unguarded builds check nothing and a bad
-access there can crash the process (run untrusted kernels guarded, or in ``sandbox``).
+multi-dimensional arrays are not checked per access (the guard regions catch them once they
+leave the array's pages; inside those pages, the 0xFF fill shows a read as NaN or -1);
+unguarded builds check nothing and a bad access there can crash the process (run untrusted
+kernels guarded, or in ``sandbox``).
 Barrier semantics are the strict ones of the CUDA programming guide: a thread that exits
 before a ``__syncthreads`` its block still reaches is reported as divergence.
 """
 
 from sparserl_compile.simt.errors import (
     BarrierDivergence,
+    GlobalMemoryRace,
     MisalignedAccess,
     OutOfBounds,
     SharedMemoryExceeded,
@@ -86,5 +93,5 @@ __all__ = [
     "compile_kernel", "compile_many", "SimtKernel", "LaunchStats",
     "SimtError", "SimtUnavailable", "SimtRefused", "SimtCompileError", "SimtFault",
     "OutOfBounds", "MisalignedAccess", "BarrierDivergence", "WarpMaskError",
-    "SharedMemoryRace", "SharedMemoryExceeded", "StepLimitExceeded", "Timeout",
+    "SharedMemoryRace", "GlobalMemoryRace", "SharedMemoryExceeded", "StepLimitExceeded", "Timeout",
 ]

@@ -26,6 +26,8 @@ from sparserl_compile.simt.errors import SimtCompileError, SimtUnavailable
 from sparserl_compile.simt.rewrite import Prepared
 
 RUNTIME_H = Path(__file__).with_name("runtime.h")
+#: every header the translation unit includes (all part of the cache key)
+HEADERS = (RUNTIME_H, Path(__file__).with_name("guard.h"))
 
 FLAGS = (
     "-std=gnu++17", "-O2", "-fPIC", "-shared", "-pthread",
@@ -107,7 +109,7 @@ def build(prep: Prepared) -> Path:
     cmd = compiler()
     tu = translation_unit(prep)
     h = hashlib.sha256()
-    for part in (RUNTIME_H.read_bytes(), tu.encode(), " ".join(FLAGS).encode(),
+    for part in (*(p.read_bytes() for p in HEADERS), tu.encode(), " ".join(FLAGS).encode(),
                  compiler_version(tuple(cmd)).encode()):
         h.update(hashlib.sha256(part).digest())
     d = cache_dir()

@@ -102,5 +102,16 @@ class SharedMemoryRace(SimtFault):
         super().__init__(f"array {array!r}: {detail}", **kw)
 
 
+class GlobalMemoryRace(SimtFault):
+    """Two threads touched one element of an output array, one of them with a plain write, with
+    nothing ordering them: threads of different blocks, or of one block with no barrier or
+    warp sync between. On a GPU the result depends on timing (lost updates); ``atomicAdd``
+    is the ordered way for several threads to add into one element."""
+
+    def __init__(self, detail: str, *, array: str, index: int, other_thread: int, **kw):
+        self.array, self.index, self.other_thread = array, index, other_thread
+        super().__init__(f"array {array!r}: {detail}", **kw)
+
+
 class SharedMemoryExceeded(SimtFault):
     """Static plus dynamic shared memory above the 227 KiB a block may have."""

@@ -23,7 +23,11 @@ from sparserl_compile.simt.build import build
 from sparserl_compile.simt.rewrite import Prepared, prepare
 
 _MAX_ARGS = 24
-_F_OOB, _F_MIS, _F_BAR, _F_WARP, _F_STEPS, _F_TIME, _F_RACE, _F_SMEM, _F_INTERNAL = range(1, 10)
+_F_OOB, _F_MIS, _F_BAR, _F_WARP, _F_STEPS, _F_TIME, _F_RACE, _F_SMEM, _F_INTERNAL, _F_GRACE = range(1, 11)
+#: PROT_NONE bytes around every array of a guarded launch: any int32 index times a 16-byte vector
+GUARD_BYTES = 2**31 * 16
+#: one guarded launch at a time in a process: its SIGSEGV handler is process-wide (guard.h)
+_GUARD_LOCK = threading.Lock()
 
 
 class _FaultRec(ctypes.Structure):
@@ -49,6 +53,8 @@ class _Launch(ctypes.Structure):
         ("max_steps", ctypes.c_longlong), ("switches", ctypes.c_longlong),
         ("blocks_done", ctypes.c_longlong),
         ("claimed", ctypes.c_int), ("abort_flag", ctypes.c_int),
+        ("placement", ctypes.c_int), ("pad2", ctypes.c_int), ("guard_bytes", ctypes.c_longlong),
+        ("elsize", ctypes.c_longlong * _MAX_ARGS), ("writable", ctypes.c_int * _MAX_ARGS),
         ("fault", _FaultRec),
     ]
 
@@ -150,22 +156,27 @@ class SimtKernel:
             buf = a
             if a.nbytes == 0:  # a valid address with no bytes: every access is out of bounds
                 buf = np.zeros(64, np.uint8)[:0]
-            elif a.ctypes.data % 64:
+            elif a.ctypes.data % 64 or not a.flags.writeable:
+                # aligned as CUDA allocations are; a read-only input gets a copy, since a guarded
+                # launch copies every array back (a kernel that writes its inputs shows there)
                 raw = np.empty(a.nbytes + 64, np.uint8)
                 off = (-raw.ctypes.data) % 64
                 buf = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
                 buf[...] = a
-                if writable:
+                if a.flags.writeable:
                     writeback.append((buf, a))
             rec.ptr[k] = buf.ctypes.data
             rec.nbytes[k] = a.nbytes
+            rec.elsize[k] = a.itemsize
+            rec.writable[k] = int(writable)
             writeback.append((buf, None))  # keeps the buffer alive during the call
         return writeback
 
     # ------------------------------------------------------------------ launch
     def launch(self, grid, block, smem: int, args: list, *, step_limit: int | None = None,
                time_limit_s: float | None = 10.0, workers: int = 1,
-               racecheck: bool | None = None) -> LaunchStats:
+               racecheck: bool | None = None, guard: bool | None = None,
+               placement: int = 0) -> LaunchStats:
         """Run the grid on ``args`` (contract order, see ``formats.FormatData.kernel_args``).
 
         ``grid``/``block``: an int or up to three ints; ``smem``: dynamic shared memory bytes.
@@ -173,7 +184,11 @@ class SimtKernel:
         ``ml_dtypes.bfloat16`` or ``uint16`` bit patterns; the output is written in place.
         ``step_limit`` caps the loop iterations of one thread, ``time_limit_s`` the launch;
         ``workers`` spreads blocks over OS threads; ``racecheck`` (guarded builds only,
-        default on there) tracks shared-memory races. Raises a ``SimtFault`` subclass on a fault.
+        default on there) tracks shared-memory races and races on the output (two threads
+        writing one element of ``y`` unordered); ``guard`` (guarded builds only, default on
+        there) places every array between PROT_NONE regions of ``GUARD_BYTES`` so accesses
+        through raw pointers past it fault too (``guard.h``), at the start (``placement=0``)
+        or the end (``1``) of its pages. Raises a ``SimtFault`` subclass on a fault.
         """
         g, b = _dim3(grid, "grid"), _dim3(block, "block")
         nth = b[0] * b[1] * b[2]
@@ -183,6 +198,9 @@ class SimtKernel:
             raise ValueError(f"smem={smem}: dynamic shared memory must be in [0, 227 KiB]")
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1")
+        if placement not in (0, 1):
+            raise ValueError(f"placement={placement!r}: 0 (arrays at the start of their pages) or 1 (at the end)")
+        guarded = self.guarded and (guard is None or guard)
         rec = _Launch()
         rec.grid[:] = g
         rec.block[:] = b
@@ -193,9 +211,15 @@ class SimtKernel:
         rec.racecheck = int(self.guarded if racecheck is None else racecheck)
         rec.nargs = len(self.params)
         rec.fibers = int(self.uses_fibers)
+        rec.placement = int(placement)
+        rec.guard_bytes = GUARD_BYTES if guarded else 0
         keep = self._marshal(args, rec)
         t0 = time.perf_counter()
-        kind = self._fn(ctypes.byref(rec))
+        if guarded:
+            with _GUARD_LOCK:
+                kind = self._fn(ctypes.byref(rec))
+        else:
+            kind = self._fn(ctypes.byref(rec))
         wall = time.perf_counter() - t0
         if kind == 0:
             for buf, orig in keep:
@@ -222,6 +246,9 @@ class SimtKernel:
         if f.kind in (_F_OOB, _F_MIS):
             cls = E.OutOfBounds if f.kind == _F_OOB else E.MisalignedAccess
             return cls(msg, array=self._array_name(f.array), index=int(f.index), extent=int(f.extent), **kw)
+        if f.kind == _F_GRACE:
+            return E.GlobalMemoryRace(msg, array=self._array_name(f.array), index=int(f.index),
+                                      other_thread=int(f.other_thread), **kw)
         if f.kind == _F_RACE:
             return E.SharedMemoryRace(msg, array=self._array_name(f.array), other_thread=int(f.other_thread), **kw)
         cls = {_F_BAR: E.BarrierDivergence, _F_WARP: E.WarpMaskError, _F_STEPS: E.StepLimitExceeded,

@@ -64,7 +64,8 @@ static inline float rsqrtf(float v) { return 1.0f / sqrtf(v); }
 /* ------------------------------------------------------------------ launch record */
 enum {
     SIMT_OK = 0, SIMT_F_OOB = 1, SIMT_F_MISALIGNED = 2, SIMT_F_BARRIER = 3, SIMT_F_WARP = 4,
-    SIMT_F_STEPS = 5, SIMT_F_TIMEOUT = 6, SIMT_F_RACE = 7, SIMT_F_SMEM = 8, SIMT_F_INTERNAL = 9
+    SIMT_F_STEPS = 5, SIMT_F_TIMEOUT = 6, SIMT_F_RACE = 7, SIMT_F_SMEM = 8, SIMT_F_INTERNAL = 9,
+    SIMT_F_GRACE = 10
 };
 #define SIMT_MAX_ARGS 24
 #define SIMT_MAX_SHARED 64
@@ -85,6 +86,10 @@ struct SimtLaunch {            /* mirrored by launch.py (_Launch) */
     long long ival[SIMT_MAX_ARGS]; void* ptr[SIMT_MAX_ARGS]; long long nbytes[SIMT_MAX_ARGS];
     long long max_steps; long long switches; long long blocks_done;
     int claimed; int abort_flag;
+    int placement; int pad2;     /* guarded builds: arrays at the start (0) or end (1) of their pages */
+    long long guard_bytes;       /* PROT_NONE bytes on each side of every array (0: no mappings) */
+    long long elsize[SIMT_MAX_ARGS];   /* element bytes of each array argument (0: a scalar) */
+    int writable[SIMT_MAX_ARGS];       /* 1 for arrays the kernel may write (race-checked) */
     SimtFaultRec fault;
 };
 
@@ -112,6 +117,7 @@ struct SimtWorker {
     uint3 bid, bdim, gdim;
     SimtThread* cur;
     long long steps, budget, step_cap, step_limit;
+    long long blin;            /* linear index of the block being run */
     double deadline;
     int fibers, in_fiber, faulted, nth;
     void* sched_sp;
@@ -437,6 +443,8 @@ SIMT_ATOMIC16(__half)
 SIMT_ATOMIC16(__nv_bfloat16)
 
 /* ------------------------------------------------------------------ guarded memory */
+#include "guard.h"
+
 template <bool B, class R = int> struct simt_enable_if {};
 template <class R> struct simt_enable_if<true, R> { typedef R type; };
 template <class A, class B> struct simt_conv { enum { v = 0 }; };
@@ -493,8 +501,8 @@ template <class T> struct GPtr {
             }
         }
     }
-    template <class I> T& operator[](I i) const { T* a = p + i; chk(a); return *a; }
-    T& operator*() const { chk(p); return *p; }
+    template <class I> typename simt_gref<T>::t operator[](I i) const { T* a = p + i; chk(a); return simt_gref<T>::make(a, id); }
+    typename simt_gref<T>::t operator*() const { chk(p); return simt_gref<T>::make(p, id); }
     T* operator->() const { chk(p); return p; }
     template <class I> GPtr operator+(I i) const { return GPtr(p + i, lo, hi, id); }
     template <class I> GPtr operator-(I i) const { return GPtr(p - i, lo, hi, id); }
@@ -1000,6 +1008,7 @@ static void* simt_worker_main(void* arg) {
             if (b >= P->nblocks) break;
             long long gx = L->grid[0], gy = L->grid[1];
             w->bid = make_uint3((unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / (gx * gy)));
+            w->blin = b;
             w->cur = 0;
             simt_run_block(w);
             if (w->faulted) break;
@@ -1020,7 +1029,7 @@ static void* simt_worker_main(void* arg) {
     return 0;
 }
 
-extern "C" __attribute__((visibility("default"))) int simt_abi_version(void) { return 1; }
+extern "C" __attribute__((visibility("default"))) int simt_abi_version(void) { return 2; }
 extern "C" __attribute__((visibility("default"))) int simt_guarded(void) { return SIMT_GUARDED; }
 
 extern "C" __attribute__((visibility("default"))) int simt_launch(SimtLaunch* L) {
@@ -1029,6 +1038,8 @@ extern "C" __attribute__((visibility("default"))) int simt_launch(SimtLaunch* L)
     L->claimed = 0; L->abort_flag = 0; L->max_steps = 0; L->switches = 0; L->blocks_done = 0;
     memset(&L->fault, 0, sizeof L->fault);
     if (nblocks <= 0 || nth <= 0) return 0;
+    int guard = SIMT_GUARDED && L->guard_bytes > 0;
+    if (guard && simt_guard_setup(L) != 0) { simt_guard_finish(L); return L->fault.kind; }
     SimtPool P = {L, 0, nblocks, nth};
     int nw = L->workers < 1 ? 1 : L->workers;
     if (nw > nblocks) nw = (int)nblocks;
@@ -1042,5 +1053,6 @@ extern "C" __attribute__((visibility("default"))) int simt_launch(SimtLaunch* L)
     }
     simt_worker_main(&P);
     for (int i = 0; i < started; ++i) pthread_join(tids[i], 0);
+    if (guard) simt_guard_finish(L);
     return L->fault.kind;
 }

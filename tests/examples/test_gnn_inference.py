@@ -90,7 +90,7 @@ def test_provider_and_k_configure_the_runtime(shared_matrices, capsys):
     try:
         assert gnn.main(["--dataset", "cora", "--device", "cpu", "--epochs", "1", "--provider", "nearest",
                          "--k", "2"]) == 0
-        assert (sr.get_config().provider, sr.get_config().k) == ("nearest", 2)
+        assert (sr.get_provider().name, sr.get_config().k) == ("nearest", 2)
     finally:
         sr.configure(provider=before.provider, k=before.k)
     assert '"accuracies_equal": true' in capsys.readouterr().out

@@ -169,12 +169,12 @@ def test_patterns_mode_needs_a_saved_folder(tmp_path, capsys):
 def test_provider_is_set_for_the_run_and_recorded(tmp_path, capsys):
     import sparserl_compile as sr
 
-    before = sr.get_config().provider
+    before = sr.get_provider()
     out = tmp_path / "r.json"
     try:
         assert llm.main(["--tiny", "--sparsity", "0.8", "--batches", "1", "--new-tokens", "2",
                          "--provider", "reference", "--k", "3", "--json", str(out)]) == 0
-        assert sr.get_config().provider == "reference"
+        assert sr.get_provider().name == "reference"
     finally:
         sr.configure(provider=before, k=0)
     r = json.loads(out.read_text())
@@ -191,10 +191,10 @@ def test_pregen_needs_a_gpu_device(capsys):
 def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, calib, tmp_path, monkeypatch):
     """Built for a named target on the CPU (CPU executor): one entry per weight and width, the
     alike weights explored once, and each entry under the key the runtime computes for it."""
-    from sparserl_compile import cache, runtime
+    from sparserl_compile import cache
 
     monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "kernels"))
-    target = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
+    target = cache.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
     dense = copy.deepcopy(tiny.model)
     llm.prune_(dense, 0.75, "magnitude")
     sparse = sr.sparsify_(copy.deepcopy(dense), min_sparsity=0.75)
@@ -207,4 +207,4 @@ def test_pregenerate_weights_fills_the_keys_the_runtime_looks_up(tiny, calib, tm
         w = m.weight
         p = make_problem("spmm", "f32", 2, w.crow.numpy(), w.col.numpy(), (w.n_rows, w.n_cols),
                                  w.fingerprint, "sm_90")
-        assert store.get(runtime.cache_key(p, target)) is not None
+        assert store.get(cache.cache_key(p, target)) is not None

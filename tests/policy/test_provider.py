@@ -326,23 +326,23 @@ def test_problem_inputs_leave_out_the_excluded_matrix_and_skip_drafts_when_asked
 def test_the_provider_asks_for_a_spare_sandbox_worker_where_its_candidates_often_fail(tiny_model, tiny_tok):
     """Departures and samples fail verification now and then, and each failure replaces the
     sandbox worker: such a provider asks the runtime for one spare worker (its
-    ``sandbox_spare``, what ``runtime.sandbox_spare`` keeps unless configured); hinted
+    ``sandbox_spare``, what ``miss.sandbox_spare`` keeps unless configured); hinted
     candidates, nearly always measured kernel-space points, ask for none."""
     import copy
 
-    from sparserl_compile import runtime
+    from sparserl_compile import miss
 
     hinted = copy.deepcopy(tiny_model)
     hinted.config.retrieval, hinted.config.retrieval_hints = True, 8
     for model, samples, spare in ((tiny_model, "branches", 1), (tiny_model, "temperature", 1), (hinted, None, 0)):
         prov = PolicyProvider(model=model, tokenizer=tiny_tok, samples=samples, speculative=False)
-        assert prov.sandbox_spare == spare and runtime.sandbox_spare(prov) == spare
+        assert prov.sandbox_spare == spare and miss.sandbox_spare(prov) == spare
     assert prov.samples == "hints"  # a hinted checkpoint's default
 
 
 @pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "model.safetensors").is_file(), reason="no default checkpoint")
 def test_warm_up_pays_the_first_decoding_and_leaves_the_counts(monkeypatch):
-    """``warm_up`` (what ``runtime.prewarm`` calls) proposes for a small SpMV and an SpMM of the
+    """``warm_up`` (what ``miss.prewarm`` calls) proposes for a small SpMV and an SpMM of the
     shipped policy and leaves ``stats`` as it found them; proposals from two threads run one at a
     time, each complete and the same."""
     import threading

@@ -30,6 +30,13 @@ def test_csr_tensor_is_the_matrix_and_warns_nothing():
     assert a.to_dense().tolist() == [[1, 0, 2, 0], [0, 0, 0, 0], [0, 3, 0, 0]]
 
 
+def test_hot_timing_takes_enough_calls_for_a_replay_and_bounds_their_outputs():
+    assert bench.hot_launches(20.0) == 100 and bench.hot_launches(1.0) == 100
+    assert bench.hot_launches(200.0) == 10 and bench.hot_launches(5000.0) == 3
+    assert bench.hot_launches(20.0, out_bytes=bench.HOT_OUTPUT_BYTES // 8) == 8
+    assert bench.hot_launches(20.0, out_bytes=bench.HOT_OUTPUT_BYTES) == 2  # never fewer than two
+
+
 def test_impossible_speed_rule():
     floor = 10.0
     assert bench.is_impossible(10.0 / (bench.IMPOSSIBLE_SLACK + 0.1), floor)
@@ -93,7 +100,7 @@ def test_reference_graph_timing_is_a_hot_l2_figure_for_short_products():
     m = matrices.stencil2d(300)  # 4.5e5 nonzeros: ~10-30 us flushed
     ref = bench.time_reference(m.indptr, m.indices, m.shape, op="spmv", reps=10, graph_below_us=1e6)
     assert set(ref) == {"int32", "int64", "int32_graph"}, set(ref)
-    assert ref["int32_graph"].method == "graph" and not ref["int32_graph"].l2_flushed
+    assert ref["int32_graph"].method in ("graph", "events_hot") and not ref["int32_graph"].l2_flushed
     assert 0 < ref["int32_graph"].median_us < ref["int32"].median_us  # cached operands, no host gaps
     none = bench.time_reference(m.indptr, m.indices, m.shape, op="spmv", reps=5, graph_below_us=0.0)
     assert set(none) == {"int32", "int64"}
@@ -109,3 +116,25 @@ def test_side_by_side_timing_orders_a_small_and_a_large_fill():
     small = big[: 2**16]
     ours, theirs = bench.time_side_by_side(lambda: small.fill_(1.0), lambda: big.fill_(1.0), reps=10)
     assert 0 < ours < theirs, (ours, theirs)  # 256 KiB written vs 64 MiB
+
+
+@pytest.mark.gpu
+def test_before_runs_ahead_of_every_timed_call_outside_the_events():
+    """``before`` (the sandbox's re-poisoning) runs before every call, warm-up included, and
+    its work is not in the call's time: a 64 MiB fill before a 4 KiB one."""
+    import torch
+
+    big = torch.empty(64 * 2**20 // 4, device="cuda")
+    small = torch.empty(1024, device="cuda")
+    count = []
+
+    def before():
+        count.append(1)
+        big.fill_(float("nan"))
+
+    r = bench.time_fn(lambda: small.fill_(1.0), warmup=2, reps=7, before=before)
+    assert len(count) == 9
+    assert r.median_us < bench.time_fn(lambda: big.fill_(1.0), reps=5).median_us / 4
+    count.clear()
+    h = bench.time_hot(lambda k: small.fill_(float(k)), 5, reps=3, before=before)
+    assert len(count) == 4 and h.method == "graph" and not h.l2_flushed  # once before the first replay, then per rep

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from sparserl_compile import cli
 from sparserl_compile.cache import (
     CacheEntry,
     CacheKey,
@@ -204,49 +203,6 @@ def test_default_follows_env_at_call_time(tmp_path, monkeypatch, _isolated_cache
     assert default_dir() == Path.home() / ".cache" / "sparserl"
 
 
-def test_cli_ls_show_verify_clear(tmp_path, capsys):
-    c = KernelCache(tmp_path)
-    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
-    assert "empty" in capsys.readouterr().out
-    c.put(_entry(_key()))
-    c.put(_entry(_key(op="spmm", width=32), cubin=None))
-    bad = _key(fp="ee" * 16)
-    c.put(_entry(bad))
-    c.path_of(bad.digest()).write_text("{not json")
-
-    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
-    out = capsys.readouterr().out
-    assert "DIGEST" in out and "kernel" in out and "reference" in out and "CORRUPT" in out
-    assert "3 entries" in out
-
-    digest = _key().digest()
-    assert cli.main(["cache", "--dir", str(tmp_path), "show", digest[:10]]) == 0
-    out = capsys.readouterr().out
-    assert "sm_90" in out and "kernel_us" in out and "cubin" in out and "kernel" in out
-    assert cli.main(["cache", "--dir", str(tmp_path), "show", "zz"]) == 1
-    assert "0 entries match" in capsys.readouterr().out
-
-    assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 0
-    out = capsys.readouterr().out
-    assert "2 valid entries, 1 removed" in out
-
-    assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
-    assert "--yes" in capsys.readouterr().out and len(c.ls()) == 2
-    assert cli.main(["cache", "--dir", str(tmp_path), "clear", "--yes"]) == 0
-    assert "removed 2" in capsys.readouterr().out and c.ls() == []
-
-
-def test_cli_uses_env_dir_and_refuses_insecure(tmp_path, capsys, monkeypatch):
-    KernelCache.default().put(_entry(_key()))
-    assert cli.main(["cache", "ls"]) == 0
-    assert "1 entries" in capsys.readouterr().out
-    d = tmp_path / "open"
-    d.mkdir()
-    os.chmod(d, 0o777)
-    assert cli.main(["cache", "--dir", str(d), "ls"]) == 1
-    assert "writable by group or others" in capsys.readouterr().out
-
-
 def test_numpy_and_nonfinite_record_values_round_trip(tmp_path):
     import numpy as np
 
@@ -262,17 +218,17 @@ def test_numpy_and_nonfinite_record_values_round_trip(tmp_path):
 
 
 def test_a_policy_runtime_finds_families_only_entries_but_not_the_reverse(tmp_path):
-    from sparserl_compile import runtime
+    from sparserl_compile import cache
 
     store = KernelCache(tmp_path / "c")
     families = _key()  # built with the search or nearest provider
     store.put(_entry(families))
     policy = _key(policy_hash="ab12")
-    assert runtime.lookup(store, policy).key == families  # a policy process serves a search-built cache
+    assert cache.lookup(store, policy).key == families  # a policy process serves a search-built cache
     store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
-    assert runtime.lookup(store, _key(fp="cd" * 16)) is None  # a policy's entries need that policy
-    assert runtime.lookup(store, _key(fp="cd" * 16, policy_hash="ab12")).key.policy_hash == "ab12"
-    assert runtime.lookup(store, _key(fp="ef" * 16, policy_hash="ab12")) is None
+    assert cache.lookup(store, _key(fp="cd" * 16)) is None  # a policy's entries need that policy
+    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ab12")).key.policy_hash == "ab12"
+    assert cache.lookup(store, _key(fp="ef" * 16, policy_hash="ab12")) is None
 
 
 def _read_only(monkeypatch):
@@ -281,34 +237,6 @@ def _read_only(monkeypatch):
     from sparserl_compile import cache
 
     monkeypatch.setattr(cache, "writable", lambda path: False)
-
-
-def test_a_read_only_pregenerated_folder_is_served_and_never_changed(tmp_path, monkeypatch, capsys):
-    """A cache deployed read-only (an image, a read-only mount) serves its entries; new kernels
-    stay in memory, with one warning; corrupt entries are misses and stay; clear and verify refuse."""
-    built = KernelCache(tmp_path)
-    built.put(_entry(_key()))
-    bad = built.path_of(_key(op="spmm").digest())
-    bad.parent.mkdir(exist_ok=True)
-    bad.write_text("{not json")
-    _read_only(monkeypatch)
-    with pytest.warns(CacheWarning, match="read-only .* not writable by this user"):
-        c = KernelCache(tmp_path)
-    assert c.readable and not c.on_disk
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # one warning, at start
-        assert c.get(_key()).cubin == _entry(_key()).cubin  # served from the folder
-        assert c.get(_key(op="spmm")) is None and bad.exists()  # a miss; the folder is not touched
-        assert not c.put(_entry(_key(fp="cd" * 16)))
-        assert c.get(_key(fp="cd" * 16)) is not None  # kept in memory
-    assert not c.path_of(_key(fp="cd" * 16).digest()).exists()
-    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
-    assert "2 entries" in capsys.readouterr().out
-    for action in (["verify"], ["clear", "--yes"]):
-        assert cli.main(["cache", "--dir", str(tmp_path), *action]) == 1
-        assert "cannot change the cache folder" in capsys.readouterr().out
-    with pytest.warns(CacheWarning):
-        assert bad.exists() and len(KernelCache(tmp_path).ls()) == 2
 
 
 def test_a_read_only_folder_skips_a_subfolder_others_can_write(tmp_path, monkeypatch):
@@ -321,54 +249,23 @@ def test_a_read_only_folder_skips_a_subfolder_others_can_write(tmp_path, monkeyp
     assert c.get(_key()) is None  # a planted entry is never loaded
 
 
-def test_inspecting_a_missing_folder_does_not_create_it(tmp_path, capsys):
-    d = tmp_path / "nope"
-    assert cli.main(["cache", "--dir", str(d), "ls"]) == 1
-    assert "does not exist" in capsys.readouterr().out and not d.exists()
-
-
-def test_deeply_nested_json_is_a_corrupt_entry(tmp_path, capsys):
-    c = KernelCache(tmp_path)
-    path = c.path_of(_key().digest())
-    path.parent.mkdir()
-    path.write_text("[" * 100_000 + "]" * 100_000)
-    assert KernelCache(tmp_path).get(_key()) is None and not path.exists()  # a miss, removed
-    path.write_text("[" * 100_000 + "]" * 100_000)
-    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
-    assert "CORRUPT" in capsys.readouterr().out
-    assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 0
-    assert "0 valid entries, 1 removed" in capsys.readouterr().out and not path.exists()
-
-
-def test_verify_says_which_corrupt_entries_it_cannot_remove(tmp_path, capsys):
-    c = KernelCache(tmp_path)
-    c.put(_entry(_key()))
-    stuck = c.path_of(_key(op="spmm").digest())
-    stuck.mkdir(parents=True)  # a folder where an entry file should be
-    assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 1
-    out = capsys.readouterr().out
-    assert "cannot be removed" in out and "1 valid entries, 0 removed, 1 corrupt and not removable" in out
-    assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
-    assert "would remove 1 entries" in capsys.readouterr().out  # the folder is not counted
-
-
 def test_entries_built_by_the_shipped_policy_serve_every_process(tmp_path, monkeypatch):
     """A cache pre-generated with the default provider (the shipped policy) is found by a
     process whose default fell back to the lookup (no ``train`` extra) and by one running another
     checkpoint; an entry of that other checkpoint still serves only it."""
-    from sparserl_compile import providers, runtime
+    from sparserl_compile import cache, providers
 
     monkeypatch.setattr(providers, "shipped_policy_hash", lambda: "5h1p")
     store = KernelCache(tmp_path / "c")
     store.put(_entry(_key(policy_hash="5h1p")))
-    assert runtime.lookup(store, _key()).key.policy_hash == "5h1p"  # the lookup's process
-    assert runtime.lookup(store, _key(policy_hash="ab12")).key.policy_hash == "5h1p"
+    assert cache.lookup(store, _key()).key.policy_hash == "5h1p"  # the lookup's process
+    assert cache.lookup(store, _key(policy_hash="ab12")).key.policy_hash == "5h1p"
     store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
-    assert runtime.lookup(store, _key(fp="cd" * 16)) is None
-    assert runtime.lookup(store, _key(fp="cd" * 16, policy_hash="5h1p")) is None
+    assert cache.lookup(store, _key(fp="cd" * 16)) is None
+    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="5h1p")) is None
     store.put(_entry(_key(fp="cd" * 16)))  # families-only entries come before the shipped policy's
     store.put(_entry(_key(fp="cd" * 16, policy_hash="5h1p")))
-    assert runtime.lookup(store, _key(fp="cd" * 16, policy_hash="ef34")).key.policy_hash == "none"
+    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ef34")).key.policy_hash == "none"
 
 
 def test_the_shipped_policy_hash_is_its_weights_sha256():

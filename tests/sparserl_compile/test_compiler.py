@@ -105,3 +105,81 @@ def test_precompile_fills_the_caches_and_counts_failures(_isolated_cache):
     hits = [compiler.compile_cubin(s, arch="sm_90").cached for s in good]
     assert hits == ["disk"] * 4
     assert compiler.precompile(good, arch="sm_90", workers=1) == {"compiled": 0, "cached": 4, "failed": 0}
+
+
+# ------------------------------------------------------------------ who may have written the disk cache
+
+def _entry(cache, key):
+    return cache / "cubin" / f"{key}.cubin"
+
+
+def test_disk_entries_are_private_and_a_world_writable_one_is_never_served(_isolated_cache):
+    r1 = compiler.compile_cubin(GOOD, "sm_90")
+    path = _entry(_isolated_cache, r1.key)
+    assert (path.stat().st_mode & 0o777) == 0o600 and ((_isolated_cache / "cubin").stat().st_mode & 0o777) == 0o700
+    compiler.clear_memory_cache()
+    path.chmod(0o666)  # anyone could have rewritten it
+    assert compiler.compile_cubin(GOOD, "sm_90").cached == ""  # a miss: recompiled, rewritten 0600
+    assert (path.stat().st_mode & 0o777) == 0o600
+    compiler.clear_memory_cache()
+    assert compiler.compile_cubin(GOOD, "sm_90").cached == "disk"
+
+
+def test_a_symlinked_entry_is_never_followed(_isolated_cache, tmp_path):
+    r1 = compiler.compile_cubin(GOOD, "sm_90")
+    path = _entry(_isolated_cache, r1.key)
+    planted = tmp_path / "planted.cubin"
+    planted.write_bytes(path.read_bytes())  # a valid entry, somewhere else
+    planted.chmod(0o600)
+    path.unlink()
+    path.symlink_to(planted)
+    compiler.clear_memory_cache()
+    assert compiler.compile_cubin(GOOD, "sm_90").cached == ""
+    assert not path.is_symlink()  # replaced by a real entry, the planted file untouched
+
+
+def test_an_entry_another_user_owns_is_never_served(_isolated_cache, monkeypatch):
+    r1 = compiler.compile_cubin(GOOD, "sm_90")
+    compiler.clear_memory_cache()
+    uid = os.getuid()
+    real_fstat = os.fstat
+
+    def fstat(fd):  # the entry file (not the folder) looks as if another user wrote it
+        st = real_fstat(fd)
+        if not __import__("stat").S_ISDIR(st.st_mode):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, uid + 1) + tuple(st[5:]))
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    assert compiler._disk_read(r1.key) is None
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    assert compiler._disk_read(r1.key) == r1.cubin
+
+
+@pytest.mark.parametrize("damage", ["world_writable", "symlink", "other_owner"])
+def test_an_unsafe_cache_folder_is_refused_with_a_warning(tmp_path, monkeypatch, damage):
+    """A folder another user may write (or that is a symlink, or someone else's) is not read
+    nor written: a planted cubin there is never served, and compiling still works."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(root))
+    compiler._WARNED.clear()
+    r1 = compiler.compile_cubin(GOOD, "sm_90")
+    d = root / "cubin"
+    if damage == "world_writable":
+        d.chmod(0o777)
+    elif damage == "symlink":
+        d.rename(root / "elsewhere")
+        d.symlink_to(root / "elsewhere")
+    else:
+        real_fstat = os.fstat
+        monkeypatch.setattr(os, "fstat", lambda fd: _other_owner(real_fstat(fd)))
+    compiler.clear_memory_cache()
+    with pytest.warns(compiler.CubinCacheWarning, match="not used"):
+        r2 = compiler.compile_cubin(GOOD, "sm_90")
+    assert r2.cached == "" and r2.cubin == r1.cubin
+
+
+def _other_owner(st):
+    if __import__("stat").S_ISDIR(st.st_mode):
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, os.getuid() + 1) + tuple(st[5:]))
+    return st

@@ -10,7 +10,7 @@ import scipy.sparse as sp
 import torch
 
 import sparserl_compile as S
-from sparserl_compile import dispatch, runtime
+from sparserl_compile import config, dispatch, plans
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 
@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
 @pytest.fixture(autouse=True)
 def clean():
     dispatch.clear_memo()
-    runtime.reset_stats()
+    plans.reset_stats()
     yield
     S.disable()
 
@@ -36,7 +36,7 @@ def native(n_rows=12, n_cols=9, layout="csr", index=torch.int64, dtype=torch.flo
 
 
 def calls():
-    return runtime.stats().calls
+    return config.stats().calls
 
 
 @pytest.mark.parametrize("layout, index", [("csr", torch.int64), ("csr", torch.int32), ("coo", torch.int64)])
@@ -127,8 +127,8 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     op's layers and calls the runtime; with a dense operand that requires grad it goes through
     the op (autograd). Nested modes (enable() + accelerate()) still run one product."""
     direct = []
-    real = runtime.spmm
-    monkeypatch.setattr(runtime, "spmm", lambda *a: direct.append(1) or real(*a))
+    real = plans.spmm
+    monkeypatch.setattr(plans, "spmm", lambda *a: direct.append(1) or real(*a))
     A, X = native(dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
     S.enable()
     with S.accelerate():

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from sparserl_compile import cli, matrices, pregen, structure
+from sparserl_compile import matrices, pregen, structure
+from sparserl_compile.commands import cli
 from sparserl_compile.cache import CacheEntry, CacheKey, KernelCache
 from sparserl_compile.merge import entry_time_us, merge_caches
 

@@ -7,11 +7,11 @@ import pytest
 import scipy.io
 import scipy.sparse as sp
 
-from sparserl_compile import cache, matrices, pregen, runtime
-from sparserl_compile.cli import main
+from sparserl_compile import cache, matrices, miss, pregen
+from sparserl_compile.commands.cli import main
 from sparserl_compile.problem import make_problem
 
-TARGET = runtime.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
+TARGET = cache.Target(arch="sm_90", gpu_name="NVIDIA H200", driver_version="13000", nvrtc_version="13.0")
 
 
 def _save_npz(path, m):
@@ -87,7 +87,7 @@ def test_cpu_build_machine_run_writes_untimed_entries_and_resumes(tmp_path):
 
     problem = make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape,
                                    structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
-    entry = store.get(runtime.cache_key(problem, TARGET))
+    entry = store.get(cache.cache_key(problem, TARGET))
     assert entry is not None and entry.cubin and "sparserl_kernel" in entry.source
     assert entry.verification["executor"] == "cpu"
     again = pregen.pregenerate(items, cache_dir=out, ops=("spmv",), target=TARGET, executor="cpu", progress=False)
@@ -168,13 +168,13 @@ def test_share_key_groups_alike_row_pruned_weights():
 @pytest.mark.slow
 def test_share_searches_a_group_once_and_verifies_every_member(tmp_path, monkeypatch):
     seen = []
-    real = runtime.search_entry
+    real = miss.search_entry
 
     def spy(problem, key, *, candidates=None, executor=None):
         seen.append(len(candidates))
         return real(problem, key, candidates=candidates, executor=executor)
 
-    monkeypatch.setattr(runtime, "search_entry", spy)
+    monkeypatch.setattr(miss, "search_entry", spy)
     items = [pregen.Item("w0", _row_pruned(48, 64, 16, 0)), pregen.Item("w1", _row_pruned(48, 64, 16, 1)),
              pregen.Item("w2", _row_pruned(48, 64, 16, 2)), pregen.Item("other", matrices.stencil2d(8))]
     rows = pregen.pregenerate(items, cache_dir=tmp_path / "k", ops=("spmv",), target=TARGET, executor="cpu",

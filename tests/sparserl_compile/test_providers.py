@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from sparserl_compile import contract, providers, runtime
+from sparserl_compile import contract, miss, plans, providers
 from sparserl_compile.problem import Problem
 
 
@@ -48,7 +48,7 @@ def test_until_one_is_set_the_runtime_asks_the_default_provider():
     providers._active = None
     p = providers.get_provider()
     assert isinstance(p, providers.DefaultProvider) and providers.get_provider() is p
-    assert runtime.RuntimeConfig().provider == providers.DEFAULT_PROVIDER == "default"
+    assert providers.DEFAULT_PROVIDER == "default"
     assert isinstance(providers.resolve("default"), providers.DefaultProvider)
 
 
@@ -65,7 +65,7 @@ def test_the_default_is_the_policy_and_its_cache_hash_needs_no_model(monkeypatch
     d = providers.DefaultProvider()
     assert d.name == "policy" and d.fallback_reason is None and d.sandbox_spare == 0
     assert d.checkpoint_hash == weights_sha256(DEFAULT_CHECKPOINT / "model.safetensors")
-    assert runtime.policy_hash(d) == d.checkpoint_hash
+    assert providers.policy_hash(d) == d.checkpoint_hash
     assert built == []  # nothing loaded yet
     d.load()
     d.candidates(None, 4)
@@ -80,7 +80,7 @@ def test_without_the_train_extra_the_default_is_the_lookup(monkeypatch):
     d = providers.DefaultProvider()
     assert d.name == "nearest" and d.fallback_reason == why
     assert d.checkpoint_hash is None and d.sandbox_spare == 0
-    assert runtime.policy_hash(d) == "none"  # its entries serve every provider
+    assert providers.policy_hash(d) == "none"  # its entries serve every provider
 
 
 def test_a_policy_that_fails_to_load_falls_back_once_and_says_why(monkeypatch, caplog):
@@ -124,11 +124,11 @@ def test_a_search_starts_the_sandbox_worker_before_the_provider_proposes(monkeyp
             events.append("propose")
             return []
 
-    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
+    monkeypatch.setattr(miss, "sandbox_pool", lambda provider=None: FakePool())
     for prov, expected in ((Proposes(), ["start", "propose"]), (providers.ReferenceProvider(), [])):
         events.clear()
         providers.set_provider(prov)
-        entry = runtime.search_entry(_problem(), None)
+        entry = miss.search_entry(_problem(), None)
         assert events == expected and entry.cubin is None
 
 
@@ -161,14 +161,14 @@ def test_prewarm_warms_the_provider_up(monkeypatch):
         def candidates(self, problem, k):
             return []
 
-    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
+    monkeypatch.setattr(miss, "sandbox_pool", lambda provider=None: FakePool())
     import sparserl_compile.formats as formats
 
     monkeypatch.setattr(formats, "warm", lambda: events.append("formats"))
     d = providers.DefaultProvider(("reference",))
     providers.set_provider(d)
     monkeypatch.setattr(providers, "resolve", lambda name: Warms())  # what d loads
-    runtime.prewarm().join()
+    miss.prewarm().join()
     assert events == ["start", "formats", "warm_up", "start-wait"] and d.name == "warms"
 
 
@@ -254,22 +254,23 @@ def product_search(monkeypatch):
         def start(self, wait=False, count=1):
             pass
 
-    real_plan = runtime._entry_plan
+    real_plan = plans.entry_plan
 
     def entry_plan(*a, **kw):
         events.append("plan")
         return real_plan(*a, **kw)
 
-    monkeypatch.setattr(runtime, "kernels_possible", lambda device: True)
-    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_test")
-    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: FakePool())
-    monkeypatch.setattr(runtime, "_entry_plan", entry_plan)
-    runtime.configure(cache=False)
-    runtime.clear()
+    monkeypatch.setattr(plans, "kernels_possible", lambda device: True)
+    monkeypatch.setattr(plans, "device_arch", lambda device: "sm_test")
+    monkeypatch.setattr(miss, "device_arch", lambda device: "sm_test")
+    monkeypatch.setattr(miss, "sandbox_pool", lambda provider=None: FakePool())
+    monkeypatch.setattr(plans, "entry_plan", entry_plan)
+    plans.configure(cache=False)
+    plans.clear()
     providers.set_provider(_LoadsLater(events))
     m = sp.random(30, 20, density=0.2, format="csr", random_state=0, dtype=np.float32)
     yield events, (lambda: S.sparsify(m) @ torch.randn(20, 2))
-    runtime.clear()  # tests/conftest.py puts the session's settings back
+    plans.clear()  # tests/conftest.py puts the session's settings back
 
 
 def test_a_search_records_who_proposed_and_starts_the_policys_load_after_its_plan(product_search):
@@ -279,10 +280,10 @@ def test_a_search_records_who_proposed_and_starts_the_policys_load_after_its_pla
     events, product = product_search
     product()
     assert events == ["propose", "plan", "load"]
-    (row,) = runtime.first_uses()
+    (row,) = miss.first_uses()
     assert row["verification"]["provider"] == "nearest" and "proposed no candidates" in row["verification"]["why"]
     events.clear()
-    runtime.search_entry(_problem(), None)
+    miss.search_entry(_problem(), None)
     assert events == ["propose"]
 
 
@@ -303,11 +304,11 @@ def test_a_cached_kernels_timing_does_not_load_the_policy(product_search, monkey
         given.append(candidates)
         return cache.CacheEntry(key=key, cubin=None, times={}, verification={"why": "the reference won"})
 
-    monkeypatch.setattr(runtime, "_store", lambda: object())
-    monkeypatch.setattr(runtime, "_cache_key", lambda problem, device: "k")
-    monkeypatch.setattr(runtime, "lookup", lambda store, key: untimed)
-    monkeypatch.setattr(runtime, "_put", lambda store, entry, fp: None)
-    monkeypatch.setattr(runtime, "search_entry", search_entry)
+    monkeypatch.setattr(miss, "_store", lambda: object())
+    monkeypatch.setattr(miss, "cache_key_for", lambda problem, device: "k")
+    monkeypatch.setattr(cache, "lookup", lambda store, key, fallback_hashes=(): untimed)
+    monkeypatch.setattr(miss, "_put", lambda store, entry, fp: None)
+    monkeypatch.setattr(miss, "search_entry", search_entry)
     product()
     assert [len(c) for c in given] == [1] and events == ["plan"]
 
@@ -336,7 +337,7 @@ def test_a_background_search_starts_the_policys_load_when_it_is_done(product_sea
     """``on_miss="background"``: the search runs on the runtime's thread and asks for the load
     once its entry is made."""
     events, product = product_search
-    runtime.configure(on_miss="background")
+    plans.configure(on_miss="background")
     product()
-    assert runtime.wait_for_searches(timeout=10)
+    assert plans.wait_for_searches(timeout=10)
     assert events == ["propose", "load"]

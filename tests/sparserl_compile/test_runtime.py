@@ -11,18 +11,18 @@ import torch
 import torch.nn.functional as F
 
 import sparserl_compile as S
-from sparserl_compile import contract, providers, runtime
+from sparserl_compile import cache, config, contract, miss, plans, problem, providers, reference, transpose
 from sparserl_compile.structure import fingerprint
 from sparserl_compile.problem import Problem
 
 
 @pytest.fixture(autouse=True)
 def fresh_runtime():
-    runtime.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
-    runtime.clear()
-    runtime.reset_stats()
+    plans.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
+    plans.clear()
+    plans.reset_stats()
     yield  # tests/conftest.py puts the session's settings back
-    runtime.clear()
+    plans.clear()
 
 
 def matrix(n_rows=30, n_cols=20, seed=0):
@@ -58,42 +58,42 @@ def test_table_hits_and_misses_are_counted():
     a @ torch.randn(20, 5)  # width 5 -> bucket 8: the same plan
     a @ torch.randn(20, 9)  # bucket 16: a new plan
     a @ torch.randn(20)  # spmv: a new plan
-    st = runtime.stats()
+    st = config.stats()
     assert (st.calls, st.misses, st.hits) == (6, 3, 3)
     assert st.reference_calls == 6 and st.kernel_calls == 0 and st.fallbacks == 0
-    keys = set(runtime.plans())
+    keys = set(plans.plans())
     assert {(k[1], k[2]) for k in keys} == {("spmm", 8), ("spmm", 16), ("spmv", 1)}
     assert all(k[0] == a.fingerprint and k[4] == "cpu" for k in keys)
-    assert all("GPU-only" in p.reason for p in runtime.plans().values())
+    assert all("GPU-only" in p.reason for p in plans.plans().values())
 
 
 def test_cpu_never_asks_the_provider():
     rec = RecordingProvider([a_candidate()])
-    runtime.configure(provider=rec)
+    plans.configure(provider=rec)
     S.sparsify(matrix()) @ torch.randn(20, 4)
-    assert rec.problems == [] and runtime.stats().searches == 0
+    assert rec.problems == [] and config.stats().searches == 0
 
 
 def test_configure_validates_and_clears_the_table():
     S.sparsify(matrix()) @ torch.randn(20, 4)
-    assert runtime.plans()
-    cfg = runtime.configure(k=2)
-    assert cfg.k == 2 and runtime.get_config().k == 2 and not runtime.plans()
+    assert plans.plans()
+    cfg = plans.configure(k=2)
+    assert cfg.k == 2 and config.get_config().k == 2 and not plans.plans()
     with pytest.raises(ValueError, match="number of candidates"):
-        runtime.configure(k=-1)
+        plans.configure(k=-1)
     with pytest.raises(TypeError, match=r"unknown settings \['bogus'\]"):
-        runtime.configure(bogus=1)
+        plans.configure(bogus=1)
     with pytest.raises(TypeError, match="True or False"):
-        runtime.configure(cache="yes")
+        plans.configure(cache="yes")
     with pytest.raises(ValueError, match="sandbox_spare=-1: the number of idle sandbox workers"):
-        runtime.configure(sandbox_spare=-1)
+        plans.configure(sandbox_spare=-1)
 
 
 def test_the_sandbox_spare_setting_reaches_the_runtimes_pool(monkeypatch):
     """configure(sandbox_spare=N) is the runtime pool's ``spare`` from the next product on;
     unset (None, the default) the pool keeps what the provider asks for (its ``sandbox_spare``,
     0 without one)."""
-    monkeypatch.setattr(runtime, "_pool", None)
+    monkeypatch.setattr(miss, "_pool", None)
 
     class FakePool:  # no worker process started
         def __init__(self, workers):
@@ -102,22 +102,22 @@ def test_the_sandbox_spare_setting_reaches_the_runtimes_pool(monkeypatch):
         def close(self):
             pass
 
-    class Asks:  # a provider whose candidates often fail
+    class Asks(providers.Provider):  # a provider whose candidates often fail
         sandbox_spare = 1
 
     import sparserl_compile.sandbox as sandbox
 
     monkeypatch.setattr(sandbox, "SandboxPool", FakePool)
-    assert runtime.get_config().sandbox_spare is None
-    assert runtime._sandbox_pool().spare == 0
-    assert runtime._sandbox_pool(Asks()).spare == 1 and runtime._sandbox_pool(object()).spare == 0
-    runtime.configure(sandbox_spare=2)
+    assert config.get_config().sandbox_spare is None
+    assert miss.sandbox_pool().spare == 0
+    assert miss.sandbox_pool(Asks()).spare == 1 and miss.sandbox_pool(providers.ReferenceProvider()).spare == 0
+    plans.configure(sandbox_spare=2)
     try:
-        assert runtime._sandbox_pool().spare == 2 and runtime._sandbox_pool(Asks()).spare == 2
-        runtime.configure(sandbox_spare=0)  # set: the provider's wish does not count
-        assert runtime._sandbox_pool(Asks()).spare == 0
+        assert miss.sandbox_pool().spare == 2 and miss.sandbox_pool(Asks()).spare == 2
+        plans.configure(sandbox_spare=0)  # set: the provider's wish does not count
+        assert miss.sandbox_pool(Asks()).spare == 0
     finally:
-        runtime.configure(sandbox_spare=None)
+        plans.configure(sandbox_spare=None)
 
 
 def test_provider_resolution():
@@ -155,13 +155,13 @@ def test_problem_validation():
 def test_transposed_pattern_is_memoized_with_its_own_fingerprint():
     m = matrix(7, 5, seed=3)
     a = S.sparsify(m)
-    tp = runtime.transpose_pattern(a.crow, a.col, 7, 5, a.fingerprint)
+    tp = transpose.transpose_pattern(a.crow, a.col, 7, 5, a.fingerprint)
     mt = m.T.tocsr()
     mt.sort_indices()
     assert tp.fingerprint == fingerprint(mt.indptr, mt.indices, (5, 7))
     assert tp.crow.tolist() == mt.indptr.tolist() and tp.col.tolist() == mt.indices.tolist()
     np.testing.assert_array_equal(tp.values(a.val).numpy(), mt.data)
-    assert runtime.transpose_pattern(a.crow, a.col, 7, 5, a.fingerprint) is tp
+    assert transpose.transpose_pattern(a.crow, a.col, 7, 5, a.fingerprint) is tp
     v = tp.values(a.val)
     assert tp.values(a.val) is v  # same tensor, same version: no re-gather
     a.val.mul_(2)
@@ -173,13 +173,14 @@ def test_transposed_pattern_is_memoized_with_its_own_fingerprint():
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
-    monkeypatch.setattr(runtime, "kernels_possible", lambda device: True)
-    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_test")
+    monkeypatch.setattr(plans, "kernels_possible", lambda device: True)
+    monkeypatch.setattr(plans, "device_arch", lambda device: "sm_test")
+    monkeypatch.setattr(miss, "device_arch", lambda device: "sm_test")
 
 
 def test_failure_in_the_kernel_path_falls_back_and_logs_once(kernels_on_cpu, monkeypatch, caplog):
     rec = RecordingProvider([a_candidate()])
-    runtime.configure(provider=rec, cache=False, k=3)
+    plans.configure(provider=rec, cache=False, k=3)
     import sparserl_compile as pkg
 
     class Boom:
@@ -187,13 +188,13 @@ def test_failure_in_the_kernel_path_falls_back_and_logs_once(kernels_on_cpu, mon
         def choose(problem, candidates, **kw):
             raise RuntimeError("nvrtc exploded")
 
-    monkeypatch.setattr(runtime, "_sandbox_pool", lambda provider=None: None)
+    monkeypatch.setattr(miss, "sandbox_pool", lambda provider=None: None)
     monkeypatch.setattr(pkg, "select", Boom, raising=False)
     monkeypatch.setitem(__import__("sys").modules, "sparserl_compile.select", Boom)
     m = matrix()
     a = S.sparsify(m)
     x = torch.randn(20, 4)
-    with caplog.at_level(logging.WARNING, logger="sparserl_compile.runtime"):
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.miss"):
         y1 = a @ x
         y2 = a @ x
     np.testing.assert_allclose(y1.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
@@ -201,43 +202,43 @@ def test_failure_in_the_kernel_path_falls_back_and_logs_once(kernels_on_cpu, mon
     p, k = rec.problems[0]
     assert k == 3 and p.op == "spmm" and p.n == 4 and p.dtype == "f32" and p.arch == "sm_test"
     assert p.fingerprint == a.fingerprint and np.array_equal(p.indices, m.indices)
-    st = runtime.stats()
+    st = config.stats()
     assert st.fallbacks == 1 and st.searches == 1 and st.reference_calls == 2
     assert len([r for r in caplog.records if "nvrtc exploded" in r.getMessage()]) == 1
 
 
 def test_empty_candidate_list_means_reference(kernels_on_cpu):
     rec = RecordingProvider([])
-    runtime.configure(provider=rec, cache=False)
+    plans.configure(provider=rec, cache=False)
     S.sparsify(matrix()) @ torch.randn(20, 2)
-    (plan,) = runtime.plans().values()
+    (plan,) = plans.plans().values()
     assert plan.kind == "reference" and "proposed no candidates" in plan.reason
-    assert runtime.stats().fallbacks == 0
+    assert config.stats().fallbacks == 0
 
 
 def test_first_uses_log_where_a_new_structure_s_time_went(kernels_on_cpu):
-    runtime.configure(provider=RecordingProvider([]), cache=False)
+    plans.configure(provider=RecordingProvider([]), cache=False)
     a = S.sparsify(matrix())
     a @ torch.randn(20, 2)
     a @ torch.randn(20, 2)  # a plan-table hit: not logged
-    (row,) = runtime.first_uses()
+    (row,) = miss.first_uses()
     assert row["fingerprint"] == a.fingerprint and (row["op"], row["n"], row["nnz"]) == ("spmm", 2, a.nnz)
     assert row["source"] == "search" and row["plan"] == "reference"
     assert "proposed no candidates" in row["verification"]["why"]
     parts = [row[k] for k in ("problem_s", "cache_s", "propose_s", "select_s", "plan_s")]
     assert all(t >= 0 for t in parts) and row["total_s"] >= sum(parts) - 1e-6
-    runtime.reset_stats()
-    assert runtime.first_uses() == []
+    plans.reset_stats()
+    assert miss.first_uses() == []
 
 
 def test_float64_and_disabled_kernels_skip_the_search(kernels_on_cpu):
     rec = RecordingProvider([a_candidate()])
-    runtime.configure(provider=rec, cache=False)
+    plans.configure(provider=rec, cache=False)
     S.sparsify(matrix()).double() @ torch.randn(20, 2, dtype=torch.float64)
-    runtime.configure(kernels=False)
+    plans.configure(kernels=False)
     S.sparsify(matrix()) @ torch.randn(20, 2)
     assert rec.problems == []
-    reasons = sorted(p.reason for p in runtime.plans().values())
+    reasons = sorted(p.reason for p in plans.plans().values())
     assert any("kernels disabled" in r for r in reasons)
 
 
@@ -250,9 +251,9 @@ def _cached_problem(monkeypatch):
         return cache.CacheKey(problem.fingerprint, problem.op, problem.dtype, cache.width_bucket(problem.n),
                               problem.arch, "test-gpu", "0", "0")
 
-    monkeypatch.setattr(runtime, "_cache_key", key_for)
+    monkeypatch.setattr(miss, "cache_key_for", key_for)
     a = S.sparsify(matrix())
-    return a, key_for(runtime._problem("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint), None)
+    return a, key_for(miss.problem_of("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint), None)
 
 
 def test_cached_reference_verdict_is_used_without_a_search(kernels_on_cpu, monkeypatch):
@@ -261,11 +262,11 @@ def test_cached_reference_verdict_is_used_without_a_search(kernels_on_cpu, monke
     a, key = _cached_problem(monkeypatch)
     cache.KernelCache.default().put(cache.CacheEntry(key=key, cubin=None))
     rec = RecordingProvider([a_candidate()])
-    runtime.configure(provider=rec)
+    plans.configure(provider=rec)
     a @ torch.randn(20, 4)
-    (plan,) = runtime.plans().values()
+    (plan,) = plans.plans().values()
     assert "cached verdict" in plan.reason
-    assert rec.problems == [] and runtime.stats().cache_hits == 1
+    assert rec.problems == [] and config.stats().cache_hits == 1
 
 
 @pytest.mark.parametrize("record, kernel_us, retimed", [
@@ -290,20 +291,20 @@ def test_a_cached_short_kernel_chosen_before_the_hot_l2_rule_is_timed_again(kern
         return cache.CacheEntry(key=key, cubin=None, times={"kernel_us": 5.0, "reference_us": 9.0},
                                 verification={"why": "reference wins with a hot L2: ...", "reference_graph_us": 4.0})
 
-    monkeypatch.setattr(runtime, "search_entry", search_entry)
-    monkeypatch.setattr(runtime, "_kernel_plan", lambda *args: runtime.ReferencePlan("the cached kernel, served"))
+    monkeypatch.setattr(miss, "search_entry", search_entry)
+    monkeypatch.setattr(plans, "kernel_plan", lambda *args: plans.ReferencePlan("the cached kernel, served"))
     rec = RecordingProvider([a_candidate()])
-    runtime.configure(provider=rec)
+    plans.configure(provider=rec)
     a @ torch.randn(20, 4)
-    (plan,) = runtime.plans().values()
+    (plan,) = plans.plans().values()
     assert rec.problems == []  # the provider is never asked
     if retimed:
         assert [c.source for c in asked[0]] == [cand.source] and "hot L2" in plan.reason
-        assert runtime.first_uses()[-1]["source"] == "cache+timing"
+        assert miss.first_uses()[-1]["source"] == "cache+timing"
         assert cache.KernelCache.default().get(old.key).reference_wins  # the new verdict replaced it
     else:
         assert asked == [] and plan.reason == "the cached kernel, served"
-    assert runtime.timed_before_hot_rule(old) is retimed
+    assert miss.timed_before_hot_rule(old) is retimed
 
 
 class FakeKernel:
@@ -318,7 +319,7 @@ class FakeKernel:
         if self.fail:
             raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
         n_rows, n_cols, n, row_ptr, col_idx, vals, x, y = args
-        y.copy_(runtime.reference_product(row_ptr, col_idx, vals, x, int(n_rows), int(n_cols)))
+        y.copy_(reference.reference_product(row_ptr, col_idx, vals, x, int(n_rows), int(n_cols)))
 
 
 def install_kernel_plan(a, width, kernel):
@@ -327,9 +328,9 @@ def install_kernel_plan(a, width, kernel):
     cand = a_candidate()
     m_ip, m_ix = a.crow.numpy(), a.col.numpy()
     fd = formats.convert(m_ip, m_ix, (a.n_rows, a.n_cols), "csr")
-    plan = runtime.KernelPlan(cand.header, kernel, fd, formats.to_device(fd, "cpu"), cand.source)
-    key = (a.fingerprint, "spmm", runtime.width_bucket(width), a.dtype, runtime.device_arch(a.device))
-    runtime._table[key] = plan
+    plan = plans.KernelPlan(cand.header, kernel, fd, formats.to_device(fd, "cpu"), cand.source)
+    key = (a.fingerprint, "spmm", cache.width_bucket(width), a.dtype, plans.device_arch(a.device))
+    plans._table[key] = plan
     return key
 
 
@@ -340,7 +341,7 @@ def test_kernel_plan_runs_the_kernel(kernels_on_cpu):
     install_kernel_plan(a, 4, k)
     x = torch.randn(20, 4)
     y = a @ x
-    assert k.launches == 1 and runtime.stats().kernel_calls == 1
+    assert k.launches == 1 and config.stats().kernel_calls == 1
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -353,11 +354,11 @@ def test_a_reference_plan_is_served_by_the_tensors_route_with_the_same_results_a
     x, x1 = torch.randn(20, 4), torch.randn(20)
     first = (a @ x, a @ x1)  # misses: plans made, no route yet
     second = (a @ x, a @ x1)  # hits: the routes are stored
-    monkeypatch.setattr(runtime, "product", lambda *args, **kw: pytest.fail("the route was not taken"))
+    monkeypatch.setattr(plans, "product", lambda *args, **kw: pytest.fail("the route was not taken"))
     third = (a @ x, a @ x1, F.linear(x.t(), a).t())  # served by the routes (F.linear: y^T = A x^T, width 4)
     for y in first + second + third:
         np.testing.assert_allclose(y.numpy(), m @ (x if y.dim() == 2 else x1).numpy(), rtol=1e-5, atol=1e-6)
-    st = runtime.stats()
+    st = config.stats()
     assert (st.calls, st.misses, st.hits, st.reference_calls) == (7, 2, 5, 7)
 
 
@@ -389,10 +390,10 @@ def test_no_route_outlives_a_change_of_plans(kernels_on_cpu):
     y = a @ x
     assert k.launches == 1
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-6)
-    runtime.clear()
+    plans.clear()
     a @ x, a @ x
     assert a._routes.get(4) is not None
-    runtime.configure(k=2)
+    plans.configure(k=2)
     assert a._routes.get(4) is None
 
 
@@ -403,7 +404,7 @@ def test_an_spmv_route_never_serves_an_spmm_of_width_one(kernels_on_cpu):
     install_kernel_plan(a, 1, k)  # SpMM of width 1: a kernel
     x1 = torch.randn(20)
     a @ x1, a @ x1  # SpMV: the reference (the provider proposes nothing), then its route
-    assert a._routes.get(runtime.Routes.SPMV) is not None and a._routes.get(1) is None
+    assert a._routes.get(plans.Routes.SPMV) is not None and a._routes.get(1) is None
     y = a @ x1[:, None]
     assert k.launches == 1
     np.testing.assert_allclose(y.numpy()[:, 0], m @ x1.numpy(), rtol=1e-5, atol=1e-6)
@@ -426,19 +427,19 @@ def test_half_and_empty_products_take_no_route():
 
 def test_on_miss_is_validated():
     with pytest.raises(ValueError, match="on_miss='later'.*background.*reference.*search"):
-        runtime.configure(on_miss="later")
+        plans.configure(on_miss="later")
 
 
 def test_on_miss_reference_never_searches(kernels_on_cpu):
     rec = RecordingProvider([a_candidate()])
-    runtime.configure(provider=rec, on_miss="reference")
+    plans.configure(provider=rec, on_miss="reference")
     m = matrix()
     x = torch.randn(20, 4)
     y = S.sparsify(m) @ x
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
-    (plan,) = runtime.plans().values()
+    (plan,) = plans.plans().values()
     assert plan.kind == "reference" and "not in the kernel cache" in plan.reason
-    assert rec.problems == [] and runtime.stats().searches == 0
+    assert rec.problems == [] and config.stats().searches == 0
 
 
 @pytest.fixture
@@ -462,11 +463,11 @@ def gated_search(kernels_on_cpu, monkeypatch):
     def kernel_plan(problem, device, cubin, header, source, key=None):
         header = contract.parse_header(header)
         fd = formats.convert(problem.indptr, problem.indices, (problem.n_rows, problem.n_cols), "csr")
-        return runtime.KernelPlan(header, state["kernel"], fd, formats.to_device(fd, "cpu"), source)
+        return plans.KernelPlan(header, state["kernel"], fd, formats.to_device(fd, "cpu"), source)
 
-    monkeypatch.setattr(runtime, "search_entry", search_entry)
-    monkeypatch.setattr(runtime, "_kernel_plan", kernel_plan)
-    runtime.configure(cache=False, on_miss="background")
+    monkeypatch.setattr(miss, "search_entry", search_entry)
+    monkeypatch.setattr(plans, "kernel_plan", kernel_plan)
+    plans.configure(cache=False, on_miss="background")
     return state
 
 
@@ -476,20 +477,20 @@ def test_on_miss_background_serves_the_reference_then_swaps_the_kernel_in(gated_
     x = torch.randn(20, 4)
     y = a @ x  # the search is queued and waits: this call runs the reference
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
-    (plan,) = runtime.plans().values()
+    (plan,) = plans.plans().values()
     assert plan.kind == "pending"
-    st = runtime.stats()
+    st = config.stats()
     assert st.background == 1 and st.reference_calls == 1 and st.kernel_calls == 0
     a @ x  # still searching: the reference again, and no second search is queued
-    assert runtime.stats().background == 1 and not runtime.wait_for_searches(timeout=0.05)
+    assert config.stats().background == 1 and not plans.wait_for_searches(timeout=0.05)
     gated_search["gate"].set()
-    assert runtime.wait_for_searches(timeout=10)
+    assert plans.wait_for_searches(timeout=10)
     y = a @ x  # the first product after the verdict: the verified kernel (first-use checked)
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
-    (plan,) = runtime.plans().values()
+    (plan,) = plans.plans().values()
     assert plan.kind == "kernel" and plan.checked
     assert gated_search["kernel"].launches == 1 and gated_search["calls"] == 1
-    assert runtime.stats().kernel_calls == 1
+    assert config.stats().kernel_calls == 1
 
 
 def test_on_miss_background_failure_falls_back_and_logs_once(gated_search, caplog):
@@ -499,14 +500,14 @@ def test_on_miss_background_failure_falls_back_and_logs_once(gated_search, caplo
     a = S.sparsify(m)
     x = torch.randn(20, 4)
     a @ x
-    assert runtime.wait_for_searches(timeout=10)
-    with caplog.at_level(logging.WARNING, logger="sparserl_compile.runtime"):
+    assert plans.wait_for_searches(timeout=10)
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.miss"):
         y = a @ x
         a @ x
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
-    (plan,) = runtime.plans().values()
+    (plan,) = plans.plans().values()
     assert plan.kind == "reference" and "sandbox worker died" in plan.reason
-    assert runtime.stats().fallbacks == 1 and runtime.stats().kernel_calls == 0
+    assert config.stats().fallbacks == 1 and config.stats().kernel_calls == 0
     assert len([r for r in caplog.records if "sandbox worker died" in r.getMessage()]) == 1
 
 
@@ -517,7 +518,7 @@ def test_an_empty_dense_operand_neither_launches_nor_spoils_the_plan(kernels_on_
     key = install_kernel_plan(a, 1, k)
     y = a @ torch.empty(20, 0)  # width 0 shares the width-1 bucket
     assert y.shape == (30, 0) and k.launches == 0
-    assert runtime.plans()[key].kind == "kernel" and runtime.stats().fallbacks == 0
+    assert plans.plans()[key].kind == "kernel" and config.stats().fallbacks == 0
 
 
 @pytest.mark.gpu
@@ -527,37 +528,37 @@ def test_cuda_reference_and_plan_key():
     x = torch.randn(150, 16, device="cuda")
     y = a @ x
     np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
-    (key,) = runtime.plans()
+    (key,) = plans.plans()
     assert key[4].startswith("sm_")
-    assert runtime.stats().fallbacks == 0 or runtime.stats().reference_calls == 1
-    if isinstance(runtime.plans()[key], runtime.ReferencePlan):  # (the reference provider: it is)
+    assert config.stats().fallbacks == 0 or config.stats().reference_calls == 1
+    if isinstance(plans.plans()[key], plans.ReferencePlan):  # (the reference provider: it is)
         a @ x  # a hit: the tensor's route to cuSPARSE is stored
         assert a._routes.get(16) is not None
         np.testing.assert_allclose((a @ x).cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
-        assert runtime.stats().reference_calls == 3
+        assert config.stats().reference_calls == 3
 
 
 @pytest.mark.gpu
 def test_cuda_search_end_to_end_is_correct_and_cached():
     """provider=search on the GPU: candidates -> select -> kernel (or reference) -> disk cache."""
-    runtime.configure(provider="search", k=2)
+    plans.configure(provider="search", k=2)
     m = matrix(2000, 2000, seed=5)
     a = S.sparsify(m, device="cuda")
     x = torch.randn(2000, 8, device="cuda")
     y = a @ x
     np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
-    st = runtime.stats()
-    assert st.searches == 1 and st.fallbacks == 0, runtime.plans()
-    (first,) = runtime.first_uses()
+    st = config.stats()
+    assert st.searches == 1 and st.fallbacks == 0, plans.plans()
+    (first,) = miss.first_uses()
     assert first["source"] == "search" and first["verification"]["candidates"]
     assert first["select_s"] > 0 and first["total_s"] >= first["select_s"]
-    runtime.clear()
-    runtime.reset_stats()
+    plans.clear()
+    plans.reset_stats()
     y2 = a @ x
     torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
-    assert runtime.stats().cache_hits == 1 and runtime.stats().searches == 0
+    assert config.stats().cache_hits == 1 and config.stats().searches == 0
     if first["plan"] == "kernel":  # a cached kernel is logged as served by the cache
-        assert [r["source"] for r in runtime.first_uses()] == ["cache"]
+        assert [r["source"] for r in miss.first_uses()] == ["cache"]
 
 
 @pytest.mark.gpu
@@ -573,13 +574,13 @@ def test_cuda_a_cached_kernel_chosen_before_the_hot_l2_rule_is_timed_again_once(
 
     from sparserl_compile import matrices
 
-    runtime.configure(provider="nearest", k=4)
+    plans.configure(provider="nearest", k=4)
     m = matrices.stencil2d(300)  # SpMV: a DIA kernel of a few us beats cuSPARSE on the H100 and H200
     a = S.sparsify(m, device="cuda")
     x = torch.randn(m.shape[1], device="cuda")
     a @ x
-    (first,) = runtime.first_uses()
-    key = runtime._cache_key(runtime._problem("spmv", a.crow, a.col, a.val, x, *m.shape, a.fingerprint), x.device)
+    (first,) = miss.first_uses()
+    key = miss.cache_key_for(miss.problem_of("spmv", a.crow, a.col, a.val, x, *m.shape, a.fingerprint), x.device)
     store = cache.KernelCache.default()
     entry = store.get(key)
     if entry is None or entry.reference_wins or entry.times.get("kernel_us", GRAPH_BELOW_US) >= GRAPH_BELOW_US:
@@ -587,16 +588,16 @@ def test_cuda_a_cached_kernel_chosen_before_the_hot_l2_rule_is_timed_again_once(
     aged = {k: v for k, v in entry.verification.items() if k not in ("reference_graph_us", "best_graph_us")}
     store.put(dataclasses.replace(entry, verification=aged))
     for again in (True, False):
-        runtime.clear()
-        runtime.reset_stats()
+        plans.clear()
+        plans.reset_stats()
         y = a @ x
         np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
-        logged = [r["source"] for r in runtime.first_uses()]
+        logged = [r["source"] for r in miss.first_uses()]
         if again:  # timed against cuSPARSE under the current rule, whatever it then decides
             assert logged == ["cache+timing"]
             assert "reference_graph_us" in store.get(key).verification
         else:  # the new verdict is served as it is (a reference verdict logs no first use)
-            assert logged in (["cache"], []) and runtime.stats().cache_hits == 1
+            assert logged in (["cache"], []) and config.stats().cache_hits == 1
 
 
 @pytest.mark.gpu
@@ -604,24 +605,24 @@ def test_cuda_background_search_then_kernel_and_nearest_provider():
     """on_miss="background" on the GPU: the first products run cuSPARSE while the search runs;
     after it, the verdict (here from the "nearest" provider's few candidates) serves the
     products, each right; a fresh plan table then finds it in the disk cache."""
-    runtime.configure(provider="nearest", k=2, on_miss="background")
+    plans.configure(provider="nearest", k=2, on_miss="background")
     m = matrix(3000, 3000, seed=6)
     a = S.sparsify(m, device="cuda")
     x = torch.randn(3000, 16, device="cuda")
     want = m @ x.cpu().numpy()
     np.testing.assert_allclose((a @ x).cpu().numpy(), want, rtol=1e-4, atol=1e-4)
-    assert runtime.stats().background == 1
-    assert runtime.wait_for_searches(timeout=300)
+    assert config.stats().background == 1
+    assert plans.wait_for_searches(timeout=300)
     for _ in range(2):
         np.testing.assert_allclose((a @ x).cpu().numpy(), want, rtol=1e-4, atol=1e-4)
-    (plan,) = runtime.plans().values()
-    assert plan.kind in ("kernel", "reference") and runtime.stats().fallbacks == 0
+    (plan,) = plans.plans().values()
+    assert plan.kind in ("kernel", "reference") and config.stats().fallbacks == 0
     if plan.kind == "kernel":
-        assert plan.checked and runtime.stats().kernel_calls == 2
-    runtime.clear()
-    runtime.reset_stats()
+        assert plan.checked and config.stats().kernel_calls == 2
+    plans.clear()
+    plans.reset_stats()
     a @ x
-    assert runtime.stats().cache_hits == 1 and runtime.stats().background == 0
+    assert config.stats().cache_hits == 1 and config.stats().background == 0
 
 
 class WrongKernel(FakeKernel):
@@ -642,14 +643,14 @@ def test_failing_kernel_plan_falls_back_and_is_replaced(kernels_on_cpu, caplog, 
     k = make_kernel()
     key = install_kernel_plan(a, 4, k)
     x = torch.randn(20, 4)
-    with caplog.at_level(logging.WARNING, logger="sparserl_compile.runtime"):
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.miss"):
         y = a @ x
         a @ x
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
     assert k.launches == 1  # the failed plan is gone after the first failure
-    plan = runtime.plans()[key]
+    plan = plans.plans()[key]
     assert plan.kind == "reference" and reason in plan.reason
-    assert runtime.stats().fallbacks == 1
+    assert config.stats().fallbacks == 1
     assert sum(logged in r.getMessage() for r in caplog.records) == 1
 
 
@@ -660,7 +661,7 @@ def test_first_use_check_passes_a_right_kernel_once(kernels_on_cpu):
     x = torch.randn(20, 4)
     a @ x
     a @ x
-    assert k.launches == 2 and runtime.plans()[key].checked and runtime.stats().fallbacks == 0
+    assert k.launches == 2 and plans.plans()[key].checked and config.stats().fallbacks == 0
 
 
 def test_reference_is_out_of_reach_of_torch_function_modes():
@@ -680,23 +681,23 @@ def test_reference_is_out_of_reach_of_torch_function_modes():
     a = S.sparsify(matrix())
     x = torch.randn(20, 3)
     with Record() as rec:
-        y = runtime.spmm(a.crow, a.col, a.val, x, 30, 20, a.fingerprint)
-        yh = runtime.reference_product(a.crow, a.col, a.val.half(), x.half(), 30, 20)
+        y = plans.spmm(a.crow, a.col, a.val, x, 30, 20, a.fingerprint)
+        yh = reference.reference_product(a.crow, a.col, a.val.half(), x.half(), 30, 20)
     assert rec.sparse == 0
     np.testing.assert_allclose(y.numpy(), matrix() @ x.numpy(), rtol=1e-5, atol=1e-5)
     assert yh.dtype == torch.float16
 
 
 def test_device_arch_is_memoized_per_device():
-    runtime._arch_of.clear()
-    assert runtime.device_arch(torch.device("cpu")) == "cpu"
-    assert list(runtime._arch_of) == [torch.device("cpu")]
-    assert runtime.device_arch(torch.empty(0).device) == "cpu" and len(runtime._arch_of) == 1
+    problem._arch_of.clear()
+    assert problem.device_arch(torch.device("cpu")) == "cpu"
+    assert list(problem._arch_of) == [torch.device("cpu")]
+    assert problem.device_arch(torch.empty(0).device) == "cpu" and len(problem._arch_of) == 1
 
 
 def test_prewarm_starts_the_sandbox_worker_in_the_background():
     t = S.prewarm(provider=False)
     t.join(120)
     assert not t.is_alive()
-    pool = runtime._sandbox_pool()
+    pool = miss.sandbox_pool()
     assert pool._free and pool._free[0].alive()

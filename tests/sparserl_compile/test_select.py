@@ -29,11 +29,21 @@ def _ref(us):
     return SandboxResult("ok", reference={"int32": {"median_us": us}, "int64": {"median_us": us * 1.1}})
 
 
+def _hot(us):
+    """A candidate timed both ways, hot at half its flushed time (both below the reference's)."""
+    return replace(_timed(us), graph_bench={"median_us": us / 2, "method": "graph", "l2_flushed": False})
+
+
+def _ref_hot(us):
+    r = _ref(us)
+    return replace(r, reference={**r.reference, "int32_graph": {"median_us": us / 2, "method": "graph"}})
+
+
 CANDS = [candidate(GOOD), candidate(GOOD.replace("float acc", "float  acc"))]
 
 
 def test_fastest_verified_candidate_wins_when_it_beats_the_reference():
-    ev = Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0)
+    ev = Evaluation((_hot(9.0), _hot(7.0)), _ref_hot(10.0), 1.0)
     c = decide(CANDS, ev)
     assert c.candidate is CANDS[1] and c.kernel_us == 7.0 and c.reference_us == 10.0
     assert c.speedup == pytest.approx(10 / 7)
@@ -42,11 +52,11 @@ def test_fastest_verified_candidate_wins_when_it_beats_the_reference():
 def test_the_faster_of_the_two_reference_timings_counts():
     """cuSPARSE is timed before and after the candidates; a slow first timing (the GPU still
     clocking up) must not let a kernel through that only beats that bad measurement."""
-    ev = Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0, reference_again=_ref(6.0))
+    ev = Evaluation((_hot(9.0), _hot(7.0)), _ref_hot(10.0), 1.0, reference_again=_ref_hot(6.0))
     c = decide(CANDS, ev)
     assert ev.reference_us() == 6.0 and c.candidate is None and c.reference_us == 6.0
     assert c.record["reference_runs_us"] == [10.0, 6.0]
-    slower_again = Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0, reference_again=_ref(12.0))
+    slower_again = Evaluation((_hot(9.0), _hot(7.0)), _ref_hot(10.0), 1.0, reference_again=_ref_hot(12.0))
     assert decide(CANDS, slower_again).candidate is CANDS[1] and slower_again.reference_us() == 10.0
     failed_again = Evaluation((_timed(7.0),), _ref(10.0), 1.0, reference_again=SandboxResult("timeout"))
     assert failed_again.reference_us() == 10.0 and failed_again.reference_runs_us() == [10.0, None]
@@ -61,31 +71,39 @@ def _ref_graphed(us, graph_us):
     return replace(r, reference={**r.reference, "int32_graph": {"median_us": graph_us, "method": "graph"}})
 
 
-def test_a_candidate_slower_than_the_reference_with_a_hot_l2_is_not_kept():
-    """Winning with the L2 flushed is not enough where both were graph-timed: a kernel slower
-    than cuSPARSE with cached operands would be slower per call in an eager loop."""
+def test_a_candidate_must_beat_the_reference_hot_as_well_as_flushed():
+    """Winning with the L2 flushed is not enough: a kernel slower than cuSPARSE with cached
+    operands would be slower per call in an eager loop. Every product size is timed both
+    ways, and the margin applies to both."""
     ev = Evaluation((_graphed(7.0, 5.0),), _ref_graphed(10.0, 4.0), 1.0)
     c = decide(CANDS[:1], ev)
     assert c.candidate is None and c.kernel_us == 7.0 and ev.reference_graph_us() == 4.0
-    assert "hot L2" in c.record["rule"] and c.record["best_graph_us"] == 5.0
-    assert c.record["reference_graph_us"] == 4.0
+    assert "hot L2" in c.record["rule"] and c.record["best_hot_us"] == 5.0
+    assert c.record["reference_graph_us"] == c.record["reference_hot_us"] == 4.0
     # a slower-flushed candidate that still beats the reference and also wins hot is kept instead
     ev = Evaluation((_graphed(7.0, 5.0), _graphed(9.0, 3.5)), _ref_graphed(10.0, 4.0), 1.0)
-    assert decide(CANDS, ev).candidate is CANDS[1]
+    c = decide(CANDS, ev)
+    assert c.candidate is CANDS[1] and c.record["chosen_hot_us"] == 3.5
     # ... but not one that does not beat the reference flushed by the margin
     ev = Evaluation((_graphed(7.0, 5.0), _graphed(9.9, 3.5)), _ref_graphed(10.0, 4.0), 1.0)
     assert decide(CANDS, ev).candidate is None
-    # the faster of the reference's two graph timings counts, as for its flushed timings
-    ev = Evaluation((_graphed(7.0, 4.5),), _ref_graphed(10.0, 5.0), 1.0, reference_again=_ref_graphed(10.0, 4.0))
-    assert ev.reference_graph_us() == 4.0 and decide(CANDS[:1], ev).candidate is None
-    # a reference cuSPARSE times with int64 indices only: its int64 graph figure counts
+    # nor one within the margin hot (3.9 is not below 0.97 x 4.0)
+    assert decide(CANDS[:1], Evaluation((_graphed(7.0, 3.9),), _ref_graphed(10.0, 4.0), 1.0)).candidate is None
+    # a long product (hundreds of us) is held to the same rule
+    ev = Evaluation((_graphed(700.0, 650.0),), _ref_graphed(1000.0, 600.0), 1.0)
+    assert decide(CANDS[:1], ev).candidate is None
+    # the faster of the reference's two hot timings counts, as for its flushed timings
+    ev = Evaluation((_graphed(7.0, 3.8),), _ref_graphed(10.0, 5.0), 1.0, reference_again=_ref_graphed(10.0, 3.9))
+    assert ev.reference_graph_us() == 3.9 and decide(CANDS[:1], ev).candidate is None
+    # a reference cuSPARSE times with int64 indices only: its int64 hot figure counts
     int64_only = SandboxResult("ok", reference={"int64": {"median_us": 10.0},
                                                 "int64_graph": {"median_us": 4.0, "method": "graph"}})
     ev = Evaluation((_graphed(7.0, 5.0),), int64_only, 1.0)
     assert ev.reference_us() == 10.0 and ev.reference_graph_us() == 4.0 and decide(CANDS[:1], ev).candidate is None
-    # without a graph figure on either side the flushed rule alone decides
-    assert decide(CANDS[:1], Evaluation((_timed(7.0),), _ref_graphed(10.0, 4.0), 1.0)).candidate is CANDS[0]
-    assert decide(CANDS[:1], Evaluation((_graphed(7.0, 5.0),), _ref(10.0), 1.0)).candidate is CANDS[0]
+    # a missing hot figure on either side keeps the reference: nothing shows the kernel wins there
+    assert decide(CANDS[:1], Evaluation((_timed(7.0),), _ref_graphed(10.0, 4.0), 1.0)).candidate is None
+    assert decide(CANDS[:1], Evaluation((_graphed(7.0, 3.0),), _ref(10.0), 1.0)).candidate is None
+    assert decide(CANDS[:1], Evaluation((_graphed(7.0, 3.0),), _ref_graphed(10.0, 4.0), 1.0)).candidate is CANDS[0]
 
 
 class _ScriptedPool:
@@ -96,6 +114,7 @@ class _ScriptedPool:
 
     def run(self, job, pattern, **kw):
         self.jobs.append("reference" if job.candidate is None else "candidate")
+        self.widths = getattr(self, "widths", []) + [job.widths]
         return self.refs.pop(0) if job.candidate is None else self.kernel
 
 
@@ -112,6 +131,27 @@ def test_evaluate_times_the_reference_again_only_when_a_candidate_was_timed():
     assert pool.jobs == ["reference", "candidate", "candidate"] and ev.reference_again is None
 
 
+def test_evaluate_verifies_each_candidate_at_every_width_of_its_bucket():
+    """A plan is keyed by the width bucket: each candidate's job carries the widths it will
+    serve there (the call's first, multiples of its n_align only), the reference's none."""
+    from sparserl_compile import kernels
+    from sparserl_compile.select import evaluate
+    from sparserl_compile.verify import widths_to_verify
+
+    m = matrices.stencil2d(4)
+    cands = [c for c in kernels.space("spmm", "f32", structure=m) if c.family == "csr_rowgroup"]
+    one = next(c for c in cands if c.header.launch.n_align == 1)
+    four = next(c for c in cands if c.header.launch.n_align == 4)
+    pool = _ScriptedPool([_ref(10.0)], SandboxResult("wrong", "error_bound: ..."))
+    evaluate(_problem(m, "spmm", 48), [one, four], pool=pool, executor="gpu")
+    assert pool.widths[0] == ()
+    assert pool.widths[1] == widths_to_verify("spmm", 48) and len(pool.widths[1]) == 32
+    assert pool.widths[2] == widths_to_verify("spmm", 48, 4) and pool.widths[2][0] == 48
+    pool = _ScriptedPool([], SandboxResult("wrong", "align: ..."))
+    evaluate(_problem(m, "spmm", 50), [four], pool=pool, executor="cpu")
+    assert pool.widths == [(50,)]  # 50 does not suit n_align=4: the align check rejects it
+
+
 class _ParallelPool:
     """A pool of several workers: verification jobs (untimed) come through ``map``, each
     answered from ``verified`` in turn; timed jobs through ``run``."""
@@ -123,6 +163,7 @@ class _ParallelPool:
 
     def map(self, jobs, pattern, **kw):
         assert all(not j.time and j.value_sets == 3 for j in jobs)  # every check, nothing timed
+        assert all(j.widths for j in jobs)  # at every width the plan serves
         self.jobs.append(("verify", len(jobs)))
         return [SandboxResult("ok", phases={"prepare": 0.5}) if ok else SandboxResult("wrong", "error_bound: x")
                 for ok in self.verified]
@@ -130,11 +171,11 @@ class _ParallelPool:
     def run(self, job, pattern, **kw):
         if job.candidate is None:
             self.jobs.append("reference")
-            return _ref(10.0)
-        assert job.time and job.value_sets == 1  # re-checked on one value set, then timed
+            return _ref_hot(10.0)
+        assert job.time and job.value_sets == 1 and job.widths == ()  # re-checked on one set at n, then timed
         self.jobs.append("time")
-        r = _timed(self.kernel_us.pop(0))
-        return SandboxResult(r.kind, bench=r.bench, phases={"prepare": 0.1, "time": 0.2})
+        r = _hot(self.kernel_us.pop(0))
+        return SandboxResult(r.kind, bench=r.bench, graph_bench=r.graph_bench, phases={"prepare": 0.1, "time": 0.2})
 
 
 def test_parallel_verify_checks_all_at_once_then_times_the_verified_in_turn():
@@ -166,7 +207,7 @@ def test_generated_kernels_are_told_apart_in_the_record():
     names = [c.name for c in gen]
     assert names[0] != names[1] and all(n.startswith("generated[csr]#") for n in names)
     assert Candidate(GOOD, parse_header(GOOD)).name == names[0]  # the same source, the same name
-    c = decide(gen, Evaluation((_timed(9.0), _timed(7.0)), _ref(10.0), 1.0))
+    c = decide(gen, Evaluation((_hot(9.0), _hot(7.0)), _ref_hot(10.0), 1.0))
     assert c.record["chosen"] == names[1] and c.record["chosen_us"] == 7.0
     assert [r["name"] for r in c.record["candidates"]] == names
 
@@ -231,3 +272,16 @@ def test_parallel_verify_agrees_with_the_default_order_on_gpu():
     assert all(r.kernel_us > 0 for r in par.results if r.ok) and par.reference_us() > 0
     assert set(par.parts) == {"verify", "reference", "time"}
     print(f"\nstencil2d_300, 3 candidates: default order {seq.seconds:.2f} s, parallel verify {par.seconds:.2f} s")
+
+
+def test_records_of_older_rules_are_told_apart():
+    from sparserl_compile.select import outdated
+
+    c = decide(CANDS, Evaluation((_hot(9.0), _hot(7.0)), _ref_hot(10.0), 1.0))
+    assert outdated(c.record) is None
+    old = {k: v for k, v in c.record.items() if k not in ("widths_verified", "reference_hot_us")}
+    assert "one width" in outdated(old)
+    assert "hot L2" in outdated({**old, "widths_verified": [1]})
+    assert outdated({"chosen": None, "candidates": [{}], "rule": "reference wins"}) is None
+    untimed = decide(CANDS, Evaluation((SandboxResult("ok"),), None, 1.0))
+    assert outdated(untimed.record) is None and untimed.record["widths_verified"] == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparserl_compile.cli import main
+from sparserl_compile.commands.cli import main
 
 
 @pytest.mark.parametrize("argv", [["eval"], ["train", "pretrain"], ["train", "sft"], ["train", "rl"]])

@@ -29,7 +29,7 @@ def test_the_selection_draws_the_recorded_fresh_problems(shared_matrices, tmp_pa
     from sparserl_compile.training.unlabelled import parse_mix
     from sparserl_compile.training.validation import validation_problems
 
-    recorded = Path(__file__).resolve().parents[2] / "benchmarks/results/h200_validation_fresh48_session16_2026-12-04.json"
+    recorded = Path(__file__).resolve().parents[2] / "benchmarks/results/h200_validation_fresh48_correctness_controls_2026-12-04.json"
     assert device_carry.main(["--dest", str(tmp_path / "carry"), "--no-held-out"]) in (0, 1)
     monkeypatch.setenv("SPARSERL_SHARED_MATRICES", str(tmp_path / "carry" / "matrices"))
     mix = ("uniform_random=2,rmat=2,random_geometric=1,stencil3d=1,block_diagonal=1,banded=1,circuit=1,"

@@ -19,10 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 STUB = """#!/usr/bin/env bash
-# stands in for python3: `-m sparserl_compile.cli train STAGE ... --out-dir D|--out D --seed S --init I`
+# stands in for python3: `-m sparserl_compile.commands.cli train STAGE ... --out-dir D|--out D --seed S --init I`
 # makes D at once (hangs where S is $HANG_SEED), with I's weights, where there, copied to D/init_weights;
 # `-m pip` does nothing; the rest is Python
-if [ "$1 $2 $3" = "-m sparserl_compile.cli train" ]; then
+if [ "$1 $2 $3" = "-m sparserl_compile.commands.cli train" ]; then
   stage=$4; shift 4; out=""; seed=""; init=""
   while [ $# -gt 0 ]; do case "$1" in --out-dir|--out) out="$2"; shift;; --seed) seed="$2"; shift;;
     --init) init="$2"; shift;; esac; shift; done

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from sparserl_compile.policy.model import PolicyHParams, build_policy, load_policy, save_policy
-from sparserl_compile.cli import main
+from sparserl_compile.commands.cli import main
 from sparserl_compile.training.soup import SoupError, parse_inputs, provenance, soup
 
 

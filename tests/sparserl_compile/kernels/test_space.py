@@ -69,7 +69,7 @@ def test_baked_needs_small_structure():
     assert len(bk) == 2
     src = bk[0].source
     # literal columns of the long row 10 appear, and row_ptr/col_idx are never read
-    assert f"__ldg(&x[36])" in src and "row_ptr[" not in src and "col_idx[" not in src
+    assert "__ldg(&x[36])" in src and "row_ptr[" not in src and "col_idx[" not in src
     big = sp.random(100, 100, density=0.3, format="csr", random_state=1)
     assert big.nnz > baked.MAX_NNZ
     assert not any(c.family == "baked" for c in kernels.space("spmv", "f32", structure=big))

@@ -8,7 +8,6 @@ Compiling is the cost (about 0.5 s of g++ per distinct source); the in-process t
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from sparserl_compile import formats, kernels, simt
@@ -92,3 +91,25 @@ def test_sample_on_real_matrices(shared_matrices):
                     continue
                 assert o.ok, f"{c.name} on {info.name}: error exceeds the bound by {o.worst():.3g}"
                 assert o.stats.wall_s < 2.0, (c.name, info.name, o.stats)
+
+
+@pytest.mark.parametrize("op, dtype", [("spmv", "f32"), ("spmm", "f32"), ("spmm", "bf16")])
+def test_one_point_per_family_passes_verification_with_every_check(op, dtype):
+    """``verify`` as the selection runs it (zeros, large, small, subnormal and non-finite
+    operands, every width of the bucket, both placements, the stale check) accepts the
+    hand-written families, DIA and BSR multiplying their padding included."""
+    from sparserl_compile import verify
+
+    m = banded(120, 2, fill=0.8, seed=1)  # holes in the band: DIA and BSR carry padding
+    n = 1 if op == "spmv" else 8
+    ran = []
+    for c in _one_per_family(op, dtype, m):
+        align = c.header.launch.n_align
+        if n % align:
+            continue
+        r = verify.verify(c, m, executor="cpu", n=n, widths=verify.widths_to_verify(op, n, align))
+        if r.failed == "format":
+            continue
+        assert r.ok, f"{c.name}: {r.reason}"
+        ran.append(c.family)
+    assert {"csr_scalar", "dia", "bsr"} <= set(ran), ran

@@ -178,3 +178,87 @@ def test_a_correct_kernel_has_no_fault_on_an_empty_matrix():
     args, _ = _args(m)
     st = k.launch(1, 128, 0, args)
     assert st.blocks == 1
+
+
+# ------------------------------------------------------------------ guarded mappings, output races
+
+_SUM = ("    if (row >= n_rows) return;\n    float acc = 0.0f;\n"
+        "    for (int k = row_ptr[row]; k < row_ptr[row + 1]; ++k) acc += vals[k] * x[col_idx[k]];\n")
+
+
+@pytest.mark.parametrize("placement", [0, 1])
+def test_raw_pointer_read_far_past_an_array_faults_naming_it(placement):
+    """``(&x[0])[...]`` leaves the checked pointer; the guard region around x still faults."""
+    body = ROW + _SUM + "    if (row == 0) acc += 0.0f * (&x[0])[n_cols + 5000];\n    y[row] = acc;"
+    with pytest.raises(simt.OutOfBounds) as e:
+        _launch(_kernel(body), placement=placement)
+    assert e.value.array == "x" and e.value.index == M.shape[1] + 5000 and e.value.extent == M.shape[1]
+    assert "raw pointer" in str(e.value)
+
+
+def test_raw_pointer_read_one_past_the_end_or_one_before_faults_at_one_placement():
+    past = _kernel(ROW + _SUM + "    if (row == 0) acc += 0.0f * (&x[0])[n_cols];\n    y[row] = acc;")
+    before = _kernel(ROW + _SUM + "    if (row == 0) acc += 0.0f * (&x[0])[-1];\n    y[row] = acc;")
+    m160 = uniform_random(200, 160, 5, seed=3)  # x of 640 bytes: it ends exactly where its pages end
+    with pytest.raises(simt.OutOfBounds, match="index 160 is outside"):
+        _launch(past, placement=1, m=m160)
+    _, y = _launch(past, placement=0, m=m160)  # inside the fill after x: reads NaN, which shows in y
+    assert np.isnan(y[0]) and not np.isnan(y[1:]).any()
+    _, y = _launch(past, placement=1)  # 150 floats: 8 bytes of fill after x, read as NaN
+    assert np.isnan(y[0])
+    with pytest.raises(simt.OutOfBounds, match="index -1 is outside"):
+        _launch(before, placement=0)
+
+
+def test_raw_pointer_write_past_y_faults_or_is_found_in_the_fill():
+    body = ROW + _SUM + "    y[row] = acc;\n    if (row == 0) (&y[0])[n_rows + 300] = 1.0f;"
+    for placement in (0, 1):
+        with pytest.raises(simt.OutOfBounds) as e:
+            _launch(_kernel(body), placement=placement)
+        assert e.value.array == "y" and e.value.index == M.shape[0] + 300
+    near = ROW + _SUM + "    y[row] = acc;\n    if (row == 0) (&y[0])[n_rows + 1] = 1.0f;"
+    with pytest.raises(simt.OutOfBounds, match="landed beside the array"):
+        _launch(_kernel(near), placement=0)
+
+
+def test_guarded_launch_copies_arrays_back_and_leaves_other_faults_alone():
+    """Arrays are copied into the guarded mappings and back: the output arrives, a write into
+    an input shows in the caller's array; a launch without the guard still runs."""
+    good = _kernel(ROW + _SUM + "    y[row] = acc;")
+    _, y = _launch(good)
+    np.testing.assert_allclose(y, M @ np.ones(M.shape[1], np.float32), rtol=1e-6)
+    k = simt.compile_kernel(_kernel(ROW + _SUM + "    y[row] = acc;\n    if (row == 0) { ((float*)&x[0])[1] = 7.0f; }"))
+    args, y = _args()
+    k.launch(M.shape[0] // 128 + 1, 128, 0, args)
+    assert args[5][1] == 7.0
+    args, y = _args()
+    k.launch(M.shape[0] // 128 + 1, 128, 0, args, guard=False)
+    assert not np.isnan(y).any()
+
+
+def test_two_threads_adding_into_one_output_element_is_a_race():
+    body = ("    int t = blockIdx.x * blockDim.x + threadIdx.x;\n    int row = t / 2;\n    if (row >= n_rows) return;\n"
+            "    float acc = 0.0f;\n"
+            "    for (int k = row_ptr[row] + t % 2; k < row_ptr[row + 1]; k += 2) acc += vals[k] * x[col_idx[k]];\n"
+            "    y[row] += acc;")
+    src = _kernel(body, "// launch block=128 work=rows per_block=64 zero_output=1\n")
+    with pytest.raises(simt.GlobalMemoryRace) as e:
+        _launch(src)
+    assert e.value.array == "y" and e.value.index == 0 and "atomicAdd" in str(e.value)
+    atomic = src.replace("y[row] += acc;", "atomicAdd(&y[row], acc);")
+    k = simt.compile_kernel(atomic)
+    args, y = _args()
+    y[:] = 0
+    k.launch(k.header.launch.grid({"n_rows": M.shape[0]}), 128, 0, args)
+    np.testing.assert_allclose(y, M @ np.ones(M.shape[1], np.float32), rtol=1e-5)
+
+
+def test_writes_of_one_output_element_ordered_by_a_barrier_are_not_a_race():
+    body = ("    int row = blockIdx.x;\n    if (threadIdx.x == 0) y[row] = 0.0f;\n    __syncthreads();\n"
+            "    if (threadIdx.x == 1) y[row] = 1.0f;")
+    src = _kernel(body, "// launch block=32 work=rows per_block=1\n")
+    _, y = _launch(src, block=32)
+    assert (y == 1.0).all()
+    unordered = src.replace("    __syncthreads();\n", "")
+    with pytest.raises(simt.GlobalMemoryRace):
+        _launch(unordered, block=32)

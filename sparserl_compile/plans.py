@@ -1,0 +1,476 @@
+"""The plan table and the one door every product goes through: ``product``.
+
+Every sparserl product -- ``ops.py``'s custom ops (traced graphs, autograd), the eager paths of
+``tensor.py`` and ``dispatch.py`` -- ends in ``product`` (or ``routed_product``, its shortcut
+for a tensor that already knows its plan is the reference). It looks up a plan in an
+in-memory table keyed by
+
+    (fingerprint, op, dense width bucket, value dtype, device arch)
+
+* hit: run the plan: a ``KernelPlan`` launches its verified cubin on torch's current stream; a
+  ``ReferencePlan`` calls torch.sparse (cuSPARSE on CUDA, torch's CPU CSR kernels on the CPU);
+  a ``PendingPlan`` (a background search still running) runs the reference;
+* miss: CPU tensors, float64 values, empty matrices and ``configure(kernels=False)`` get a
+  ``ReferencePlan``; a CUDA product asks the miss path (``miss.verdict``: the disk cache, then
+  the provider and the sandboxed selection) and turns its verdict into a plan here.
+
+Guarantees: a failure anywhere in the kernel path -- a missing module, a compile or
+verification error, a provider exception, a launch error -- is logged once per structure
+(logger ``sparserl_compile.miss``), counted in ``stats().fallbacks``, and the product is
+computed by the reference instead. Nothing here raises to the user for a kernel failure and
+no unverified kernel is launched (verification is ``select``'s job; this module only launches
+what ``select`` or the cache returned). A kernel's first output in a process is checked against
+the reference (``reference.first_use_check``); a mismatch drops it and its disk entry.
+Asynchronous device faults cannot be caught here; they are what ``verify``/``sandbox`` exist
+to rule out before a kernel is ever cached.
+
+A ``SparseRLTensor`` goes one step further on its eager path: once its product at a width hits
+a reference plan, it keeps that torch CSR tensor (``Routes``) and its next products at that
+width call torch directly, without building the plan key; the plan table counts every change
+(``_PlanTable.generation``) and a route is used only in the generation it was made in, so
+configuring, clearing or any new plan sends every tensor back through the table once.
+
+What it does not do: validate CSR invariants (``tensor.py``/``dispatch.py`` do that once per
+tensor), compute fingerprints of user tensors (callers pass them), or compile/verify kernels.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import fields, replace
+
+import torch
+
+from sparserl_compile import config, contract, miss, providers, reference, transpose
+from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
+from sparserl_compile.config import RuntimeConfig
+from sparserl_compile.problem import device_arch
+from sparserl_compile.reference import HALF, FirstUseMismatch, first_use_check, reference_product
+
+_lock = threading.RLock()
+
+
+class _PlanTable(dict):
+    """The plan table: a dict whose every change (a plan set, replaced or removed, the table
+    cleared) bumps ``generation``. A ``Routes`` entry is valid only in the generation it was
+    made in, so no change of plans, however made, leaves a tensor on a stale shortcut."""
+
+    def __init__(self):
+        super().__init__()
+        self.generation = 0
+
+    def __setitem__(self, key, plan):
+        self.generation += 1
+        super().__setitem__(key, plan)
+
+    def __delitem__(self, key):
+        self.generation += 1
+        super().__delitem__(key)
+
+    def clear(self):
+        self.generation += 1
+        super().clear()
+
+    def pop(self, *args):
+        self.generation += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.generation += 1
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.generation += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kw):
+        self.generation += 1
+        super().update(*args, **kw)
+
+
+class Routes:
+    """One sparse tensor's shortcuts past the plan table: dense width (SpMM) or ``SPMV`` ->
+    what serves it, the torch CSR tensor to multiply by (a reference plan, float32/64, a
+    non-empty matrix) or the ``KernelPlan`` (once its first-use check passed), valid while the
+    plan table's ``generation`` is the one they were made in. ``tensor.SparseRLTensor`` keeps
+    one (its ``_routes``); ``product(routes=)`` fills it on a hit and ``routed_product`` serves
+    the next such product without building the plan key. Never copied (a copy would alias the
+    original's values): ``copy``/``deepcopy`` give an empty one."""
+
+    __slots__ = ("generation", "native")
+    MAX = 8  # widths kept per tensor (a model calling one weight at many widths starts again)
+    SPMV = -1  # the key of the SpMV route (an SpMM of width 1 has a plan of its own)
+
+    def __init__(self):
+        self.generation = -1
+        self.native: dict[int, "torch.Tensor | KernelPlan"] = {}
+
+    def get(self, n: int):
+        return self.native.get(n) if self.generation == _table.generation else None
+
+    def store(self, generation: int, n: int, native) -> None:
+        if self.generation != generation or len(self.native) >= self.MAX:
+            self.native = {}
+            self.generation = generation
+        self.native[n] = native
+
+    def __copy__(self):
+        return Routes()
+
+    def __deepcopy__(self, memo):
+        return Routes()
+
+    def __reduce__(self):
+        return (Routes, ())
+
+
+_table: _PlanTable = _PlanTable()
+
+
+def configure(**kw) -> RuntimeConfig:
+    """Change the runtime configuration (fields of ``RuntimeConfig``, and ``provider``: a
+    provider's name or object, see ``providers.set_provider``); returns the new settings.
+
+    The plan table is cleared so the next call of every structure is planned under them.
+    """
+    valid = {f.name for f in fields(RuntimeConfig)} | {"provider"}
+    unknown = set(kw) - valid
+    if unknown:
+        raise TypeError(f"configure() got unknown settings {sorted(unknown)}; valid: {sorted(valid)}")
+    provider = kw.pop("provider", None)
+    new = replace(config.current, **kw)  # validated before anything changes
+    if provider is not None:
+        providers.set_provider(provider)
+    with _lock:
+        config.current = new
+        _table.clear()
+    return new
+
+
+def reset_stats() -> None:
+    """Zero the counters and empty the ``first_uses()`` log."""
+    config.reset_counts()
+    miss.clear_first_uses()
+
+
+def clear() -> None:
+    """Forget every plan, transposed pattern and memoized reference tensor (the disk cache is
+    untouched)."""
+    with _lock:
+        _table.clear()
+        transpose.clear()
+        reference.clear()
+        miss.clear()
+
+
+def plans() -> dict[tuple, "Plan"]:
+    """A copy of the plan table (key -> plan), for inspection and tests."""
+    return dict(_table)
+
+
+# ------------------------------------------------------------------------- plans
+
+
+class ReferencePlan:
+    """Run the product with torch.sparse; ``reason`` says why no kernel is used."""
+
+    kind = "reference"
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def run(self, op, crow, col, val, x, n_rows, n_cols):
+        return reference_product(crow, col, val, x, n_rows, n_cols)
+
+    def __repr__(self) -> str:
+        return f"ReferencePlan({self.reason!r})"
+
+
+class KernelPlan:
+    """A verified kernel: the loaded cubin, its header and the format arrays on the device.
+
+    Values are gathered into the format's value array per call, memoized on the identity and
+    version counter of the values tensor (so a training step's new values are re-gathered and
+    an unchanged weight is not).
+    """
+
+    kind = "kernel"
+
+    def __init__(self, header: contract.KernelHeader, kernel, fdata, arrays: dict, source: str = "",
+                 cache_key=None):
+        self.checked = False  # set after the first-use re-check in this process passed
+        self.cache_key = cache_key  # the disk-cache key it came from (dropped if the re-check fails)
+        self.header = header
+        self.kernel = kernel
+        self.fdata = fdata
+        self.arrays = arrays
+        self.source = source
+        self._direct = contract.FORMATS[header.format].value_array == "vals"
+        self._vmemo: tuple | None = None
+        #: width -> (value tensor, launcher.BoundKernel): everything but x and y is fixed per
+        #: (width, value array), bound once (a model calls one weight at a few widths)
+        self._bound: dict[int, tuple] = {}
+        self._can_bind = hasattr(kernel, "bind")  # a kernel object without the prepared fast path launches plainly
+
+    BOUND_WIDTHS = 8  # widths kept bound per plan
+
+    def _values(self, val):
+        if self._direct:
+            return val
+        m = self._vmemo
+        if m is not None and m[0]() is val and m[1] == val._version:
+            return m[2]
+        out = self.fdata.gather_values(val).contiguous()
+        self._vmemo = (weakref.ref(val), val._version, out)
+        return out
+
+    def run(self, op, crow, col, val, x, n_rows, n_cols):
+        """Launch on ``x`` (contiguous, on the plan's device) into a new output; None where this
+        width does not suit the kernel's vector loads (the caller runs the reference)."""
+        vector = x.dim() == 1
+        n = 1 if vector else x.shape[1]
+        ls = self.header.launch
+        if n % ls.n_align:
+            return None
+        if ls.n_align > 1 and x.data_ptr() % 16:
+            x = x.clone()  # a view at an odd offset: vector loads need 16-byte-aligned rows
+        shape = (n_rows,) if vector else (n_rows, n)
+        y = x.new_zeros(shape) if ls.zero_output else x.new_empty(shape)
+        v = val if self._direct else self._values(val)
+        if not self._can_bind:
+            args = self.fdata.kernel_args(op, n, self.arrays, v, x, y)
+            self.kernel.launch(args, ls.grid(self.fdata.scalars, n), ls.block, ls.smem)
+            return y
+        b = self._bound.get(n)
+        if b is None or b[0] is not v:
+            if len(self._bound) >= self.BOUND_WIDTHS:
+                self._bound.clear()
+            fixed = self.fdata.kernel_args(op, n, self.arrays, v, x, y)[:-2]
+            b = self._bound[n] = (v, self.kernel.bind(fixed, grid=ls.grid(self.fdata.scalars, n)))
+        b[1](x, y)
+        return y
+
+    def __repr__(self) -> str:
+        return f"KernelPlan(format={self.header.format}, block={self.header.launch.block})"
+
+
+def kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) -> KernelPlan:
+    """Load a verified cubin as a plan: the format arrays converted and uploaded, the kernel loaded."""
+    from sparserl_compile import formats, launcher
+
+    if isinstance(header, str):
+        header = contract.parse_header(header)
+    fd = formats.convert(problem.indptr, problem.indices, (problem.n_rows, problem.n_cols),
+                         header.format, header.params)
+    arrays = formats.to_device(fd, device)
+    kernel = launcher.load(cubin, header, device=device.index)
+    return KernelPlan(header, kernel, fd, arrays, source, cache_key=key)
+
+
+def entry_plan(entry, problem, device, key) -> "Plan":
+    """The plan of a cache entry: its kernel, or the reference where the entry says it wins."""
+    if entry.reference_wins:
+        return ReferencePlan(entry.verification.get("why", "the reference wins"))
+    return kernel_plan(problem, device, entry.cubin, entry.header or entry.source, entry.source, key)
+
+
+class PendingPlan:
+    """A structure whose search runs on the background thread (``on_miss="background"``):
+    products run the reference until the search is done; the next product after that swaps
+    in the verdict (``resolve``), which then goes through the first-use check like any plan."""
+
+    kind = "pending"
+
+    def __init__(self, problem, device, key, future):
+        self.problem, self.device, self.key, self.future = problem, device, key, future
+
+    def run(self, op, crow, col, val, x, n_rows, n_cols):
+        return reference_product(crow, col, val, x, n_rows, n_cols)
+
+    def resolve(self) -> Plan:
+        """The plan of the finished search (a failed search: the reference, logged once)."""
+        try:
+            return entry_plan(self.future.result(), self.problem, self.device, self.key)
+        except Exception as e:
+            config.counts["fallbacks"] += 1
+            miss.log_once("background search failed, using the reference", self.problem.fingerprint,
+                      f"{type(e).__name__}: {e}")
+            return ReferencePlan(f"background search failed: {type(e).__name__}: {e}")
+
+    def __repr__(self) -> str:
+        return f"PendingPlan(done={self.future.done()})"
+
+
+Plan = "ReferencePlan | KernelPlan | PendingPlan"
+
+
+# ------------------------------------------------------------------------- one product
+
+
+def kernels_possible(device: torch.device) -> bool:
+    """Whether generated kernels can run on ``device`` (CUDA only)."""
+    return device.type == "cuda"
+
+
+def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
+            routes: Routes | None = None) -> torch.Tensor:
+    """``A @ x`` for ``op`` in ("spmv", "spmm"), through the plan table (see module doc).
+
+    ``routes``: the sparse tensor's ``Routes``; on a reference hit the torch CSR tensor is
+    stored there, so that tensor's next product at this width skips the table (``routed_product``)."""
+    config.counts["calls"] += 1
+    if x.numel() == 0:  # an empty dense operand (e.g. a batch of none): zeros, and no plan
+        config.counts["reference_calls"] += 1  # for the width bucket it shares with real calls
+        return reference_product(crow, col, val, x, n_rows, n_cols)
+    n = 1 if x.dim() == 1 else int(x.shape[1])
+    key = (fp, op, width_bucket(n), val.dtype, device_arch(x.device))
+    generation = _table.generation  # before the lookup: a change after it voids what is stored below
+    plan = _table.get(key)
+    if plan is None:
+        config.counts["misses"] += 1
+        with _lock:
+            plan = _table.get(key)
+            if plan is None:
+                plan = _plan_for(op, crow, col, val, x, n_rows, n_cols, fp)
+                _table[key] = plan
+    else:
+        config.counts["hits"] += 1
+        if plan.kind == "reference":  # the hot path of a product the runtime does not run a kernel for
+            config.counts["reference_calls"] += 1
+            if routes is not None and val.dtype not in HALF and n_rows and col.numel():
+                native = reference.csr(crow, col, val, n_rows, n_cols)
+                routes.store(generation, n if op == "spmm" else Routes.SPMV, native)
+                return reference.native_mm(native, x)
+            return reference_product(crow, col, val, x, n_rows, n_cols)
+    if plan.kind == "pending" and plan.future.done():
+        with _lock:
+            cur = _table.get(key)
+            if cur is plan:  # the first product after the search: swap the verdict in
+                cur = _table[key] = plan.resolve()
+            if cur is not None:  # (None: the table was cleared meanwhile; this call runs the reference)
+                plan = cur
+    if plan.kind == "kernel":
+        try:
+            y = plan.run(op, crow, col, val, x, n_rows, n_cols)
+            if y is not None and not plan.checked:
+                why = first_use_check(y, crow, col, val, x, n_rows, n_cols)
+                if why is not None:
+                    raise FirstUseMismatch(why)
+                plan.checked = True
+        except Exception as e:  # a launch failure or a failed re-check: never the user's problem
+            config.counts["fallbacks"] += 1
+            what = "first-use check failed" if isinstance(e, FirstUseMismatch) else "launch failed"
+            miss.log_once(f"kernel {what}, using the reference from now on", fp, repr(e))
+            with _lock:
+                _table[key] = ReferencePlan(f"{what}: {e!r}")
+            if isinstance(e, FirstUseMismatch):
+                miss.forget_cached(plan.cache_key)
+            y = None
+        if y is not None:
+            config.counts["kernel_calls"] += 1
+            if routes is not None and plan.checked:
+                routes.store(generation, n if op == "spmm" else Routes.SPMV, plan)
+            return y
+    config.counts["reference_calls"] += 1
+    return reference_product(crow, col, val, x, n_rows, n_cols)
+
+
+def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
+    """``product`` for a sparse tensor holding ``routes``: where it has a route for this op and
+    width (a plan found earlier in this generation of the table: torch's CSR tensor for the
+    reference, or a checked ``KernelPlan``), that at once, counted as the table hit it stands
+    for; else ``product``, which stores one on a hit. A routed kernel that cannot run this call
+    (a launch error, a width its vector loads do not suit) goes back through ``product``,
+    which falls back and logs as always."""
+    r = routes.get(Routes.SPMV if op == "spmv" else x.shape[1])
+    if r is None:
+        return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
+    if type(r) is KernelPlan:
+        try:
+            y = r.run(op, crow, col, val, x, n_rows, n_cols)
+        except Exception:  # noqa: BLE001 - product() runs it again, falls back and logs why
+            y = None
+        if y is None:
+            return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
+        counts = config.counts
+        counts["calls"] += 1
+        counts["hits"] += 1
+        counts["kernel_calls"] += 1
+        return y
+    counts = config.counts
+    counts["calls"] += 1
+    counts["hits"] += 1
+    counts["reference_calls"] += 1
+    return reference.native_mm(r, x)
+
+
+def _plan_for(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
+    if not kernels_possible(x.device):
+        return ReferencePlan(f"{x.device.type} tensors use the reference (kernels are GPU-only)")
+    if val.dtype == torch.float64:
+        return ReferencePlan("float64 products use the reference")
+    if not config.current.kernels:
+        return ReferencePlan("kernels disabled (configure(kernels=False))")
+    if n_rows == 0 or col.numel() == 0:
+        return ReferencePlan("empty matrix")
+    v = None
+    try:
+        v = miss.verdict(op, crow, col, val, x, n_rows, n_cols, fp)
+        if v.reason is not None:
+            plan = ReferencePlan(v.reason)
+        elif v.future is not None:
+            plan = PendingPlan(v.problem, x.device, v.key, v.future)
+        else:
+            plan = entry_plan(v.entry, v.problem, x.device, v.key)
+    except Exception as e:  # noqa: BLE001 - the kernel path failed: the reference serves
+        config.counts["fallbacks"] += 1
+        miss.log_once("kernel path failed, using the reference", fp, f"{type(e).__name__}: {e}")
+        return ReferencePlan(f"kernel path failed: {type(e).__name__}: {e}")
+    finally:
+        if v is not None and v.asked_provider and v.future is None:
+            miss.load_provider_later()
+    miss.log_first_use(v, plan.kind)
+    return plan
+
+
+def wait_for_searches(timeout: float | None = None) -> bool:
+    """Block until every background search queued so far has finished (``on_miss="background"``);
+    False if ``timeout`` seconds passed first. Finished verdicts take effect on each structure's
+    next product."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _lock:
+        pending = [p.future for p in _table.values() if p.kind == "pending"]
+    for f in pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            f.exception(timeout=left)
+        except TimeoutError:
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------- entry points
+
+
+def spmv(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
+    """y = A x, x of shape (n_cols,)."""
+    return product("spmv", crow, col, val, x, n_rows, n_cols, fp)
+
+
+def spmm(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
+    """Y = A X, X of shape (n_cols, n), row-major."""
+    return product("spmm", crow, col, val, x, n_rows, n_cols, fp)
+
+
+def spmv_t(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
+    """y = A^T x, x of shape (n_rows,); A is given as its own CSR (n_rows x n_cols)."""
+    tp = transpose.transpose_pattern(crow, col, n_rows, n_cols, fp)
+    return product("spmv", tp.crow, tp.col, tp.values(val), x, n_cols, n_rows, tp.fingerprint)
+
+
+def spmm_t(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
+    """Y = A^T X, X of shape (n_rows, n)."""
+    tp = transpose.transpose_pattern(crow, col, n_rows, n_cols, fp)
+    return product("spmm", tp.crow, tp.col, tp.values(val), x, n_cols, n_rows, tp.fingerprint)

@@ -1,0 +1,79 @@
+"""A^T's CSR pattern, for products with the transposed matrix (``*_t``: autograd and ``x @ A``).
+
+Computed once per structure and device on the host (scipy), memoized with its own fingerprint
+(the last ``TRANSPOSE_MEMO_SIZE``), so A^T gets its own plan and kernel; ``values`` gathers
+A's values into A^T's order, memoized on the values tensor's identity and version.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparserl_compile.structure import fingerprint as _fingerprint
+
+#: transposed patterns kept (per structure and device); each holds 2 index arrays + a perm
+TRANSPOSE_MEMO_SIZE = 32
+_lock = threading.Lock()
+
+
+@dataclass
+class TransposedPattern:
+    """The CSR pattern of A^T on one device, and where A's values go in it."""
+
+    crow: torch.Tensor  # int32, n_cols + 1
+    col: torch.Tensor  # int32, nnz
+    perm: torch.Tensor  # int64, nnz: A^T's k-th value is A's perm[k]-th value
+    fingerprint: str
+    _vmemo: tuple | None = None
+
+    def values(self, val: torch.Tensor) -> torch.Tensor:
+        m = self._vmemo
+        if m is not None and m[0]() is val and m[1] == val._version:
+            return m[2]
+        out = val[self.perm] if self.perm.numel() else val.new_empty(0)
+        self._vmemo = (weakref.ref(val), val._version, out)
+        return out
+
+
+_transposes: "OrderedDict[tuple, TransposedPattern]" = OrderedDict()
+
+
+def transpose_pattern(crow, col, n_rows: int, n_cols: int, fp: str) -> TransposedPattern:
+    """A^T's pattern (memoized per fingerprint and device; computed on the host once)."""
+    key = (fp, str(crow.device))
+    tp = _transposes.get(key)
+    if tp is not None:
+        _transposes.move_to_end(key)
+        return tp
+    import scipy.sparse as sp
+
+    ip = crow.detach().cpu().numpy().astype(np.int64)
+    ix = col.detach().cpu().numpy().astype(np.int64)
+    nnz = ix.size
+    m = sp.csr_matrix((np.arange(nnz, dtype=np.int64), ix, ip), shape=(n_rows, n_cols))
+    t = m.transpose().tocsr()
+    t.sort_indices()
+    ipt, ixt = t.indptr.astype(np.int32), t.indices.astype(np.int32)
+    dev = crow.device
+    tp = TransposedPattern(
+        torch.from_numpy(ipt).to(dev), torch.from_numpy(ixt).to(dev),
+        torch.from_numpy(t.data.astype(np.int64)).to(dev),
+        _fingerprint(ipt, ixt, (n_cols, n_rows)),
+    )
+    with _lock:
+        _transposes[key] = tp
+        while len(_transposes) > TRANSPOSE_MEMO_SIZE:
+            _transposes.popitem(last=False)
+    return tp
+
+
+def clear() -> None:
+    """Forget every memoized transposed pattern."""
+    with _lock:
+        _transposes.clear()

@@ -1,0 +1,67 @@
+"""proposer.ProcessProvider: a provider built and asked in a worker process of its own."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sparserl_compile import matrices, providers
+from sparserl_compile.problem import make_problem
+from sparserl_compile.proposer import ProcessProvider
+from sparserl_compile.structure import fingerprint
+
+
+def _problem(n=32):
+    m = matrices.generate("banded", n=n, half_bandwidth=1, seed=0)
+    return make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape,
+                        fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+
+
+@pytest.fixture
+def echo():
+    p = ProcessProvider("proposer_fixtures:EchoProvider", name="echo?", checkpoint_hash=None)
+    yield p
+    p.close()
+
+
+def test_candidates_come_from_another_process(echo):
+    cands = echo.candidates(_problem(), 3)
+    assert len(cands) == 3 and all(c.header.op == "spmv" for c in cands)
+    assert echo.pid is not None and echo.pid != os.getpid()
+
+
+def test_warm_up_takes_the_workers_own_name_hash_and_spare(echo):
+    assert (echo.name, echo.checkpoint_hash, echo.sandbox_spare) == ("echo?", None, 0)
+    echo.warm_up()
+    assert echo.ready() and (echo.name, echo.checkpoint_hash, echo.sandbox_spare) == ("echo", "feedface", 1)
+
+
+def test_a_failure_in_the_worker_raises_with_its_message_and_the_worker_serves_on(echo):
+    with pytest.raises(RuntimeError, match="ValueError: thirteen rows are unlucky"):
+        echo.candidates(_problem(13), 2)
+    assert len(echo.candidates(_problem(), 2)) == 2
+
+
+def test_a_worker_that_dies_is_started_again(echo):
+    echo.candidates(_problem(), 1)
+    first = echo.pid
+    with pytest.raises(RuntimeError, match="ended during 'candidates'"):
+        echo.candidates(_problem(7), 1)
+    assert len(echo.candidates(_problem(), 1)) == 1 and echo.pid != first
+
+
+def test_the_default_provider_falls_back_when_the_policy_worker_cannot_build(monkeypatch):
+    monkeypatch.setattr(providers, "policy_available", lambda: None)
+    monkeypatch.setattr(providers, "policy_in_process_worker",
+                        lambda: ProcessProvider("proposer_fixtures:BrokenProvider", name="policy"))
+    d = providers.DefaultProvider(("policy", "reference"))
+    d.warm_up()
+    assert d.ready() and d.name == "reference"
+    assert "OSError: the model file is unreadable" in d.fallback_reason
+    assert d.propose(_problem(), 4) == ([], "reference")
+
+
+def test_a_bad_factory_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="'package.module:Class'"):
+        ProcessProvider("no_colon_here", name="x")
