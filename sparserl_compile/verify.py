@@ -27,11 +27,12 @@ that tries to cheat (DESIGN.md, "Threats verification must assume"). The checks,
    unordered, no shared-memory race), ``inputs`` (every input byte unchanged), ``written``
    (no output left holding the poison, no NaN where the reference is finite),
    ``nonfinite`` (NaN where the float64 reference is NaN, +-inf with its sign where it is
-   +-inf; in formats that multiply their padding zeros (DIA, BSR) NaN is also accepted where
-   a padding slot meets a non-finite ``x``, since 0 * inf is NaN), ``error_bound`` (every
-   finite output within ``operands.error_bound`` of the float64 reference: by scipy for the
-   CPU executor, by torch.sparse on the GPU for the GPU executor, whose checks all run on
-   device tensors), ``deterministic`` (the two runs bit-identical; ``zero_output=1``
+   +-inf; in formats that multiply their padding zeros (DIA, BSR, and bitmap, whose tiles may
+   be multiplied dense: every unstored position counts) NaN is also accepted where a padding
+   slot meets a non-finite ``x``, since 0 * inf is NaN, as in the dense product),
+   ``error_bound`` (every finite output within ``operands.error_bound`` of the float64
+   reference: by scipy for the CPU executor, by torch.sparse on the GPU for the GPU executor,
+   whose checks all run on device tensors), ``deterministic`` (the two runs bit-identical; ``zero_output=1``
    kernels accumulate with ``atomicAdd`` in a varying order, so only the bound applies to
    them), on the GPU ``cusparse`` (random sets: within twice the bound of ``torch.sparse``
    CSR, where cuSPARSE supports the dtype), and ``stale`` (two calls into one un-poisoned
@@ -248,9 +249,17 @@ def timing_fns(runner, dtype: str, seed: int = 0):
 
 # ------------------------------------------------------------------ padding of padded formats
 
-def padding_pattern(fd) -> sp.csr_matrix | None:
+#: ``padding_pattern`` of the bitmap format: a kernel may multiply every position its tiles do
+#: not store (the tensor-core family expands them to dense), i.e. every unstored position
+UNSTORED = "unstored"
+
+
+def padding_pattern(fd) -> sp.csr_matrix | str | None:
     """The (row, column) slots a DIA or BSR kernel multiplies although the pattern has no entry
-    there (value 0), as a 0/1 matrix; None for formats whose kernels skip their padding."""
+    there (value 0), as a 0/1 matrix; ``UNSTORED`` for the bitmap format (every position the
+    pattern does not store); None for formats whose kernels skip their padding."""
+    if fd.fmt == "bitmap":
+        return UNSTORED
     n_rows, n_cols = int(fd.scalars["n_rows"]), int(fd.scalars["n_cols"])
     pad = fd.value_map < 0
     if fd.fmt == "dia":
@@ -274,6 +283,8 @@ def padding_pattern(fd) -> sp.csr_matrix | None:
 
 def _lenient(runner, pad, x_w):
     """Outputs where a padding slot meets a non-finite ``x`` (None: no such output)."""
+    if pad is UNSTORED:
+        return _lenient_unstored(runner, x_w)
     if pad is None or pad.nnz == 0:
         return None
     if runner.executor == "cpu":
@@ -289,6 +300,26 @@ def _lenient(runner, pad, x_w):
     bad = (~torch.isfinite(x_w.float())).float()
     out = torch.mv(runner._pad_t, bad) if bad.dim() == 1 else torch.mm(runner._pad_t, bad)
     return out > 0
+
+
+def _lenient_unstored(runner, x_w):
+    """Outputs where an unstored position meets a non-finite ``x``: rows that store fewer of a
+    dense column's non-finite ``x`` entries than that column has, counted through the pattern
+    itself (its complement, most of a pruned weight, is never built)."""
+    p = runner.pattern
+    if runner.executor == "cpu":
+        bad = (~np.isfinite(from_storage(x_w, runner.header.dtype))).astype(np.float32)
+        stored = sp.csr_matrix((np.ones(p.nnz, np.float32), p.indices, p.indptr), shape=p.shape)
+        return (bad.sum(axis=0) - stored @ bad) > 0
+    torch = runner.torch
+    if not hasattr(runner, "_stored_t"):
+        dev = runner.device
+        runner._stored_t = torch.sparse_csr_tensor(torch.from_numpy(p.indptr.astype(np.int64)).to(dev),
+                                                   torch.from_numpy(p.indices.astype(np.int64)).to(dev),
+                                                   torch.ones(p.nnz, dtype=torch.float32, device=dev), size=p.shape)
+    bad = (~torch.isfinite(x_w.float())).float()
+    hits = torch.mv(runner._stored_t, bad) if bad.dim() == 1 else torch.mm(runner._stored_t, bad)
+    return (bad.sum(dim=0) - hits) > 0
 
 
 # ------------------------------------------------------------------ the driver
