@@ -10,7 +10,7 @@ For each weight shape (out x in features: 4096 x 4096, 11008 x 4096), sparsity (
   each compiled, verified in the sandbox and timed against cuSPARSE; the fastest verified one
   is kept if it beats cuSPARSE, else cuSPARSE is;
 * ``dense``: ``F.linear(x, W)`` with the pruned weight stored dense (cuBLAS);
-* ``cusparse``: ``runtime.reference_product`` on ``x^T`` (torch.sparse CSR, int32 indices),
+* ``cusparse``: ``reference.reference_product`` on ``x^T`` (torch.sparse CSR, int32 indices),
   the product the runtime runs where cuSPARSE is kept, transposes included as ``F.linear``'s.
 
 Each is timed with the L2 flushed (``bench.time_fn``: CUDA events, the GPU kept busy before
@@ -24,11 +24,11 @@ Every bitmap point the first call verified is then timed directly (launched with
 runtime, L2 flushed, ``bench.time_fn``) next to the selection's own sandbox timing of it, so the
 table shows which point wins where (``--no-direct`` skips this).
 
-    python benchmarks/llm_layers.py [--quick] [--out DIR] [--time-budget S] [--others 2]
+    python benchmarks/llm_layers.py [--quick] [--json PATH] [--time-budget S] [--others 2]
         [--shapes 4096x4096,11008x4096] [--sparsities 0.5,0.7,0.9] [--batches 1,4,8,16,32]
 
-Writes ``llm_layers.json`` under ``--out`` (default ``$OUT``, else ``benchmarks/results``) after
-every row, so a run cut by its time limit keeps what finished. ``--quick``: 4096 x 4096 at 70 %,
+Writes ``--json`` (default ``$OUT/llm_layers.json``, else ``benchmarks/results/llm_layers.json``)
+after every row, so a run cut by its time limit keeps what finished. ``--quick``: 4096 x 4096 at 70 %,
 batches 1 and 16. ``--time-budget``: start no new (shape, sparsity) after that many seconds.
 """
 
@@ -176,7 +176,7 @@ def direct_table(rows: list[dict]) -> str:
 
 
 def selection_summary(first_use: dict | None) -> dict:
-    """What the first call's selection kept and timed, from its ``runtime.first_uses()`` row."""
+    """What the first call's selection kept and timed, from its ``miss.first_uses()`` row."""
     row = first_use or {}
     rec = row.get("verification") or {}
     cands = rec.get("candidates") if isinstance(rec.get("candidates"), list) else []
@@ -184,17 +184,19 @@ def selection_summary(first_use: dict | None) -> dict:
         "plan": row.get("plan"), "chosen": rec.get("chosen"), "rule": rec.get("rule"),
         "reference_us": rec.get("reference_us"), "select_s": row.get("select_s"),
         "candidates": [{"name": c.get("name"), "family": c.get("family"), "kind": c.get("kind"),
-                        "kernel_us": c.get("kernel_us"), "error": (c.get("error") or "")[:200]}
+                        "kernel_us": c.get("kernel_us"), "hot_us": c.get("hot_us"),
+                        "error": (c.get("error") or "")[:200]}
                        for c in cands],
     }
 
 
-def out_dir(arg: str | None) -> Path:
+def json_path(arg: str | None) -> Path:
+    """``--json``, else ``$OUT/llm_layers.json``, else ``benchmarks/results/llm_layers.json``."""
     if arg:
         return Path(arg)
     if os.environ.get("OUT"):
-        return Path(os.environ["OUT"])
-    return Path(__file__).resolve().parent / "results"
+        return Path(os.environ["OUT"]) / "llm_layers.json"
+    return Path(__file__).resolve().parent / "results" / "llm_layers.json"
 
 
 # ----------------------------------------------------------------------------- GPU side
@@ -262,19 +264,19 @@ def run_batch(w: _Weight, case: Case, batch: int, args, dev) -> dict:
     import torch.nn.functional as F
 
     import sparserl_compile as sr
-    from sparserl_compile import bench, kernels, runtime
+    from sparserl_compile import bench, kernels, miss, plans, reference
 
     x = torch.randn(batch, case.n_cols, device=dev, dtype=torch.bfloat16)
     points = bitmap_points(problem_for(w.pattern, batch), w.features)
     sr.configure(provider="search", k=len(points) + args.others, cache=False)
-    runtime.clear()
-    runtime.reset_stats()
+    plans.clear()
+    plans.reset_stats()
     torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     y = F.linear(x, w.sparse)
     torch.cuda.synchronize(dev)
     first_s = time.perf_counter() - t0
-    uses = runtime.first_uses()
+    uses = miss.first_uses()
     sel = selection_summary(uses[-1] if uses else None)
     ref = F.linear(x, w.dense)
     chosen = next((c for c in kernels.space("spmm", "bf16", n=batch) if c.name == sel["chosen"]), None)
@@ -282,8 +284,8 @@ def run_batch(w: _Weight, case: Case, batch: int, args, dev) -> dict:
 
     dense_bytes = case.n_rows * case.n_cols * VALUE_BYTES
     fns = {"sparse": lambda: F.linear(x, w.sparse), "dense": lambda: F.linear(x, w.dense),
-           "cusparse": lambda: runtime.reference_product(w.crow, w.col, w.val, x.t().contiguous(),
-                                                         case.n_rows, case.n_cols).t()}
+           "cusparse": lambda: reference.reference_product(w.crow, w.col, w.val, x.t().contiguous(),
+                                                           case.n_rows, case.n_cols).t()}
     flushed = {k: bench.time_fn(f, hide_host_us=bench.HIDE_HOST_US).median_us for k, f in fns.items()}
     b2b = {k: bench.stream_us(f, dev) for k, f in fns.items()}
     row = {
@@ -318,7 +320,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-direct", action="store_true", help="skip timing every bitmap point directly")
     ap.add_argument("--time-budget", type=float, default=0.0, help="start no new weight after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="folder for llm_layers.json (default $OUT, else benchmarks/results)")
+    ap.add_argument("--json", default=None, help="where to write the results (default $OUT/llm_layers.json, "
+                    "else benchmarks/results/llm_layers.json)")
     args = ap.parse_args(argv)
     todo, batches = cases(args)
 
@@ -330,7 +333,7 @@ def main(argv=None) -> int:
         print("llm_layers: needs a CUDA GPU (it times cuBLAS, cuSPARSE and sparserl kernels)", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    path = out_dir(args.out) / "llm_layers.json"
+    path = json_path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "args": vars(args), "rows": [],
            "skipped": []}

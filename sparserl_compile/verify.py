@@ -27,11 +27,12 @@ that tries to cheat (DESIGN.md, "Threats verification must assume"). The checks,
    unordered, no shared-memory race), ``inputs`` (every input byte unchanged), ``written``
    (no output left holding the poison, no NaN where the reference is finite),
    ``nonfinite`` (NaN where the float64 reference is NaN, +-inf with its sign where it is
-   +-inf; in formats that multiply their padding zeros (DIA, BSR) NaN is also accepted where
-   a padding slot meets a non-finite ``x``, since 0 * inf is NaN), ``error_bound`` (every
-   finite output within ``operands.error_bound`` of the float64 reference: by scipy for the
-   CPU executor, by torch.sparse on the GPU for the GPU executor, whose checks all run on
-   device tensors), ``deterministic`` (the two runs bit-identical; ``zero_output=1``
+   +-inf; in formats that multiply their padding zeros (DIA, BSR, and bitmap, whose tiles may
+   be multiplied dense: every unstored position counts) NaN is also accepted where a padding
+   slot meets a non-finite ``x``, since 0 * inf is NaN, as in the dense product),
+   ``error_bound`` (every finite output within ``operands.error_bound`` of the float64
+   reference: by scipy for the CPU executor, by torch.sparse on the GPU for the GPU executor,
+   whose checks all run on device tensors), ``deterministic`` (the two runs bit-identical; ``zero_output=1``
    kernels accumulate with ``atomicAdd`` in a varying order, so only the bound applies to
    them), on the GPU ``cusparse`` (random sets: within twice the bound of ``torch.sparse``
    CSR, where cuSPARSE supports the dtype), and ``stale`` (two calls into one un-poisoned
@@ -248,14 +249,23 @@ def timing_fns(runner, dtype: str, seed: int = 0):
 
 # ------------------------------------------------------------------ padding of padded formats
 
-def padding_pattern(fd) -> "sp.csr_matrix | str | None":
+#: ``padding_pattern`` of the bitmap format: a kernel may multiply every position its tiles do
+#: not store (the tensor-core family expands them to dense), i.e. every unstored position
+UNSTORED = "unstored"
+#: ``padding_pattern`` of the ``tcw`` format: every row of a window meets every column of its
+#: tiles, found by ``_tile_lenient`` from the format's own arrays
+TILES = "tiles"
+
+
+def padding_pattern(fd) -> sp.csr_matrix | str | None:
     """The (row, column) slots a DIA or BSR kernel multiplies although the pattern has no entry
-    there (value 0), as a 0/1 matrix; ``"tiles"`` for the dense-tile formats (``tcw``: every
-    row of a window meets every column of its tiles; ``bitmap``: a tensor-core kernel
-    multiplies whole tiles), whose slots ``_tile_lenient`` finds from the format's own arrays
-    instead of listing them; None for formats whose kernels skip their padding."""
-    if fd.fmt in ("tcw", "bitmap"):
-        return "tiles"
+    there (value 0), as a 0/1 matrix; ``UNSTORED`` for the bitmap format (every position the
+    pattern does not store); ``TILES`` for ``tcw``'s dense windows; None for formats whose
+    kernels skip their padding."""
+    if fd.fmt == "bitmap":
+        return UNSTORED
+    if fd.fmt == "tcw":
+        return TILES
     n_rows, n_cols = int(fd.scalars["n_rows"]), int(fd.scalars["n_cols"])
     pad = fd.value_map < 0
     if fd.fmt == "dia":
@@ -278,41 +288,33 @@ def padding_pattern(fd) -> "sp.csr_matrix | str | None":
 
 
 def _tile_lenient(fd, bad: np.ndarray) -> np.ndarray:
-    """Outputs of a dense-tile format (``padding_pattern`` says ``"tiles"``) that may be NaN:
-    ``bad`` marks the non-finite entries of ``x`` (n_cols,) or (n_cols, n); an output may be NaN
-    where its row shares a tile (a window's tile for ``tcw``, a band's column tile for
-    ``bitmap``) with a column of ``x`` holding one, since the kernel multiplies the tile's zeros."""
+    """Outputs of the ``tcw`` format that may be NaN: ``bad`` marks the non-finite entries of
+    ``x`` (n_cols,) or (n_cols, n); an output may be NaN where its row shares a window's tile with
+    a column of ``x`` holding one, since the kernel multiplies the tile's zeros."""
     n_rows, n_cols = int(fd.scalars["n_rows"]), int(fd.scalars["n_cols"])
     b2 = bad.reshape(n_cols, -1).astype(bool)
     out = np.zeros((n_rows, b2.shape[1]), dtype=bool)
-    if fd.fmt == "tcw":
-        H = int(fd.params["H"])
-        win_ptr, tile_col, row_id = (fd.arrays[k].astype(np.int64) for k in ("win_ptr", "tile_col", "row_id"))
-        n_tiles = tile_col.size // 16
-        if n_tiles:
-            cols = tile_col.reshape(n_tiles, 16)
-            tb = (b2[np.clip(cols, 0, None)] & (cols >= 0)[:, :, None]).any(axis=1)  # (tiles, n)
-            win = np.repeat(np.arange(win_ptr.size - 1), np.diff(win_ptr))
-            wb = np.zeros((win_ptr.size - 1, b2.shape[1]), dtype=bool)
-            np.logical_or.at(wb, win, tb)
-            rows = row_id.reshape(-1, H)[: wb.shape[0]]
-            for r in range(H):
-                ok = rows[:, r] >= 0
-                out[rows[ok, r]] |= wb[ok]
-    else:  # bitmap: a band's rows meet every column of each of its tiles
-        R = int(fd.params["R"])
-        tw = 1024 // R
-        n_ct = int(fd.scalars["n_ctiles"])
-        pad_cols = n_ct * tw - n_cols
-        bb = np.concatenate([b2, np.zeros((pad_cols, b2.shape[1]), dtype=bool)]) if pad_cols > 0 else b2
-        tile_bad = bb[: n_ct * tw].reshape(n_ct, tw, -1).any(axis=(0, 1))  # any tile of the band: all of them run
-        out[:] = tile_bad[None, :]
+    H = int(fd.params["H"])
+    win_ptr, tile_col, row_id = (fd.arrays[k].astype(np.int64) for k in ("win_ptr", "tile_col", "row_id"))
+    n_tiles = tile_col.size // 16
+    if n_tiles:
+        cols = tile_col.reshape(n_tiles, 16)
+        tb = (b2[np.clip(cols, 0, None)] & (cols >= 0)[:, :, None]).any(axis=1)  # (tiles, n)
+        win = np.repeat(np.arange(win_ptr.size - 1), np.diff(win_ptr))
+        wb = np.zeros((win_ptr.size - 1, b2.shape[1]), dtype=bool)
+        np.logical_or.at(wb, win, tb)
+        rows = row_id.reshape(-1, H)[: wb.shape[0]]
+        for r in range(H):
+            ok = rows[:, r] >= 0
+            out[rows[ok, r]] |= wb[ok]
     return out.reshape(n_rows) if bad.ndim == 1 else out
 
 
 def _lenient(runner, pad, x_w):
     """Outputs where a padding slot meets a non-finite ``x`` (None: no such output)."""
-    if isinstance(pad, str):  # dense tiles: found from the format's arrays, on the host
+    if pad is UNSTORED:
+        return _lenient_unstored(runner, x_w)
+    if pad is TILES:  # dense windows: found from the format's arrays, on the host
         if runner.executor == "cpu":
             return _tile_lenient(runner.fd, ~np.isfinite(from_storage(x_w, runner.header.dtype)))
         torch = runner.torch
@@ -333,6 +335,26 @@ def _lenient(runner, pad, x_w):
     bad = (~torch.isfinite(x_w.float())).float()
     out = torch.mv(runner._pad_t, bad) if bad.dim() == 1 else torch.mm(runner._pad_t, bad)
     return out > 0
+
+
+def _lenient_unstored(runner, x_w):
+    """Outputs where an unstored position meets a non-finite ``x``: rows that store fewer of a
+    dense column's non-finite ``x`` entries than that column has, counted through the pattern
+    itself (its complement, most of a pruned weight, is never built)."""
+    p = runner.pattern
+    if runner.executor == "cpu":
+        bad = (~np.isfinite(from_storage(x_w, runner.header.dtype))).astype(np.float32)
+        stored = sp.csr_matrix((np.ones(p.nnz, np.float32), p.indices, p.indptr), shape=p.shape)
+        return (bad.sum(axis=0) - stored @ bad) > 0
+    torch = runner.torch
+    if not hasattr(runner, "_stored_t"):
+        dev = runner.device
+        runner._stored_t = torch.sparse_csr_tensor(torch.from_numpy(p.indptr.astype(np.int64)).to(dev),
+                                                   torch.from_numpy(p.indices.astype(np.int64)).to(dev),
+                                                   torch.ones(p.nnz, dtype=torch.float32, device=dev), size=p.shape)
+    bad = (~torch.isfinite(x_w.float())).float()
+    hits = torch.mv(runner._stored_t, bad) if bad.dim() == 1 else torch.mm(runner._stored_t, bad)
+    return (bad.sum(dim=0) - hits) > 0
 
 
 # ------------------------------------------------------------------ the driver

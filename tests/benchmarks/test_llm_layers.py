@@ -91,5 +91,13 @@ def test_main_without_a_gpu_says_so(capsys, tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: main would run the benchmark")
-    assert L.main(["--quick", "--out", str(tmp_path)]) == 2
+    assert L.main(["--quick", "--json", str(tmp_path / "out.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_json_path(monkeypatch, tmp_path):
+    assert L.json_path(str(tmp_path / "x.json")) == tmp_path / "x.json"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert L.json_path(None) == tmp_path / "llm_layers.json"
+    monkeypatch.delenv("OUT")
+    assert L.json_path(None).name == "llm_layers.json" and L.json_path(None).parent.name == "results"

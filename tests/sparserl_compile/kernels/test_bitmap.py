@@ -74,6 +74,25 @@ def test_edges_of_the_layout():
         _check("bitmap_wmma", "spmm", "bf16", WMMA[1][0], mat, 8)
 
 
+def test_nonfinite_leniency_counts_the_unstored_positions():
+    """NaN is accepted exactly where a position the pattern does not store meets a non-finite
+    x (what a dense tile computes there); the complement is counted, never built."""
+    import types
+
+    import numpy as np
+
+    m = _weight("magnitude", 0.7, (30, 50))
+    x = np.ones((50, 3), np.float32)
+    x[[4, 17], 0] = np.inf
+    x[9, 2] = np.nan
+    runner = types.SimpleNamespace(executor="cpu", pattern=verify.Pattern.of(m),
+                                   header=types.SimpleNamespace(dtype="f32"))
+    got = verify._lenient_unstored(runner, x)
+    unstored = (m.toarray() == 0).astype(np.float32)
+    assert np.array_equal(got, unstored @ (~np.isfinite(x)).astype(np.float32) > 0)
+    assert got[:, 1].sum() == 0 and got[:, 0].any()
+
+
 def test_parameters_are_checked():
     with pytest.raises(ValueError, match="f16/bf16"):
         kernels.render("bitmap_wmma", "spmm", "f32", WMMA[0][0])
