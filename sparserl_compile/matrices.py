@@ -68,7 +68,7 @@ def load_npz(path: str | os.PathLike) -> sp.csr_matrix:
     except FileNotFoundError:
         raise
     except (OSError, *_NPZ_ERRORS) as e:
-        raise ValueError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{path}: cannot read it as a .npz archive ({type(e).__name__}: {e})") from None
     except AttributeError:  # np.load read a bare .npy array, not an archive
         raise ValueError(f"{path}: a single .npy array, not a sparse matrix .npz") from None
     try:
@@ -157,7 +157,7 @@ def _mm_header(p: str) -> None:
             while line.startswith("%") or (line.strip() == "" and line):
                 line = f.readline(1024)
     except (OSError, EOFError, zlib.error) as e:
-        raise ValueError(f"{p}: cannot read the Matrix Market header ({e})") from None
+        raise ValueError(f"{p}: cannot read it as Matrix Market ({type(e).__name__}: {e})") from None
     if (len(banner) != 5 or banner[0].lower() != "%%matrixmarket" or banner[1].lower() != "matrix"
             or banner[2].lower() not in _MM_FORMATS or banner[3].lower() not in _MM_FIELDS
             or banner[4].lower() not in _MM_SYMMETRIES):
@@ -193,7 +193,7 @@ def load_matrix(path: str | os.PathLike) -> sp.csr_matrix:
         try:
             m = scipy.io.mmread(p)
         except (ValueError, OSError, EOFError, IndexError, OverflowError, MemoryError, zlib.error) as e:
-            raise ValueError(f"{p}: not a readable Matrix Market file ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{p}: cannot read it as Matrix Market ({type(e).__name__}: {e})") from None
         if np.iscomplexobj(m.data if sp.issparse(m) else m):
             raise ValueError(f"{p}: a complex matrix; sparserl multiplies real matrices (float32): "
                              "convert the real part (or the magnitude) if that is what you mean")

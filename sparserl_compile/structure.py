@@ -95,7 +95,7 @@ def host_index_array(a, name: str) -> np.ndarray:
         if a.layout != torch.strided:
             raise TypeError(f"{name} must be a dense tensor, got layout {a.layout}")
         if a.dtype not in _torch_index_dtypes(torch):
-            raise TypeError(f"{name} must hold integers, got {a.dtype}: pass the indices as an integer "
+            raise TypeError(f"{name} are not integers (dtype {a.dtype}): pass the indices as an integer "
                             "tensor (e.g. .long())")
         if a.device.type == "meta":
             raise ValueError(f"{name} is on the meta device: it holds no indices to read")
@@ -106,7 +106,7 @@ def host_index_array(a, name: str) -> np.ndarray:
         except (ValueError, TypeError) as e:
             raise TypeError(f"{name} is not an array of integers: {e}") from None
         if a.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got dtype {a.dtype}: pass an integer array "
+            raise TypeError(f"{name} are not integers (dtype {a.dtype}): pass an integer array "
                             "(e.g. .astype(np.int64)); a cast would silently change non-integer values")
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(a.shape)}")
