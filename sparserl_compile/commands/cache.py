@@ -115,7 +115,7 @@ def _cmd_clear(args) -> int:
     c = _open(args, write=True)
     if c is None:
         return 1
-    n = sum(p.is_file() for p in c._files())
+    n = c.count_files()
     if not args.yes:
         print(f"would remove {n} entries from {c.directory}; run again with --yes to remove them")
         return 1
@@ -168,12 +168,14 @@ def _cmd_merge(args) -> int:
         return 1
     for note in report.warnings:
         print(f"warning: {note}", file=sys.stderr)
+    for why in report.refused:
+        print(f"error: not merged: {why}", file=sys.stderr)
     for a in report.actions:
         if a.outcome in ("corrupt", "failed", "kept", "replaced"):
             label = {"corrupt": "skipped corrupt entry"}.get(a.outcome, a.outcome)
             print(f"{label} {a.digest[:12]} from {a.source}: {a.detail}")
     print(f"merged into {report.into}: {report.summary()}")
-    return 1 if report.count("failed") else 0
+    return 1 if report.count("failed") or report.refused else 0
 
 
 def _add_merge(cache_subparsers) -> None:

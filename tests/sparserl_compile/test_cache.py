@@ -183,7 +183,7 @@ def test_write_failure_warns_once_and_keeps_memory(tmp_path, monkeypatch):
     def no_space(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("tempfile.mkstemp", no_space)
+    monkeypatch.setattr("sparserl_compile.secure_dir.Folder._write_temp", no_space)
     with pytest.warns(CacheWarning, match="No space"):
         assert not c.put(_entry(_key()))
     with warnings.catch_warnings():
@@ -224,11 +224,13 @@ def test_a_policy_runtime_finds_families_only_entries_but_not_the_reverse(tmp_pa
     families = _key()  # built with the search or nearest provider
     store.put(_entry(families))
     policy = _key(policy_hash="ab12")
-    assert cache.lookup(store, policy).key == families  # a policy process serves a search-built cache
+    runtime = ("none",)  # the fallbacks the runtime passes (miss.verdict)
+    assert cache.lookup(store, policy, runtime).key == families  # a policy process serves a search-built cache
+    assert cache.lookup(store, policy) is None  # without fallbacks, only the exact key
     store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
-    assert cache.lookup(store, _key(fp="cd" * 16)) is None  # a policy's entries need that policy
-    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ab12")).key.policy_hash == "ab12"
-    assert cache.lookup(store, _key(fp="ef" * 16, policy_hash="ab12")) is None
+    assert cache.lookup(store, _key(fp="cd" * 16), runtime) is None  # a policy's entries need that policy
+    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ab12"), runtime).key.policy_hash == "ab12"
+    assert cache.lookup(store, _key(fp="ef" * 16, policy_hash="ab12"), runtime) is None
 
 
 def _read_only(monkeypatch):
@@ -256,16 +258,17 @@ def test_entries_built_by_the_shipped_policy_serve_every_process(tmp_path, monke
     from sparserl_compile import cache, providers
 
     monkeypatch.setattr(providers, "shipped_policy_hash", lambda: "5h1p")
+    runtime = ("none", providers.shipped_policy_hash())  # the fallbacks the runtime passes (miss.verdict)
     store = KernelCache(tmp_path / "c")
     store.put(_entry(_key(policy_hash="5h1p")))
-    assert cache.lookup(store, _key()).key.policy_hash == "5h1p"  # the lookup's process
-    assert cache.lookup(store, _key(policy_hash="ab12")).key.policy_hash == "5h1p"
+    assert cache.lookup(store, _key(), runtime).key.policy_hash == "5h1p"  # the lookup's process
+    assert cache.lookup(store, _key(policy_hash="ab12"), runtime).key.policy_hash == "5h1p"
     store.put(_entry(_key(fp="cd" * 16, policy_hash="ab12")))
-    assert cache.lookup(store, _key(fp="cd" * 16)) is None
-    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="5h1p")) is None
+    assert cache.lookup(store, _key(fp="cd" * 16), runtime) is None
+    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="5h1p"), runtime) is None
     store.put(_entry(_key(fp="cd" * 16)))  # families-only entries come before the shipped policy's
     store.put(_entry(_key(fp="cd" * 16, policy_hash="5h1p")))
-    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ef34")).key.policy_hash == "none"
+    assert cache.lookup(store, _key(fp="cd" * 16, policy_hash="ef34"), runtime).key.policy_hash == "none"
 
 
 def test_the_shipped_policy_hash_is_its_weights_sha256():

@@ -150,7 +150,8 @@ def test_sharded_pregen_cli_then_merge(tmp_path, monkeypatch, capsys):
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
         assert cli.main(["pregen", str(tmp_path), "--out", str(tmp_path / "k" / "rank{rank}"),
-                         "--target-gpu", "NVIDIA H200", "--no-progress"]) == 0
+                         "--target-gpu", "NVIDIA H200", "--target-driver", "13000", "--target-nvrtc", "13.0",
+                         "--no-progress"]) == 0
     assert "rank 1/2:" in capsys.readouterr().err
     assert set(seen[0]).isdisjoint(seen[1]) and len(seen[0]) + len(seen[1]) == 6
     assert cli.main(["cache", "merge", str(tmp_path / "k" / "rank0"), str(tmp_path / "k" / "rank1"),
@@ -159,5 +160,6 @@ def test_sharded_pregen_cli_then_merge(tmp_path, monkeypatch, capsys):
     assert len(merged) == 6 and all(x.entry is not None for x in merged)
     # flags override the environment
     assert cli.main(["pregen", str(tmp_path), "--out", str(tmp_path / "k" / "rank{rank}"), "--rank", "0",
-                     "--world-size", "1", "--target-gpu", "NVIDIA H200", "--no-progress"]) == 0
+                     "--world-size", "1", "--target-gpu", "NVIDIA H200", "--target-driver", "13000",
+                     "--target-nvrtc", "13.0", "--no-progress"]) == 0
     assert len(seen[0]) == 6

@@ -57,7 +57,7 @@ def test_cli_ls_show_verify_clear(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sm_90" in out and "kernel_us" in out and "cubin" in out and "kernel" in out
     assert cli.main(["cache", "--dir", str(tmp_path), "show", "zz"]) == 1
-    assert "0 entries match" in capsys.readouterr().out
+    assert "0 entries match" in capsys.readouterr().err
 
     assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 0
     out = capsys.readouterr().out
@@ -77,7 +77,7 @@ def test_cli_uses_env_dir_and_refuses_insecure(tmp_path, capsys, monkeypatch):
     d.mkdir()
     os.chmod(d, 0o777)
     assert cli.main(["cache", "--dir", str(d), "ls"]) == 1
-    assert "writable by group or others" in capsys.readouterr().out
+    assert "writable by group or others" in capsys.readouterr().err
 
 
 def test_a_read_only_pregenerated_folder_is_served_and_never_changed(tmp_path, monkeypatch, capsys):
@@ -103,7 +103,7 @@ def test_a_read_only_pregenerated_folder_is_served_and_never_changed(tmp_path, m
     assert "2 entries" in capsys.readouterr().out
     for action in (["verify"], ["clear", "--yes"]):
         assert cli.main(["cache", "--dir", str(tmp_path), *action]) == 1
-        assert "cannot change the cache folder" in capsys.readouterr().out
+        assert "cannot change the cache folder" in capsys.readouterr().err
     with pytest.warns(CacheWarning):
         assert bad.exists() and len(KernelCache(tmp_path).ls()) == 2
 
@@ -111,7 +111,7 @@ def test_a_read_only_pregenerated_folder_is_served_and_never_changed(tmp_path, m
 def test_inspecting_a_missing_folder_does_not_create_it(tmp_path, capsys):
     d = tmp_path / "nope"
     assert cli.main(["cache", "--dir", str(d), "ls"]) == 1
-    assert "does not exist" in capsys.readouterr().out and not d.exists()
+    assert "does not exist" in capsys.readouterr().err and not d.exists()
 
 
 def test_deeply_nested_json_is_a_corrupt_entry(tmp_path, capsys):
@@ -133,7 +133,7 @@ def test_verify_says_which_corrupt_entries_it_cannot_remove(tmp_path, capsys):
     stuck = c.path_of(_key(op="spmm").digest())
     stuck.mkdir(parents=True)  # a folder where an entry file should be
     assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 1
-    out = capsys.readouterr().out
-    assert "cannot be removed" in out and "1 valid entries, 0 removed, 1 corrupt and not removable" in out
+    out, err = capsys.readouterr()
+    assert "cannot be removed" in err and "1 valid entries, 0 removed, 1 corrupt and not removable" in out
     assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
     assert "would remove 1 entries" in capsys.readouterr().out  # the folder is not counted
