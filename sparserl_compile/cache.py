@@ -498,17 +498,17 @@ class KernelCache:
             return False
 
     def count_files(self) -> int:
-        """Entry files (regular files or symlinks named like entries) that ``clear`` would remove."""
+        """Entry files (regular files named like entries) that ``clear`` would remove."""
         n = 0
         for _, sub, _ in self._walk():
             if sub is not None:
                 with sub:
-                    n += sum(_removable(sub, f) and not f.startswith(".tmp-") for f in sub.names())
+                    n += sum(_kind(sub, f) == "entry" for f in sub.names())
         return n
 
     def clear(self) -> int:
-        """Remove every entry file (and temp file) of the safe subfolders, following nothing;
-        returns the number of entries removed."""
+        """Remove every entry file, temp file and symlink named like one from the safe
+        subfolders, following nothing; returns the number of entries (regular files) removed."""
         self._mem.clear()
         n = 0
         for _, sub, _ in self._walk():
@@ -516,8 +516,9 @@ class KernelCache:
                 continue
             with sub:
                 for f in sub.names():
-                    if _removable(sub, f) and sub.unlink(f):
-                        n += 0 if f.startswith(".tmp-") else 1
+                    kind = _kind(sub, f)
+                    if kind and sub.unlink(f):
+                        n += kind == "entry"
         return n
 
     def verify(self) -> VerifyReport:
@@ -563,13 +564,19 @@ class _NoKey(Exception):
     """This user's folder has no usable key: none of its entries can be authenticated."""
 
 
-def _removable(sub: Folder, name: str) -> bool:
+def _kind(sub: Folder, name: str) -> str:
+    """What ``clear`` makes of a name in a subfolder: "entry" (a regular entry file), "other"
+    (a temp file, or a symlink, FIFO... named like an entry: removed, not counted) or ""
+    (left alone: not named like an entry, or a folder)."""
     if not name.endswith(".json"):
-        return False
+        return ""
     try:
-        return not stat.S_ISDIR(sub.lstat(name).st_mode)
+        mode = sub.lstat(name).st_mode
     except OSError:
-        return False
+        return ""
+    if stat.S_ISDIR(mode):
+        return ""
+    return "entry" if stat.S_ISREG(mode) and not name.startswith(".tmp-") else "other"
 
 
 def _size(sub: Folder, name: str) -> int:

@@ -62,12 +62,20 @@ def why_unsafe(what: str, st: os.stat_result) -> str | None:
     return None
 
 
-def _errno_why(path, e: OSError) -> str:
+def _errno_why(path, e: OSError, name: str, parent: "Folder | None") -> str:
+    """Why ``open`` failed, in words; a symlink (ELOOP, or ENOTDIR for a folder) named as one."""
     import errno
 
-    if e.errno == errno.ELOOP:
-        return f"{path} is a symlink: the cache follows none; point SPARSERL_CACHE_DIR at the real folder"
-    if e.errno == errno.ENOTDIR:
+    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+        try:
+            link = stat.S_ISLNK(os.stat(name, dir_fd=None if parent is None else parent.fd,
+                                        follow_symlinks=False).st_mode)
+        except OSError:
+            link = e.errno == errno.ELOOP
+        if link and parent is None:
+            return f"{path} is a symlink: the cache follows none; point SPARSERL_CACHE_DIR at the real folder"
+        if link:
+            return f"{path} is a symlink: the cache follows none (`sparserl cache verify` removes it)"
         return f"{path} is not a directory"
     if e.errno == errno.ENOENT:
         return f"{path} does not exist"
@@ -90,7 +98,7 @@ class Folder:
         except FileNotFoundError:
             raise
         except OSError as e:
-            raise Unsafe(_errno_why(shown, e)) from None
+            raise Unsafe(_errno_why(shown, e, path, parent)) from None
         st = os.fstat(fd)
         why = why_unsafe(str(shown), st)
         if why:
@@ -136,7 +144,7 @@ class Folder:
         except FileNotFoundError:
             raise
         except OSError as e:
-            raise Unsafe(_errno_why(shown, e)) from None
+            raise Unsafe(_errno_why(shown, e, name, self)) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
