@@ -131,7 +131,7 @@ def _build(a: torch.Tensor, idx: tuple, nnz: int) -> _Native:
         else:
             p = inputs.csc(idx[0], idx[1], tuple(a.shape), nnz)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"a malformed torch {a.layout} operand of shape {tuple(a.shape)}: {e}") from None
+        raise ValueError(f"a malformed {a.layout} operand of shape {tuple(a.shape)}: {e}") from None
     if a.layout == torch.sparse_csc or p.reorder is not None:
         return _Native(idx, None, None, "")
     fp = structure.fingerprint(p.indptr, p.indices, p.shape)

@@ -303,8 +303,10 @@ def sparsify(a, *, device=None) -> SparseRLTensor:
         raise TypeError(f"sparsify: {e}") from None
     except ValueError as e:
         raise ValueError(f"sparsify: {e}") from None
-    if isinstance(values, np.ndarray):
-        values = torch.from_numpy(np.ascontiguousarray(values))
+    if isinstance(values, np.ndarray):  # the tensor's own copy: never the scipy matrix's data
+        values = torch.from_numpy(np.array(values, copy=True))
+    elif not isinstance(a, torch.Tensor):  # cupy's data through DLPack: copied likewise
+        values = values.clone()
     return _wrap(pattern, values, device)
 
 
