@@ -442,8 +442,10 @@ def _mm(func, types, args, kwargs):
 @implements(torch.mv, torch.Tensor.mv)
 def _mv(func, types, args, kwargs):
     a, v = _two(args, kwargs, ("input", "vec"))
-    if not isinstance(a, SparseRLTensor) or v.dim() != 1:
+    if not isinstance(a, SparseRLTensor):
         raise NotImplementedError(f"{func.__name__}: needs a SparseRLTensor matrix and a 1-D dense vector")
+    if v.dim() != 1:
+        raise ValueError(f"mv needs a 1-D vector, got {_describe(v)}")
     return _product(a, v, False)
 
 
