@@ -260,10 +260,11 @@ def compressed(rows, cols, n_major, csc=False):
 def damage_of(kind: str):
     base = ["vals_drop"]
     if kind in ("torch_coo", "scipy_coo", "cupy_coo"):
-        base += ["row_set", "col_set", "row_drop", "col_float"]
+        base += ["row_set", "col_set", "row_drop"]
     else:
-        base += ["ptr_set", "ptr_swap", "ptr_drop", "ptr_extra", "idx_set", "idx_drop", "idx_extra", "idx_float",
-                 "ptr_2d"]
+        base += ["ptr_set", "ptr_swap", "ptr_drop", "ptr_extra", "idx_set", "idx_drop", "idx_extra", "ptr_2d"]
+    if not kind.startswith("torch"):  # torch's constructors convert float indices themselves
+        base += ["col_float" if kind.endswith("coo") else "idx_float"]
     if kind in ("from_csr", "cupy_csr", "cupy_csc", "cupy_coo"):
         base += ["shape_neg", "shape_float", "shape_bool", "shape_big", "shape_short", "shape_3"]
     if kind == "from_csr":
@@ -393,7 +394,7 @@ def apply_damage(draw, damage, arrays, shape):
     elif damage == "vals_2d":
         a["values"] = a["values"].reshape(-1, 1)
     elif damage == "vals_int":
-        a["values"] = np.nan_to_num(a["values"]).astype(np.int64)
+        a["values"] = np.nan_to_num(a["values"], posinf=1.0, neginf=-1.0).astype(np.int64)
     elif damage.startswith("shape_"):
         shape = {"shape_neg": (-shape[0] - 1, shape[1]), "shape_float": (float(shape[0]), shape[1]),
                  "shape_bool": (True, shape[1]), "shape_big": (shape[0], 2**31 + shape[1]),
@@ -611,8 +612,11 @@ def stored_tensor(draw):
         found.add("values_dtype")
     else:
         found |= problems_compressed(crow.astype(np.int32), col.astype(np.int32), val[0].size, (n_rows, n_cols))
-    expected = None if found else canonical(np.repeat(np.arange(shape[0]), np.diff(ptr)), idx,
-                                            cast(vals[order], dtype), (n_rows, n_cols))[3]
+    if not found:  # well formed (maybe after a damage that left it so): the matrix it stores
+        final = {"ptr": crow.astype(np.int64), "idx": col.astype(np.int64), "values": val[0]}
+        expected = expected_of("from_csr", final, (n_rows, n_cols), dtype)[3]
+    else:
+        expected = None
     return {"args": [args[k] for k in ("crow", "col", "val", "n_rows", "n_cols", "transposed")]}, found, expected, tr
 
 
@@ -687,6 +691,10 @@ def test_fuzz_the_matrix_file_loaders(worker, data, tmp_path_factory):
         assert_names_a_problem(answer, found, what)
         return
     assert answer[0] == "ok", f"{what}: raised {answer[1:]} on a valid file"
-    want = canonical(rows, cols, vals, shape)[3].astype(np.float32).astype(np.float64)
+    final = ({"row": arrays["row"], "col": arrays["col"], "values": arrays["data"]} if kind == "npz_coo" else
+             {"ptr": arrays["indptr"], "idx": arrays["indices"], "values": arrays["data"]}) if kind != "mtx" else None
+    want = (canonical(rows, cols, vals, shape)[3] if final is None else
+            expected_of("npz_csc" if kind == "npz_csc" else kind, final, shape, "float64")[3])
+    want = want.astype(np.float32).astype(np.float64)
     assert answer[1]["dtype"] == "float32" and answer[1]["shape"] == shape
     assert np.array_equal(answer[1]["dense"], want), f"{what}: values differ"
