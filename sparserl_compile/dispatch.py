@@ -147,12 +147,15 @@ def _is_native_sparse(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout in (torch.sparse_csr, torch.sparse_coo)
 
 
-def _check_operands(args) -> None:
+def _check_operands(args) -> dict:
     """Every native CSR/COO/CSC operand of a handled call, checked (memoized) before torch or
-    sparserl reads its indices; a malformed one raises ``ValueError``."""
+    sparserl reads its indices; a malformed one raises ``ValueError``. Returns what
+    ``_native_csr`` gave for each, by ``id``, so the product does not look it up again."""
+    found = {}
     for t in args:
         if isinstance(t, torch.Tensor) and t.layout in _CHECKED:
-            _native_csr(t, count=True)
+            found[id(t)] = _native_csr(t, count=True)
+    return found
 
 
 def _dense_ok(s: torch.Tensor, d, ndims: tuple[int, ...]) -> bool:
@@ -164,9 +167,9 @@ def _dense_ok(s: torch.Tensor, d, ndims: tuple[int, ...]) -> bool:
     )
 
 
-def _run(s: torch.Tensor, d: torch.Tensor):
+def _run(s: torch.Tensor, d: torch.Tensor, natives: dict):
     """sparserl's product of a native sparse ``s`` and dense ``d``, or None to pass through."""
-    got = _native_csr(s)
+    got = natives[id(s)] if id(s) in natives else _native_csr(s)
     if got is None:
         return None
     crow, col, vals, fp = got
@@ -180,7 +183,7 @@ def _run(s: torch.Tensor, d: torch.Tensor):
     return fn(crow, col, vals, d, n_rows, n_cols, fp)
 
 
-def _route(func, args, kwargs):
+def _route(func, args, kwargs, natives: dict):
     if "out" in kwargs:
         return None
     if func in _MM:
@@ -189,7 +192,7 @@ def _route(func, args, kwargs):
         a, b = args
         nd = (1, 2) if func in _MATMUL else (1,) if func in _MV else (2,)
         if _is_native_sparse(a) and _dense_ok(a, b, nd):
-            return _run(a, b)
+            return _run(a, b, natives)
         return None
     # addmm(input, mat1, mat2, *, beta=1, alpha=1)
     if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
@@ -206,7 +209,7 @@ def _route(func, args, kwargs):
     except RuntimeError:
         return None
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-    p = _run(m1, m2)
+    p = _run(m1, m2, natives)
     if p is None:
         return None
     if alpha != 1:
@@ -230,8 +233,8 @@ class SparseRLMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _HANDLED:
-            _check_operands((*args, *kwargs.values()))
-            out = _route(func, args, kwargs)
+            natives = _check_operands((*args, *kwargs.values()))
+            out = _route(func, args, kwargs, natives)
             if out is not None:
                 return out
         return func(*args, **kwargs)

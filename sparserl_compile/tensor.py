@@ -531,6 +531,9 @@ def _addend(op: str, name: str, t, out: torch.Tensor) -> torch.Tensor:
     """``t`` checked to be added to the product ``out`` as torch's dense op would take it: a
     dense tensor of the product's dtype and device that broadcasts to its shape (not promoted,
     not broadcast past it)."""
+    if (type(t) is torch.Tensor and t.dtype is out.dtype and t.layout is torch.strided and out.dim()
+            and t.shape == out.shape[-1:] and t.device == out.device):
+        return t  # the common case, a bias of the output's width: no broadcast to work out
     if not isinstance(t, torch.Tensor) or isinstance(t, SparseRLTensor) or t.layout != torch.strided:
         raise TypeError(f"{op}: {name} must be a dense tensor, got {_describe(t)}")
     if t.dtype != out.dtype or t.device != out.device:

@@ -263,8 +263,8 @@ def damage_of(kind: str):
         base += ["row_set", "col_set", "row_drop"]
     else:
         base += ["ptr_set", "ptr_swap", "ptr_drop", "ptr_extra", "idx_set", "idx_drop", "idx_extra", "ptr_2d"]
-    if not kind.startswith("torch"):  # torch's constructors convert float indices themselves
-        base += ["col_float" if kind.endswith("coo") else "idx_float"]
+    if not kind.startswith("torch") and kind != "scipy_coo":  # torch's constructors and scipy's COO
+        base += ["col_float" if kind.endswith("coo") else "idx_float"]  # setters convert float indices
     if kind in ("from_csr", "cupy_csr", "cupy_csc", "cupy_coo"):
         base += ["shape_neg", "shape_float", "shape_bool", "shape_big", "shape_short", "shape_3"]
     if kind == "from_csr":

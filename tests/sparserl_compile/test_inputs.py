@@ -181,3 +181,31 @@ def test_the_crashing_inputs_of_the_report_are_refused(name):
            "import numpy as np, scipy.sparse as sp, torch, sparserl_compile as S\n" + textwrap.dedent(ISSUE_CASES[name])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-2000:]}"
+
+
+@pytest.mark.gpu
+def test_cuda_inputs_are_checked_on_the_host_and_built_on_the_device():
+    """The CPU twin is every test above: the same arrays, on the GPU. Index arrays are copied
+    to the host to be checked; duplicates are summed on the device; a malformed CUDA operand
+    never reaches torch's or sparserl's kernels."""
+    import sparserl_compile as S
+
+    m = _with_duplicates(3)
+    idx = torch.from_numpy(np.stack([m.row, m.col])).cuda()
+    coo = torch.sparse_coo_tensor(idx, torch.from_numpy(m.data).float().cuda(), m.shape)
+    A = S.sparsify(coo)
+    assert A.device.type == "cuda" and A.crow.device.type == "cuda"
+    np.testing.assert_allclose(A.to_dense().cpu().numpy(), m.toarray(), rtol=1e-5, atol=1e-6)
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 1], [-1, 3]], device="cuda"), torch.ones(2, device="cuda"), (2, 4))
+    with pytest.raises(ValueError, match=r"column indices span \[-1, 3\]"):
+        S.sparsify(bad)
+    csr = torch.sparse_csr_tensor(torch.tensor([0, 2, 1], device="cuda"), torch.tensor([0, 1], device="cuda"),
+                                  torch.ones(2, device="cuda"), (2, 4), check_invariants=False)
+    with S.accelerate(), pytest.raises(ValueError, match="crow_indices"):
+        csr @ torch.ones(4, 3, device="cuda")
+    try:
+        import cupyx.scipy.sparse as cps
+    except ImportError:
+        return
+    c = cps.csr_matrix(sp.csr_matrix(m))
+    np.testing.assert_allclose(S.sparsify(c).to_dense().cpu().numpy(), m.toarray(), rtol=1e-6)
