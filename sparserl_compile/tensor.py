@@ -16,8 +16,8 @@ What it supports:
   ``F.linear(x, A, b)`` with ``A`` as the weight (``x @ A^T + b``), batched dense operands
   in ``matmul`` (the batch is folded into the dense width);
 * ``to_dense()``, ``.to(device/dtype)``/``.cuda()``/``.cpu()``, ``detach``, ``clone``,
-  ``nnz``, ``crow_indices()``/``col_indices()``/``values()`` (the stored CSR), ``shape``,
-  ``dtype``, ``device``;
+  ``nnz``, ``crow_indices()``/``col_indices()`` (copies of the stored CSR indices),
+  ``values()`` (a view: in-place updates reach the matrix), ``shape``, ``dtype``, ``device``;
 * ``t()``/``.T``/``transpose(0, 1)``: free -- it flips the ``transposed`` flag and shares the
   arrays; products with a transposed tensor run the ``*_t`` ops, whose runtime computes the
   transposed pattern once per structure (memoized) and gives it its own kernel.
@@ -26,13 +26,19 @@ Everything else raises ``NotImplementedError`` naming the op (convert with ``to_
 Products at the aten level (reached only through decompositions) work but carry no autograd.
 Sparse values never get a gradient (see ``ops.py``).
 
-``SparseRLTensor.from_csr`` and ``sparsify`` validate once, on the host, with errors that say
-what is wrong and how to fix it: lengths, ``crow_indices[0] == 0``, ``crow_indices[-1] ==
-nnz``, non-decreasing ``crow_indices``, columns in range, index values that do not fit int32,
-value dtypes (float32, float16, bfloat16, float64; float64 always uses the reference path).
-Unsorted or duplicate column indices are canonicalized: duplicates are summed and each row
-sorted (scipy's canonical CSR), so the fingerprint names the pattern, not its storage order.
-NaN and inf values are allowed and propagate as in the reference (IEEE).
+``SparseRLTensor.from_csr``, ``sparsify`` and unpickling validate once, on the host, before
+any library routine reads the index arrays (``inputs.py``), with errors that say what is wrong
+and how to fix it: lengths, ``crow_indices[0] == 0``, ``crow_indices[-1] == nnz``,
+non-decreasing ``crow_indices``, indices in range and not negative, index values that do not
+fit int32, the shape, value dtypes (float32, float16, bfloat16, float64; float64 always uses
+the reference path). Unsorted or duplicate indices are canonicalized: duplicates are summed and
+each row sorted (scipy's canonical CSR), so the fingerprint names the pattern, not its storage
+order. NaN and inf values are allowed and propagate as in the reference (IEEE). Products never
+validate again: their checks are shapes, dtypes and devices.
+
+This module is over 600 lines on purpose: the subclass and every handler of its op table
+(products, conversions, the aten ops) are one unit, read together; how a matrix enters
+(``inputs.py``) and what runs a product (``plans.py``) live elsewhere.
 """
 
 from __future__ import annotations

@@ -321,6 +321,13 @@ def sparse_case(draw, kinds=tuple(KINDS), dtypes=("float32", "float64", "float16
     case["arrays"] = arrays
     if kind == "from_csr":
         case["torch_indices"] = draw(st.booleans()) and arrays["ptr"].dtype.kind in "iu"
+    if kind.startswith("scipy_"):  # what the matrix holds: scipy's COO setters cast (and wrap) indices
+        try:
+            m = W.build(case)
+        except W.Unbuildable:
+            return None
+        arrays = ({"row": m.row, "col": m.col, "values": arrays["values"]} if kind == "scipy_coo" else
+                  {"ptr": m.indptr, "idx": m.indices, "values": arrays["values"]})
     found = find_problems(kind, arrays, shape, dtype if damage != "vals_int" else "int64")
     if damage == "vals_int":
         case["vdtype"] = "int64"
