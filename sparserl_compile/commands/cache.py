@@ -155,7 +155,8 @@ def add_cli(subparsers) -> None:
     c.add_argument("--yes", action="store_true", help="really remove them")
     c.set_defaults(func=_cmd_clear)
     sub.add_parser("verify", parents=[common],
-                   help="re-hash every entry and remove corrupt ones").set_defaults(func=_cmd_verify)
+                   help="check every entry (hash, signature, owner, mode) and remove bad ones"
+                   ).set_defaults(func=_cmd_verify)
     _add_merge(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
