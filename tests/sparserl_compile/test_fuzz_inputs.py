@@ -71,6 +71,7 @@ class Worker:
     def __init__(self):
         self.log = tempfile.NamedTemporaryFile(prefix="fuzz-worker-", suffix=".log", delete=False)
         self.proc = None
+        self.answers: dict[str, int] = {}  # cases run, by runner and answer ("ok", "raised", ...)
 
     def _start(self):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(W.__file__).parent), *sys.path]))
@@ -90,6 +91,7 @@ class Worker:
         if answer is None:
             code = self.proc.wait()
             raise AssertionError(f"crash: the worker died (exit {code}) on {name} case {_show(case)}\n{self._tail()}")
+        self.answers[f"{name} {answer[0]}"] = self.answers.get(f"{name} {answer[0]}", 0) + 1
         if answer[0] == "other":
             raise AssertionError(f"{answer[1]} (neither ValueError nor TypeError) on {name} case {_show(case)}:\n"
                                  f"{answer[2]}")
@@ -100,6 +102,9 @@ class Worker:
         return Path(self.log.name).read_text(errors="replace")[-3000:]
 
     def close(self):
+        total = sum(self.answers.values())
+        print(f"\nfuzz: {total} cases run in the worker: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(self.answers.items())), file=sys.stderr)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
