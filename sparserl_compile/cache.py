@@ -1,37 +1,69 @@
 """The on-disk kernel cache: verified cubins (or the verdict "the reference wins") by key.
 
-A ``CacheKey`` holds everything that changes which kernel is right for a call: the
-structure fingerprint, op, value dtype, dense width bucket, GPU arch and name, driver and
-NVRTC versions, package and kernel-space versions and the policy checkpoint hash. A
+A ``CacheKey`` (``cache_keys.py``, re-exported here with ``Target``, ``cache_key``,
+``local_target`` and ``width_bucket``) holds everything that changes which kernel is right for
+a call: the structure fingerprint, op, value dtype, dense width bucket, GPU arch and name,
+driver and NVRTC versions, package and kernel-space versions and the policy checkpoint hash. A
 ``CacheEntry`` is what a search found for that key: the cubin bytes with the source and
 launch header, or ``cubin=None`` when no candidate beat the reference (cached too, so the
 search is not repeated), plus measured times and the verification record.
 
 Layout, one self-contained JSON file per entry (one file, so one atomic rename publishes it
-and no half-written pair can exist)::
+and no half-written pair can exist), and the folder's key::
 
-    <dir>/<digest[:2]>/<digest>.json     {"format": 1, "key": {...}, "cubin_b64": ...,
+    <dir>/.key                           32 random bytes, mode 0600 (see "Trust" below)
+    <dir>/<digest[:2]>/<digest>.json     {"format": 2, "key": {...}, "cubin_b64": ...,
                                           "source": ..., "header": ..., "times": {...},
-                                          "verification": {...}, "created": ..., "sha256": ...}
+                                          "verification": {...}, "created": ...,
+                                          "sha256": ..., "hmac_sha256": ...}
 
-``sha256`` covers the canonical JSON of every other field (sorted keys, no spaces). Reads
-check it and that the stored key equals the requested one; anything that does not parse,
-does not match or does not hash is a miss, the file is removed and a warning logged -- never
-an exception. Writes go to a temp file in the same folder, are fsynced and ``os.replace``d,
-so readers see the old entry or the new one and concurrent writers of one key are safe (the
-last rename wins; both wrote valid entries). No pickle: JSON and base64 only.
+``sha256`` covers the canonical JSON of every other field but the HMAC (sorted keys, no
+spaces): integrity. ``hmac_sha256`` is an HMAC-SHA256 under the folder's key over the same
+JSON with ``sha256``: authenticity. Reads check both, that the stored key equals the requested
+one and that the file name is its digest; anything that does not parse, match, hash or
+authenticate is a miss, logged (logger ``sparserl.cache``), the file removed where the folder
+is writable -- never an exception. Writes go to a temp file created exclusively in the same
+folder, are fsynced and renamed, so readers see the old entry or the new one and concurrent
+writers of one key are safe (the last rename wins; both wrote valid entries). No pickle: JSON
+and base64 only.
 
-The folder is ``$SPARSERL_CACHE_DIR`` or ``~/.cache/sparserl``, created 0700. If it cannot be
-created, is owned by neither this user nor root, or group/others can write it (or the entry's
-subfolder), the cache warns once (``CacheWarning``) and runs memory-only: a kernel planted by
-another user must never be loaded, and an unusable cache must never stop a product from being
-computed. A folder this user may read but not write (a pre-generated cache deployed read-only:
-a baked image, a read-only mount, a root-owned 0755 folder) is read; new entries then stay in
-memory, with one warning.
+Trust: what authenticates an entry, against what
+-------------------------------------------------
+The runtime launches a cached cubin without verifying it again, so an entry must come from a
+process that verified it. Every folder and file read is checked on its open descriptor
+(``secure_dir``): owned by this user (effective uid) or root, not writable by group or others,
+no symlink followed anywhere (the cache folder itself included), regular files with one link,
+opened non-blocking (a FIFO cannot hang a reader). Then, by who owns the cache folder:
+
+* **This user's folder** (the usual case, ``~/.cache/sparserl``, a ``pregen --out`` folder):
+  an entry is served only if its HMAC verifies under ``<dir>/.key``, a 0600 file of this user
+  created by the first write. Only a process that can read the key -- this user's -- can
+  have written it, so an entry edited with a recomputed sha256, copied in from another folder,
+  or planted while a mode was loose is a miss. A key file that others could have read, that
+  another user owns or that is a symlink is replaced on the next write (its entries become
+  misses); where the folder is read-only, no entry is served until the owner fixes it.
+* **A folder owned by root, read by another user** (a pre-generated cache deployed into an
+  image or a root-owned 0755 folder, read-only to the serving user): the reader cannot hold a
+  secret the builder signed with -- a key file the reader can read is readable by every local
+  user, so an HMAC under it would authenticate nothing. There the authority is the file
+  system: only root can have written a folder, subfolder and file that root owns and nobody
+  else can write, and the checks above establish exactly that on every read. Entries are
+  checked for integrity (sha256, key, name), their HMAC is not. Root is trusted anyway: it can
+  replace the package itself. Deploy with ``cp -r kernels /opt/kernels && chown -R root:
+  /opt/kernels && chmod -R go-w /opt/kernels`` (the builder's ``.key`` may stay 0600 or go).
+* **A folder owned by any other user** is refused: its owner could rewrite it at will. Copy
+  the entries into a folder of your own with ``sparserl cache merge THEIRS --into MINE`` run by
+  its owner, or have root own the folder.
+
+If the folder cannot be created, or fails these rules, the cache warns once (``CacheWarning``)
+and runs memory-only: an unusable cache must never stop a product from being computed. A
+folder this user owns but may not write (a read-only mount) is read under its key; new entries
+then stay in memory, with one warning. What this does not protect against: root, and other
+processes of this same user (who can read the key and write the folder).
 
 ``KernelCache`` puts an in-memory dict in front of the disk. ``sparserl cache ls | show |
 clear | verify`` inspects and repairs a cache folder; ``sparserl cache merge`` (``merge.py``)
-combines the folders of several ranks or machines.
+combines the folders of several ranks or machines, re-signing what it copies.
 """
 
 from __future__ import annotations
@@ -48,69 +80,32 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from sparserl_compile.fileio import write_atomic
-
-if TYPE_CHECKING:
-    import torch
+from sparserl_compile import secure_dir
+from sparserl_compile.cache_keys import (  # noqa: F401  (the keys are part of this module's API)
+    CacheKey,
+    Target,
+    _canonical,
+    _json_default,
+    cache_key,
+    local_target,
+    package_version,
+    width_bucket,
+)
+from sparserl_compile.secure_dir import Folder, Key, Unsafe
 
 log = logging.getLogger("sparserl.cache")
 
-#: bump when the entry file layout changes (old entries then read as misses)
-ENTRY_FORMAT = 1
+#: bump when the entry file layout changes (old entries then read as misses); 2: signed
+ENTRY_FORMAT = 2
+#: the largest entry file read (a cubin of a few MB, base64): anything bigger is not an entry
+MAX_ENTRY_BYTES = 64 << 20
 #: temp files older than this are debris of a crashed writer; ``verify`` removes them
 STALE_TEMP_S = 3600.0
 
 
 class CacheWarning(UserWarning):
     """The kernel cache cannot be used as configured and runs memory-only."""
-
-
-def package_version() -> str:
-    """The package version in every key (``version.version()``)."""
-    from sparserl_compile.version import version
-
-    return version()
-
-
-def width_bucket(n: int) -> int:
-    """The dense width bucket of a call: 1 for SpMV (n <= 1), else the next power of two >= n.
-
-    Kernels tuned for width 33..64 share a key; the kernel itself takes the exact ``n``.
-    """
-    n = int(n)
-    if n < 0:
-        raise ValueError(f"dense width n={n} must be >= 0")
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Everything that changes which kernel is right (and valid) for one call."""
-
-    fingerprint: str  # structure.fingerprint of the pattern
-    op: str  # "spmv" | "spmm"
-    dtype: str  # contract value dtype: "f32" | "f16" | "bf16" (indices are always i32)
-    width: int  # width_bucket(n): 1 for spmv
-    arch: str  # e.g. "sm_90"
-    gpu_name: str  # e.g. "NVIDIA H200"
-    driver_version: str  # CUDA driver version, e.g. "13000"
-    nvrtc_version: str  # e.g. "13.0"
-    package_version: str = field(default_factory=package_version)
-    kernel_space_version: str = "1"  # bump when families or the contract change
-    policy_hash: str = "none"  # sha256 of the policy checkpoint, "none" = families only
-
-    def digest(self) -> str:
-        """64 hex chars: sha256 of the key's canonical JSON; names the entry file."""
-        return hashlib.sha256(_canonical(dataclasses.asdict(self))).hexdigest()
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CacheKey":
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) != names:
-            raise ValueError(f"cache key fields {sorted(d)} differ from {sorted(names)}")
-        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -149,6 +144,7 @@ class CacheEntry:
         if not isinstance(d, dict) or d.get("format") != ENTRY_FORMAT:
             raise ValueError(f"not a format-{ENTRY_FORMAT} cache entry")
         body = dict(d)
+        body.pop(_HMAC, None)
         want = body.pop("sha256", None)
         if hashlib.sha256(_canonical(body)).hexdigest() != want:
             raise ValueError("sha256 mismatch: the entry is corrupt or was edited")
@@ -161,16 +157,13 @@ class CacheEntry:
                    dict(body["times"]), dict(body["verification"]), float(body["created"]))
 
 
-def _json_default(o):
-    """numpy scalars and arrays (common in timing and verification records) as plain JSON."""
-    if hasattr(o, "tolist") and type(o).__module__ == "numpy":
-        return o.tolist()
-    raise TypeError(f"cache entries hold JSON only; cannot store {type(o).__name__} {o!r}")
+_HMAC = "hmac_sha256"
+_SIGNED = b"sparserl kernel cache entry\0"  # domain separation: this key signs nothing else
 
 
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      default=_json_default).encode("ascii")
+def _signed_bytes(d: dict) -> bytes:
+    """What an entry's HMAC covers: its canonical JSON without the HMAC (with the sha256)."""
+    return _SIGNED + _canonical({k: v for k, v in d.items() if k != _HMAC})
 
 
 @dataclass(frozen=True)
@@ -197,35 +190,29 @@ def default_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sparserl"
 
 
-def _unsafe(path: Path, st: os.stat_result) -> str | None:
-    """Why another user could have written into the folder ``path``, or None."""
-    if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
-        return f"{path} is owned by uid {st.st_uid}, neither this user (uid {os.getuid()}) nor root"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-                f"another user could plant kernels: run `chmod 700 {path}`")
-    return None
+def _inspect(path: Path, create: bool) -> tuple[str | None, os.stat_result | None]:
+    """(why the folder's entries may not be read, or None; its status when they may)."""
+    try:
+        if create:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create {path}: {e.strerror or e}", None
+    try:
+        with Folder.open(path) as f:
+            st = f.st
+    except FileNotFoundError:
+        return f"{path} does not exist", None
+    except Unsafe as e:
+        return str(e), None
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{path} is not readable by this user", None
+    return None, st
 
 
 def check_dir(path: Path, create: bool = True) -> str | None:
     """Create ``path`` (0700) if needed (and ``create``); return why its entries may not be read,
     or None if they may. Whether it may also be written is ``writable(path)``."""
-    try:
-        if create:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(path)
-    except FileNotFoundError:
-        return f"{path} does not exist"
-    except OSError as e:
-        return f"cannot create {path}: {e.strerror or e}"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{path} is not a directory"
-    why = _unsafe(path, st)
-    if why:
-        return why
-    if not os.access(path, os.R_OK | os.X_OK):
-        return f"{path} is not readable by this user"
-    return None
+    return _inspect(Path(path), create)[0]
 
 
 def writable(path: Path) -> bool:
@@ -233,21 +220,38 @@ def writable(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK)
 
 
+def _is_subdir_name(name: str) -> bool:
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
 class KernelCache:
-    """In-memory dict in front of the on-disk entry files of one folder."""
+    """In-memory dict in front of the on-disk entry files of one folder (see the module
+    docstring for what is served from it and why)."""
 
     def __init__(self, directory: str | os.PathLike | None = None, create: bool = True):
         self.directory = Path(directory) if directory is not None else default_dir()
         self._mem: dict[str, CacheEntry] = {}
-        self._safe_subdirs: dict[str, str | None] = {}
-        self.disabled_reason = check_dir(self.directory, create)
+        self._key: Key | None = None
+        self._logged: set[str] = set()
+        self.disabled_reason, st = _inspect(self.directory, create)
+        #: "key": entries must carry this folder's HMAC (this user's folder); "owner": root's
+        #: folder read by another user, entries authenticated by ownership alone; None: unused
+        self.trust: str | None = None
         #: the folder is read but not written (``None`` when it is also written, or not used)
         self.read_only_reason = None
         self._warned = False
         if self.disabled_reason:
             self._warn(self.disabled_reason)
-        elif not writable(self.directory):
-            self.read_only_reason = f"{self.directory} is not writable by this user"
+            return
+        if st.st_uid == secure_dir.euid() or secure_dir.euid() < 0:
+            self.trust = "key"
+            if not writable(self.directory):
+                self.read_only_reason = f"{self.directory} is not writable by this user"
+        else:
+            self.trust = "owner"
+            self.read_only_reason = (f"{self.directory} belongs to root and is not writable by this user "
+                                     "(entries are trusted as root's)")
+        if self.read_only_reason:
             self._warn(self.read_only_reason, "sparserl kernel cache is read-only (its entries are served; "
                                               "new kernels stay in memory)")
 
@@ -276,225 +280,286 @@ class KernelCache:
             self._warned = True
             warnings.warn(f"{what}: {why}", CacheWarning, stacklevel=3)
 
+    def _log_once(self, what: str) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning("kernel cache: %s", what)
+
     def path_of(self, digest: str) -> Path:
         return self.directory / digest[:2] / f"{digest}.json"
+
+    def _open(self) -> Folder:
+        return Folder.open(self.directory)
+
+    def _verifier(self, root: Folder) -> Key | None:
+        """The key entries must be signed with (None: root's folder, trusted by ownership);
+        ``_NoKey`` when this user's folder has no usable key."""
+        if self.trust == "owner":
+            return None
+        if self._key is None:
+            key, why = secure_dir.read_key(root)
+            if key is None:
+                raise _NoKey(why or f"{self.directory} has no key ({secure_dir.KEY_NAME}) yet: no entry in it was "
+                                    "written by this user's sparserl")
+            self._key = key
+        return self._key
 
     # ---------------------------------------------------------------- read
 
     def get(self, key: CacheKey) -> CacheEntry | None:
-        """The entry for ``key``, or None (a miss, also for any unreadable or corrupt file)."""
+        """The entry for ``key``, or None (a miss, also for any unreadable, unsafe, unsigned or
+        corrupt file)."""
         digest = key.digest()
         hit = self._mem.get(digest)
         if hit is not None or not self.readable:
             return hit
-        path = self.path_of(digest)
-        if self.read_only_reason is not None and self._subdir_unsafe(path.parent):
-            return None
-        entry = self._load(path, expect=key)
+        entry = self._load(digest, expect=key)
         if entry is not None:
             self._mem[digest] = entry
         return entry
 
-    def _subdir_unsafe(self, d: Path) -> str | None:
-        """In a folder this process did not write: why the subfolder ``d`` may hold a planted
-        entry (its owner or mode), remembered per subfolder; None if it may be read."""
-        if d.name not in self._safe_subdirs:
-            try:
-                why = _unsafe(d, os.stat(d))
-            except OSError:
-                why = None  # absent: every entry in it is a miss anyway
-            if why:
-                log.warning("kernel cache: not reading %s: %s", d, why)
-            self._safe_subdirs[d.name] = why
-        return self._safe_subdirs[d.name]
-
-    def _load(self, path: Path, expect: CacheKey | None = None) -> CacheEntry | None:
+    def _load(self, digest: str, expect: CacheKey | None = None) -> CacheEntry | None:
+        path = self.path_of(digest)
         try:
-            with open(path, "rb") as fh:
-                st = os.fstat(fh.fileno())
-                raw = fh.read()
+            with self._open() as root, root.sub(digest[:2]) as sub:
+                raw, st = sub.read(path.name, MAX_ENTRY_BYTES)  # before the key: see put
+                try:
+                    return _parse(raw, path, expect, self._verifier(root))
+                except _NoKey as e:  # no entry here can be authenticated: each is a bad one
+                    self._log_once(f"{e}: every entry is a miss")
+                    self._discard(sub, path, st, str(e))
+                except ValueError as e:
+                    self._discard(sub, path, st, str(e))
         except FileNotFoundError:
-            return None
+            pass
+        except Unsafe as e:
+            log.warning("kernel cache: not reading %s: %s: a miss", path, e)
         except OSError as e:
-            log.warning("kernel cache: cannot read %s (%s): treated as a miss", path, e)
-            return None
-        try:
-            return _parse(raw, path, expect)
-        except ValueError as e:
-            self._discard(path, st, str(e))
-            return None
+            log.warning("kernel cache: cannot read %s (%s): a miss", path, e)
+        return None
 
-    def _discard(self, path: Path, st: os.stat_result, why: str) -> None:
-        """Remove a corrupt entry unless a writer replaced it since we read it."""
-        if self.read_only_reason is not None:
-            log.warning("kernel cache: corrupt entry %s (%s): a miss; the folder is read-only, so it stays", path, why)
+    def _discard(self, sub: Folder, path: Path, st: os.stat_result, why: str) -> None:
+        """Remove a bad entry unless a writer replaced it since we read it."""
+        if not self.on_disk:
+            log.warning("kernel cache: bad entry %s (%s): a miss; the folder is read-only, so it stays", path, why)
             return
-        log.warning("kernel cache: removing corrupt entry %s: %s", path, why)
+        log.warning("kernel cache: removing bad entry %s: %s", path, why)
         try:
-            now = os.stat(path)
+            now = sub.lstat(path.name)
             if (now.st_ino, now.st_mtime_ns, now.st_size) == (st.st_ino, st.st_mtime_ns, st.st_size):
-                os.unlink(path)
+                sub.unlink(path.name)
         except OSError:
             pass
 
     # ---------------------------------------------------------------- write
 
     def put(self, entry: CacheEntry) -> bool:
-        """Store ``entry`` (memory always, disk when usable); True if it reached the disk."""
+        """Store ``entry`` (memory always, disk when usable, signed with the folder's key); True
+        if it reached the disk."""
         digest = entry.key.digest()
         self._mem[digest] = entry
         if not self.on_disk:
             return False
+        doc = entry.to_json_dict()  # raises TypeError for a record that is not JSON, before any write
         path = self.path_of(digest)
-        data = json.dumps(entry.to_json_dict(), sort_keys=True, indent=1,
-                          default=_json_default).encode("utf-8")
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            write_atomic(path, data, private=True, sync_dir=True)
+            with self._open() as root:
+                if self._key is None:
+                    self._key, replaced = secure_dir.ensure_key(root)
+                    if replaced:
+                        self._log_once(f"replaced the unusable key: {replaced}; entries signed with it are misses")
+                doc[_HMAC] = self._key.sign(_signed_bytes(doc))
+                data = json.dumps(doc, sort_keys=True, indent=1, default=_json_default).encode("utf-8")
+                with root.sub(digest[:2], create=True) as sub:
+                    sub.write_atomic(path.name, data)
             return True
-        except OSError as e:
+        except (OSError, Unsafe) as e:
             self._warn(f"cannot write {path}: {e}")
             return False
 
     # ---------------------------------------------------------------- manage
 
-    def _files(self) -> list[Path]:
-        if not self.directory.is_dir():
+    def _walk(self):
+        """(subfolder name, open subfolder or None, its problem) for every two-hex-digit
+        subfolder; the caller closes the folders. Nothing is followed."""
+        if not self.readable:
             return []
-        return sorted(p for p in self.directory.glob("??/*.json") if not p.name.startswith(".tmp-"))
+        out = []
+        try:
+            with self._open() as root:
+                for name in root.names():
+                    if not _is_subdir_name(name):
+                        continue
+                    try:
+                        out.append((name, root.sub(name), ""))
+                    except (Unsafe, FileNotFoundError) as e:
+                        out.append((name, None, str(e)))
+        except (Unsafe, FileNotFoundError, OSError):
+            for _, sub, _ in out:
+                if sub is not None:
+                    sub.close()
+            return []
+        return out
 
     def ls(self) -> list[Listing]:
-        """Every entry file, parsed and hash-checked (corrupt ones listed with the problem)."""
-        out = []
-        for p in self._files():
-            try:
-                raw = p.read_bytes()
-                out.append(Listing(p.stem, p, len(raw), _parse(raw, p)))
-            except (OSError, ValueError) as e:
-                out.append(Listing(p.stem, p, p.stat().st_size if p.exists() else 0, None, str(e)))
+        """Every entry file, checked as ``get`` checks it (bad ones listed with the problem); an
+        unsafe subfolder is listed as one bad item."""
+        out: list[Listing] = []
+        try:
+            with self._open() as root:
+                try:
+                    key, no_key = self._verifier(root), ""
+                except _NoKey as e:
+                    key, no_key = None, str(e)
+        except (Unsafe, FileNotFoundError, OSError):
+            return []
+        for name, sub, problem in self._walk():
+            if sub is None:
+                out.append(Listing(name, self.directory / name, 0, None, problem))
+                continue
+            with sub:
+                for fname in sub.names():
+                    if not fname.endswith(".json") or fname.startswith(".tmp-"):
+                        continue
+                    path = self.directory / name / fname
+                    try:
+                        raw, st = sub.read(fname, MAX_ENTRY_BYTES)
+                        if no_key:
+                            raise ValueError(no_key)
+                        out.append(Listing(path.stem, path, len(raw), _parse(raw, path, None, key)))
+                    except (OSError, ValueError, Unsafe) as e:
+                        size = _size(sub, fname)
+                        out.append(Listing(path.stem, path, size, None, str(e)))
         return out
 
     def find(self, prefix: str) -> list[Listing]:
         """Entries whose digest starts with ``prefix``."""
-        return [x for x in self.ls() if x.digest.startswith(prefix.lower())]
+        return [x for x in self.ls() if x.digest.startswith(prefix.lower()) and len(x.digest) == 64]
 
     def remove(self, key: CacheKey | str) -> bool:
         """Forget one entry (a key or a full digest); True if a file was removed."""
         digest = key.digest() if isinstance(key, CacheKey) else key
         self._mem.pop(digest, None)
         try:
-            os.unlink(self.path_of(digest))
-            return True
-        except OSError:
+            with self._open() as root, root.sub(digest[:2]) as sub:
+                return sub.unlink(f"{digest}.json")
+        except (Unsafe, OSError):
             return False
 
+    def count_files(self) -> int:
+        """Entry files (regular files named like entries) that ``clear`` would remove."""
+        n = 0
+        for _, sub, _ in self._walk():
+            if sub is not None:
+                with sub:
+                    n += sum(_kind(sub, f) == "entry" for f in sub.names())
+        return n
+
     def clear(self) -> int:
-        """Remove every entry (and temp file); returns the number of entries removed."""
+        """Remove every entry file, temp file and symlink named like one from the safe
+        subfolders, following nothing; returns the number of entries (regular files) removed."""
         self._mem.clear()
         n = 0
-        if not self.directory.is_dir():
-            return 0
-        for p in self.directory.glob("??/*.json"):
-            try:
-                if not p.is_file():
-                    continue
-                os.unlink(p)
-                n += 0 if p.name.startswith(".tmp-") else 1
-            except OSError:
-                pass
+        for _, sub, _ in self._walk():
+            if sub is None:
+                continue
+            with sub:
+                for f in sub.names():
+                    kind = _kind(sub, f)
+                    if kind and sub.unlink(f):
+                        n += kind == "entry"
         return n
 
     def verify(self) -> VerifyReport:
-        """Re-hash every entry; remove corrupt ones and temp files older than STALE_TEMP_S."""
+        """Check every entry as ``get`` would; remove bad ones, symlinks in the tree and temp files
+        older than STALE_TEMP_S; report what cannot be removed (e.g. a subfolder others can write)."""
         removed, failed, valid = [], [], 0
         for x in self.ls():
-            if x.entry is None:
-                log.warning("kernel cache: removing corrupt entry %s: %s", x.path, x.problem)
-                try:
-                    os.unlink(x.path)
-                    removed.append(str(x.path))
-                except OSError as e:
-                    failed.append(f"{x.path}: corrupt ({x.problem}), and cannot be removed: {e.strerror or e}")
-                self._mem.pop(x.digest, None)
-            else:
+            if x.entry is not None:
                 valid += 1
+                continue
+            self._mem.pop(x.digest, None)
+            log.warning("kernel cache: removing bad entry %s: %s", x.path, x.problem)
+            if self._unlink_listed(x.path):
+                removed.append(str(x.path))
+            else:
+                failed.append(f"{x.path}: {x.problem}, and it cannot be removed")
         now = time.time()
-        for p in self.directory.glob("??/.tmp-*") if self.directory.is_dir() else ():
-            try:
-                if now - p.stat().st_mtime > STALE_TEMP_S:
-                    os.unlink(p)
-                    removed.append(str(p))
-            except OSError:
-                pass
+        for _, sub, _ in self._walk():
+            if sub is None:
+                continue
+            with sub:
+                for f in sub.names():
+                    try:
+                        if f.startswith(".tmp-") and now - sub.lstat(f).st_mtime > STALE_TEMP_S and sub.unlink(f):
+                            removed.append(str(Path(sub.path) / f))
+                    except OSError:
+                        pass
         return VerifyReport(valid, tuple(removed), tuple(failed))
 
+    def _unlink_listed(self, path: Path) -> bool:
+        """Remove a listed bad item: an entry file (or symlink, FIFO) or a symlinked subfolder."""
+        try:
+            with self._open() as root:
+                if path.parent == self.directory:  # a subfolder: only a symlink is removed
+                    return stat.S_ISLNK(root.lstat(path.name).st_mode) and root.unlink(path.name)
+                with root.sub(path.parent.name) as sub:
+                    return not stat.S_ISDIR(sub.lstat(path.name).st_mode) and sub.unlink(path.name)
+        except (Unsafe, OSError):
+            return False
 
-def _parse(raw: bytes, path: Path, expect: CacheKey | None = None) -> CacheEntry:
-    """An entry file's bytes as its entry, checked against the requested key (if any) and the
-    file name; ``ValueError`` naming the problem for anything corrupt (``get`` and ``ls``)."""
+
+class _NoKey(Exception):
+    """This user's folder has no usable key: none of its entries can be authenticated."""
+
+
+def _kind(sub: Folder, name: str) -> str:
+    """What ``clear`` makes of a name in a subfolder: "entry" (a regular entry file), "other"
+    (a temp file, or a symlink, FIFO... named like an entry: removed, not counted) or ""
+    (left alone: not named like an entry, or a folder)."""
+    if not name.endswith(".json"):
+        return ""
     try:
-        entry = CacheEntry.from_json_dict(json.loads(raw.decode("utf-8")))
+        mode = sub.lstat(name).st_mode
+    except OSError:
+        return ""
+    if stat.S_ISDIR(mode):
+        return ""
+    return "entry" if stat.S_ISREG(mode) and not name.startswith(".tmp-") else "other"
+
+
+def _size(sub: Folder, name: str) -> int:
+    try:
+        return sub.lstat(name).st_size
+    except OSError:
+        return 0
+
+
+def _parse(raw: bytes, path: Path, expect: CacheKey | None, key: Key | None) -> CacheEntry:
+    """An entry file's bytes as its entry: parsed, authenticated under ``key`` (None: the
+    folder is trusted by ownership), hash-checked, and checked against the requested key (if
+    any) and the file name; ``ValueError`` naming the problem otherwise (``get`` and ``ls``)."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
     except RecursionError:
         raise ValueError("JSON nested too deep") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"not a format-{ENTRY_FORMAT} cache entry")
+    try:
+        entry = CacheEntry.from_json_dict(doc)
     except (KeyError, TypeError) as e:
-        raise ValueError(str(e)) from None
+        raise ValueError(f"a field is missing or malformed: {e}") from None
+    if key is not None and not key.verify(_signed_bytes(doc), doc.get(_HMAC)):
+        raise ValueError(f"not signed with this folder's key ({secure_dir.KEY_NAME}): written by another "
+                         "user's process, edited (its sha256 recomputed) or copied in; `sparserl cache merge` "
+                         "copies entries between folders")
     if expect is not None and entry.key != expect:
         raise ValueError("the stored key differs from the requested one")
     if entry.key.digest() != path.stem:
         raise ValueError("the file name does not match the stored key")
     return entry
-
-
-# -------------------------------------------------------------------- keys for a machine
-
-
-@dataclass(frozen=True)
-class Target:
-    """The GPU a kernel is generated for: the machine-dependent fields of the cache key."""
-
-    arch: str  # "sm_90"
-    gpu_name: str  # "NVIDIA H200"
-    driver_version: str  # cuDriverGetVersion, e.g. "13000"
-    nvrtc_version: str  # "13.0"
-
-
-def local_target(device: "torch.device | None" = None) -> Target:
-    """The ``Target`` of this machine's current (or given) CUDA device."""
-    import torch
-
-    from sparserl_compile.problem import device_arch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device here: name the target GPU (sparserl pregen --target-gpu ...)")
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    driver = "unknown"
-    try:
-        from cuda.bindings import driver as drv
-
-        _, v = drv.cuDriverGetVersion()
-        driver = str(v)
-    except Exception:
-        pass
-    try:
-        from sparserl_compile.compiler import nvrtc_version
-
-        nv = ".".join(str(p) for p in nvrtc_version())
-    except Exception:
-        nv = "unknown"
-    return Target(device_arch(device), torch.cuda.get_device_name(device), driver, nv)
-
-
-def cache_key(problem, target: Target, policy_hash: str = "none") -> CacheKey:
-    """The key of ``problem`` (a ``problem.Problem``) on ``target`` for kernels proposed under a
-    policy checkpoint of ``policy_hash`` (``"none"``: the hand-written families only)."""
-    from sparserl_compile.kernels import KERNEL_SPACE_VERSION
-
-    return CacheKey(
-        fingerprint=problem.fingerprint, op=problem.op, dtype=problem.dtype,
-        width=width_bucket(problem.n), arch=target.arch, gpu_name=target.gpu_name,
-        driver_version=target.driver_version, nvrtc_version=target.nvrtc_version,
-        kernel_space_version=KERNEL_SPACE_VERSION, policy_hash=policy_hash,
-    )
 
 
 def lookup(store: "KernelCache", key: CacheKey, fallback_hashes=()) -> "CacheEntry | None":

@@ -2,29 +2,35 @@
 
 With ``enable()`` (or inside ``with accelerate():``) a ``TorchFunctionMode`` looks at every
 ``torch.mm``, ``torch.mv``, ``torch.addmm``, ``torch.matmul``, ``@`` and ``torch.sparse.mm``
-call (``torch.sparse.mm(A, B, reduce)`` with "sum" or "mean" too, on the CPU: PyG's call). When
-the left operand is a 2-D torch sparse CSR or coalesced COO matrix (any index dtype) and the
-right one a dense strided 1-D/2-D tensor of the same dtype (float32, float16, bfloat16, float64)
-and device, the product runs through ``torch.ops.sparserl.spmv``/``spmm`` (so the
-runtime's kernels and autograd w.r.t. the dense operand apply); when there is nothing to record
-(grad not needed, no dispatch mode, plain tensors) it calls the runtime directly, as
+call (``torch.sparse.mm(A, B, reduce)`` with "sum" or "mean" too, on the CPU: PyG's call). Every native CSR, COO or CSC operand of such a call has its raw index arrays checked
+first (``inputs.py``, once per structure): a malformed one (an index out of range or negative,
+a pointer array that is not monotone, lengths that disagree) raises ``ValueError`` naming the
+problem, before torch or sparserl reads it. When the left operand is a 2-D torch sparse CSR or
+COO matrix stored in canonical order (rows, then columns, sorted; no duplicates; any index
+dtype) and the right one a dense strided 1-D/2-D tensor of the same dtype (float32, float16,
+bfloat16, float64) and device, the product runs through ``torch.ops.sparserl.spmv``/``spmm``
+(so the runtime's kernels and autograd w.r.t. the dense operand apply); when there is nothing
+to record (grad not needed, no dispatch mode, plain tensors) it calls the runtime directly, as
 ``SparseRLTensor`` products do, skipping the custom op's per-call layers. Everything else is
 passed to torch unchanged, so errors and results there are torch's own:
 
 * sparse @ sparse, dense @ sparse, batched or hybrid sparse tensors, CSC/BSR layouts,
-  uncoalesced COO (call ``.coalesce()`` once to accelerate it), ``out=`` arguments;
+  COO or CSR stored out of order or with duplicates (``.coalesce()`` once to accelerate a
+  COO tensor), ``out=`` arguments;
 * mismatched dtypes/devices/shapes (torch raises its usual error);
-* sparse operands whose values require grad (torch differentiates them; sparserl does not);
-* CSR tensors whose columns are not sorted and unique within rows.
+* sparse operands whose values require grad (torch differentiates them; sparserl does not).
 
 Results follow torch's shape and dtype semantics (``addmm``: ``beta * input + alpha * A @ B``
 with ``input`` broadcast, ``input`` ignored when ``beta == 0``).
 
 Fingerprints of native tensors are memoized by (index data pointers, version counters, shape,
-nnz): a repeated product reads no index data. The memo holds a reference to the index tensors
-it keys on (so a freed pointer cannot be reused by a different pattern while the entry lives)
-and keeps the ``MEMO_SIZE`` most recent structures; ``clear_memo()`` drops them. The int32
-copies of int64 indices live in the same entry.
+nnz): a repeated product reads no index data. An in-place change through torch bumps a
+version counter, so the tensor is checked again; a write that bypasses it (through
+``.numpy()`` or a raw pointer) is not seen, as torch's own sparse kernels would not see it.
+The memo holds a reference to the index tensors it keys on (so a freed pointer cannot be
+reused by a different pattern while the entry lives) and keeps the ``MEMO_SIZE`` most recent
+structures; ``clear_memo()`` drops them. The int32 copies of int64 indices live in the same
+entry.
 
 The mode is per thread and adds a Python call to every torch function in its scope; enable it
 around sparse work, not globally in a dense-heavy program. Dynamo cannot trace native sparse
@@ -37,13 +43,12 @@ import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sparserl_compile import plans, structure
+from sparserl_compile import inputs, plans, structure
 from sparserl_compile.reference import VALUE_DTYPES
-from sparserl_compile.tensor import _eager_plain, _is_canonical, check_csr_arrays
+from sparserl_compile.tensor import _eager_plain
 
 #: native structures whose fingerprint and int32 indices are kept
 MEMO_SIZE = 32
@@ -74,28 +79,36 @@ def clear_memo() -> None:
     memo_stats.hits = memo_stats.misses = 0
 
 
-def _native_csr(a: torch.Tensor):
-    """(int32 crow, int32 col, values, fingerprint) of a native sparse matrix, or None."""
+def _native_csr(a: torch.Tensor, count: bool = False):
+    """(int32 crow, int32 col, values, fingerprint) of a native sparse matrix, or None to pass it
+    through to torch. A malformed one raises ``ValueError`` (checked once per structure).
+    ``count``: this lookup counts in ``memo_stats`` (the operand check does, once per operand
+    and call; the product's second lookup does not)."""
     if a.layout == torch.sparse_csr:
         if a.dim() != 2 or a.values().dim() != 1:
             return None
         idx = (a.crow_indices(), a.col_indices())
         vals = a.values()
     elif a.layout == torch.sparse_coo:
-        if a.sparse_dim() != 2 or a.dense_dim() != 0 or not a.is_coalesced():
+        if a.sparse_dim() != 2 or a.dense_dim() != 0:
             return None
         idx = (a._indices(),)
         vals = a._values()
+    elif a.layout == torch.sparse_csc:
+        if a.dim() != 2 or a.values().dim() != 1:
+            return None
+        idx = (a.ccol_indices(), a.row_indices())
+        vals = a.values()
     else:
         return None
     key = (a.layout, a.device, tuple(a.shape), vals.shape[0],
            tuple(t.data_ptr() for t in idx), tuple(t._version for t in idx))
     hit = _memo.get(key)
     if hit is not None:
-        memo_stats.hits += 1
+        memo_stats.hits += count
         _memo.move_to_end(key)
     else:
-        memo_stats.misses += 1
+        memo_stats.misses += count
         hit = _build(a, idx, vals.shape[0])
         _memo[key] = hit
         while len(_memo) > MEMO_SIZE:
@@ -106,34 +119,43 @@ def _native_csr(a: torch.Tensor):
 
 
 def _build(a: torch.Tensor, idx: tuple, nnz: int) -> _Native:
-    n_rows, n_cols = a.shape
-    if a.layout == torch.sparse_csr:
-        ip = idx[0].cpu().numpy().astype(np.int64, copy=False)
-        ix = idx[1].cpu().numpy().astype(np.int64, copy=False)
-    else:
-        ind = idx[0].cpu().numpy()
-        if ind.shape[1] > 1 and bool((ind[0, 1:] < ind[0, :-1]).any()):
-            # flagged coalesced (torch.sparse_coo_tensor(..., is_coalesced=True)) but not row-sorted:
-            # counting rows would pair columns with the wrong rows; torch's own product is right
-            return _Native(idx, None, None, "")
-        ip = np.zeros(n_rows + 1, dtype=np.int64)
-        np.cumsum(np.bincount(ind[0], minlength=n_rows), out=ip[1:])
-        ix = ind[1].astype(np.int64, copy=False)
-    check_csr_arrays(ip, ix, nnz, (n_rows, n_cols))
-    if not _is_canonical(ip, ix):
+    """Check a native operand's raw index arrays (``inputs``: before torch reads them) and keep
+    its canonical pattern, or mark it to pass through: CSC, uncoalesced or unsorted COO, CSR
+    with unsorted or duplicate columns (torch's own product handles those, now that they are
+    known to be in range)."""
+    try:
+        if a.layout == torch.sparse_csr:
+            p = inputs.csr(idx[0], idx[1], tuple(a.shape), nnz)
+        elif a.layout == torch.sparse_coo:
+            p = inputs.coo(idx[0][0], idx[0][1], tuple(a.shape), nnz)
+        else:
+            p = inputs.csc(idx[0], idx[1], tuple(a.shape), nnz)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"a malformed {a.layout} operand of shape {tuple(a.shape)}: {e}") from None
+    if a.layout == torch.sparse_csc or p.reorder is not None:
         return _Native(idx, None, None, "")
-    ip32, ix32 = ip.astype(np.int32), ix.astype(np.int32)
-    fp = structure.fingerprint(ip32, ix32, (n_rows, n_cols))
-    if a.layout == torch.sparse_csr and idx[0].dtype == torch.int32:
-        crow, col = idx[0], idx[1]
+    fp = structure.fingerprint(p.indptr, p.indices, p.shape)
+    if a.layout == torch.sparse_csr and idx[0].dtype == torch.int32 and idx[1].dtype == torch.int32:
+        crow, col = idx[0], idx[1]  # already canonical int32: no copy (the key's version counters guard it)
     else:
-        crow = torch.from_numpy(ip32).to(a.device)
-        col = torch.from_numpy(ix32).to(a.device)
+        crow = torch.from_numpy(p.indptr).to(a.device)
+        col = torch.from_numpy(p.indices).to(a.device)
     return _Native(idx, crow, col, fp)
 
 
 def _is_native_sparse(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout in (torch.sparse_csr, torch.sparse_coo)
+
+
+def _check_operands(args) -> dict:
+    """Every native CSR/COO/CSC operand of a handled call, checked (memoized) before torch or
+    sparserl reads its indices; a malformed one raises ``ValueError``. Returns what
+    ``_native_csr`` gave for each, by ``id``, so the product does not look it up again."""
+    found = {}
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.layout in _CHECKED:
+            found[id(t)] = _native_csr(t, count=True)
+    return found
 
 
 def _dense_ok(s: torch.Tensor, d, ndims: tuple[int, ...]) -> bool:
@@ -145,9 +167,9 @@ def _dense_ok(s: torch.Tensor, d, ndims: tuple[int, ...]) -> bool:
     )
 
 
-def _run(s: torch.Tensor, d: torch.Tensor):
+def _run(s: torch.Tensor, d: torch.Tensor, natives: dict):
     """sparserl's product of a native sparse ``s`` and dense ``d``, or None to pass through."""
-    got = _native_csr(s)
+    got = natives[id(s)] if id(s) in natives else _native_csr(s)
     if got is None:
         return None
     crow, col, vals, fp = got
@@ -161,7 +183,7 @@ def _run(s: torch.Tensor, d: torch.Tensor):
     return fn(crow, col, vals, d, n_rows, n_cols, fp)
 
 
-def _route_reduce(args, kwargs):
+def _route_reduce(args, kwargs, natives: dict):
     """``torch.sparse.mm(A, B, reduce)`` with reduce "sum" (the product) or "mean" (the product
     over each row's stored entries), on the CPU where torch implements it: PyG's CPU path for a
     CSR ``adj_t`` (``torch_geometric.utils.spmm``; on CUDA PyG calls the two-argument form)."""
@@ -172,25 +194,25 @@ def _route_reduce(args, kwargs):
     if reduce not in ("sum", "mean") or not (_is_native_sparse(a) and a.layout == torch.sparse_csr
                                             and a.device.type == "cpu" and _dense_ok(a, b, (2,))):
         return None
-    p = _run(a, b)
+    p = _run(a, b, natives)
     if p is None or reduce == "sum":
         return p
     crow = a.crow_indices()
     return p / (crow[1:] - crow[:-1]).clamp(min=1).to(p.dtype).unsqueeze(1)
 
 
-def _route(func, args, kwargs):
+def _route(func, args, kwargs, natives: dict):
     if "out" in kwargs:
         return None
     if func is torch.sparse.mm and (len(args) == 3 or "reduce" in kwargs):
-        return _route_reduce(args, kwargs)
+        return _route_reduce(args, kwargs, natives)
     if func in _MM:
         if len(args) != 2 or kwargs:
             return None
         a, b = args
         nd = (1, 2) if func in _MATMUL else (1,) if func in _MV else (2,)
         if _is_native_sparse(a) and _dense_ok(a, b, nd):
-            return _run(a, b)
+            return _run(a, b, natives)
         return None
     # addmm(input, mat1, mat2, *, beta=1, alpha=1)
     if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
@@ -207,7 +229,7 @@ def _route(func, args, kwargs):
     except RuntimeError:
         return None
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-    p = _run(m1, m2)
+    p = _run(m1, m2, natives)
     if p is None:
         return None
     if alpha != 1:
@@ -222,6 +244,7 @@ _MV = {torch.mv, torch.Tensor.mv}
 _MM = {torch.mm, torch.Tensor.mm, torch.sparse.mm} | _MATMUL | _MV
 _ADDMM = {torch.addmm, torch.Tensor.addmm}
 _HANDLED = _MM | _ADDMM
+_CHECKED = (torch.sparse_csr, torch.sparse_coo, torch.sparse_csc)
 
 
 class SparseRLMode(TorchFunctionMode):
@@ -230,7 +253,8 @@ class SparseRLMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _HANDLED:
-            out = _route(func, args, kwargs)
+            natives = _check_operands((*args, *kwargs.values()))
+            out = _route(func, args, kwargs, natives)
             if out is not None:
                 return out
         return func(*args, **kwargs)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,83 +54,166 @@ def shared_manifest(directory: Path | None = None) -> list[MatrixInfo]:
     return out
 
 
+_NPZ_ERRORS = (ValueError, EOFError, KeyError, MemoryError, zipfile.BadZipFile, zlib.error)
+
+
 def load_npz(path: str | os.PathLike) -> sp.csr_matrix:
-    """Load a CSR ``.npz`` (keys indptr, indices, data, shape) without pickle."""
-    from sparserl_compile.structure import check_csr_arrays
+    """Load a sparse ``.npz`` without pickle: sparserl's CSR layout (keys indptr, indices, data,
+    shape) or any of ``scipy.sparse.save_npz``'s (its ``format`` key: csr, csc, coo, bsr, dia).
+    The arrays are checked (``inputs.py``) before scipy builds anything from them; a malformed
+    file raises ``ValueError`` naming the file and the problem."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise
+    except (OSError, *_NPZ_ERRORS) as e:
+        raise ValueError(f"{path}: cannot read it as a .npz archive ({type(e).__name__}: {e})") from None
+    except AttributeError:  # np.load read a bare .npy array, not an archive
+        raise ValueError(f"{path}: a single .npy array, not a sparse matrix .npz") from None
+    try:
+        return _from_npz(arrays, path)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
 
-    with np.load(path, allow_pickle=False) as z:
-        keys = set(z.files)
-        if {"indptr", "indices", "data", "shape"} <= keys:
-            data, indices, indptr = z["data"], z["indices"], z["indptr"]
-            shape = _shape(z["shape"], path)
-            _check_arrays(path, data, indices=indices, indptr=indptr)
-            try:  # before any cast: a cast would wrap an index of 2^32 + 2 to 2
-                check_csr_arrays(indptr.astype(np.int64).ravel(), indices.astype(np.int64).ravel(), data.size, shape)
-            except ValueError as e:
-                raise ValueError(f"{path}: {e}") from None
-            m = sp.csr_matrix((data.ravel(), indices.ravel().astype(np.int32), indptr.ravel().astype(np.int32)),
-                              shape=shape)
-        elif {"row", "col", "data", "shape"} <= keys:  # scipy.sparse.save_npz COO layout
-            data, row, col = z["data"], z["row"], z["col"]
-            shape = _shape(z["shape"], path)
-            _check_arrays(path, data, row=row, col=col)
-            if not (row.size == col.size == data.size):
-                raise ValueError(f"{path}: {row.size} row indices, {col.size} column indices and {data.size} values")
-            for name, ix, n in (("row", row, shape[0]), ("column", col, shape[1])):
-                if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= n):
-                    raise ValueError(f"{path}: {name} indices span [{int(ix.min())}, {int(ix.max())}] but the "
-                                     f"shape {shape[0]}x{shape[1]} has {n}")
-            m = sp.coo_matrix((data.ravel(), (row.ravel(), col.ravel())), shape=shape).tocsr()
+
+def _from_npz(z: dict, path) -> sp.csr_matrix:
+    from types import SimpleNamespace
+
+    from sparserl_compile import inputs
+
+    keys = set(z)
+    fmt = z["format"].item() if "format" in keys and z["format"].shape == () else None
+    fmt = fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else fmt
+    if "data" not in keys or "shape" not in keys:
+        raise ValueError(f"not a sparse matrix .npz (expected keys indptr, indices, data, shape; found {sorted(keys)})")
+    shape = _shape(z["shape"])
+    data = _real(z["data"])
+    if fmt != "bsr" and fmt != "dia" and data.ndim != 1:
+        raise ValueError(f"data must be 1-D (one value per stored entry), got shape {data.shape}")
+    if fmt in (None, "csr", "csc", "bsr") and {"indptr", "indices"} <= keys:
+        if fmt == "bsr":
+            fake = SimpleNamespace(format="bsr", shape=shape, data=data, indptr=z["indptr"], indices=z["indices"])
+            pattern, data = inputs.read_scipy(fake)
         else:
-            raise ValueError(
-                f"{path}: not a sparse matrix .npz (expected keys indptr, indices, data, shape; "
-                f"found {sorted(keys)})"
-            )
-    return canonical(m)
+            build = inputs.csc if fmt == "csc" else inputs.csr
+            pattern = build(z["indptr"], z["indices"], shape, data.size, ptr="indptr")
+    elif fmt in (None, "coo") and {"row", "col"} <= keys:
+        pattern = inputs.coo(z["row"], z["col"], shape, data.size)
+    elif fmt == "dia" and "offsets" in keys:
+        offsets = z["offsets"]
+        if data.ndim != 2 or offsets.ndim != 1 or offsets.size != data.shape[0] or offsets.dtype.kind not in "iu":
+            raise ValueError(f"a DIA matrix needs 2-D data and one integer offset per row of it, got data of shape "
+                             f"{data.shape} and offsets of shape {offsets.shape} ({offsets.dtype})")
+        pattern, data = inputs.read_scipy(sp.dia_matrix((data, offsets), shape=shape))
+    else:
+        raise ValueError(f"not a sparse matrix .npz (expected keys indptr, indices, data, shape; found "
+                         f"{sorted(keys)}{'' if fmt is None else f', format {fmt!r}'})")
+    return _csr_of(pattern, data)
 
 
-def _shape(a: np.ndarray, path) -> tuple[int, int]:
-    if a.shape != (2,) or not np.issubdtype(a.dtype, np.integer) or int(a.min()) < 0:
-        raise ValueError(f"{path}: shape must be two non-negative integers, got {a.tolist()!r}")
-    return int(a[0]), int(a[1])
+def _shape(a: np.ndarray) -> tuple[int, int]:
+    if a.shape != (2,) or a.dtype.kind not in "iu":
+        raise ValueError(f"shape must be two non-negative integers, got {a.tolist()!r}")
+    from sparserl_compile.structure import check_shape
+
+    return check_shape(tuple(int(v) for v in a))
 
 
-def _check_arrays(path, data: np.ndarray, **indices: np.ndarray) -> None:
-    """Index arrays of an integer type, values real numbers: what a cast would silently change."""
-    for name, ix in indices.items():
-        if not np.issubdtype(ix.dtype, np.integer):
-            raise ValueError(f"{path}: {name} are {ix.dtype}, not integers: the file is malformed")
+def _real(data: np.ndarray) -> np.ndarray:
+    """Values that are real numbers (what a cast to float32 would not silently change in kind)."""
     if np.iscomplexobj(data) or not (np.issubdtype(data.dtype, np.number) or data.dtype == np.bool_):
-        raise ValueError(f"{path}: values are {data.dtype}; sparserl multiplies real matrices (float32): "
+        raise ValueError(f"values are {data.dtype}; sparserl multiplies real matrices (float32): "
                          "save the real part (or the magnitude) if that is what you mean")
+    return data
+
+
+def _csr_of(pattern, data: np.ndarray) -> sp.csr_matrix:
+    """The canonical scipy CSR (float32 values) of a checked pattern and its stored values."""
+    values = pattern.values(np.asarray(data).ravel()).astype(np.float32)
+    return sp.csr_matrix((values, pattern.indices, pattern.indptr), shape=pattern.shape)
+
+
+#: the Matrix Market header fields this loader reads (scipy.io.mmread takes the same)
+_MM_FORMATS, _MM_FIELDS = ("coordinate", "array"), ("real", "integer", "pattern", "double", "complex")
+_MM_SYMMETRIES = ("general", "symmetric", "skew-symmetric", "hermitian")
+#: the fewest bytes one stored entry takes in a Matrix Market file ("1 1\n"), and the most a
+#: gzip byte can expand to (deflate's limit): what bounds a header's claimed size by the file's
+_MM_MIN_ENTRY_BYTES, _GZIP_MAX_RATIO = 4, 1032
+
+
+def _mm_header(p: str) -> None:
+    """Check a Matrix Market file's banner and size line before scipy reads it: scipy allocates
+    what the size line claims, so a forged ``1 1 10000000000`` would exhaust memory first."""
+    import gzip
+
+    size = os.path.getsize(p)
+    opener = gzip.open if p.endswith(".gz") else open
+    limit = size * (_GZIP_MAX_RATIO if p.endswith(".gz") else 1)
+    try:
+        with opener(p, "rt", encoding="ascii", errors="replace") as f:
+            banner = f.readline(1024).split()
+            line = f.readline(1024)
+            while line.startswith("%") or (line.strip() == "" and line):
+                line = f.readline(1024)
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{p}: cannot read it as Matrix Market ({type(e).__name__}: {e})") from None
+    if (len(banner) != 5 or banner[0].lower() != "%%matrixmarket" or banner[1].lower() != "matrix"
+            or banner[2].lower() not in _MM_FORMATS or banner[3].lower() not in _MM_FIELDS
+            or banner[4].lower() not in _MM_SYMMETRIES):
+        raise ValueError(f"{p}: not a Matrix Market matrix (its first line is {' '.join(banner)[:80]!r}; expected "
+                         "'%%MatrixMarket matrix coordinate|array real|integer|pattern general|symmetric|...')")
+    if banner[3].lower() == "complex":
+        raise ValueError(f"{p}: a complex matrix; sparserl multiplies real matrices (float32): "
+                         "convert the real part (or the magnitude) if that is what you mean")
+    fields = line.split()
+    want = 3 if banner[2].lower() == "coordinate" else 2
+    if len(fields) != want or not all(f.isdigit() for f in fields):
+        raise ValueError(f"{p}: the size line {line.strip()[:80]!r} is not {want} non-negative integers")
+    n_rows, n_cols = int(fields[0]), int(fields[1])
+    from sparserl_compile.structure import check_shape
+
+    check_shape((n_rows, n_cols))
+    entries = int(fields[2]) if want == 3 else n_rows * n_cols
+    if entries * _MM_MIN_ENTRY_BYTES > limit + _MM_MIN_ENTRY_BYTES:
+        raise ValueError(f"{p}: the header claims {entries} entries but the file ({size} bytes) cannot hold "
+                         "them: it is truncated or its size line is wrong")
 
 
 def load_matrix(path: str | os.PathLike) -> sp.csr_matrix:
-    """Load ``.npz`` (CSR) or Matrix Market (``.mtx``, ``.mtx.gz``) as canonical CSR."""
+    """Load ``.npz`` (see ``load_npz``) or Matrix Market (``.mtx``, ``.mtx.gz``, ``.mm``) as
+    canonical CSR; a malformed file raises ``ValueError`` naming the file and the problem."""
     p = str(path)
     if p.endswith(".npz"):
         return load_npz(p)
     if p.endswith((".mtx", ".mtx.gz", ".mm")):
         import scipy.io
 
-        m = scipy.io.mmread(p)
+        _mm_header(p)
+        try:
+            m = scipy.io.mmread(p)
+        except (ValueError, OSError, EOFError, IndexError, OverflowError, MemoryError, zlib.error) as e:
+            raise ValueError(f"{p}: cannot read it as Matrix Market ({type(e).__name__}: {e})") from None
         if np.iscomplexobj(m.data if sp.issparse(m) else m):
             raise ValueError(f"{p}: a complex matrix; sparserl multiplies real matrices (float32): "
                              "convert the real part (or the magnitude) if that is what you mean")
-        return canonical(sp.csr_matrix(m))
+        try:
+            return canonical(m)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{p}: {e}") from None
     raise ValueError(f"{p}: unknown matrix file type (use .npz CSR or Matrix Market .mtx)")
 
 
-def canonical(m: sp.spmatrix) -> sp.csr_matrix:
-    """CSR, float32 values, int32 indices, sorted, duplicates summed."""
-    m = sp.csr_matrix(m)
-    m.sum_duplicates()
-    m.sort_indices()
-    if m.data.dtype != np.float32:
-        m.data = m.data.astype(np.float32)
-    m.indices = m.indices.astype(np.int32, copy=False)
-    m.indptr = m.indptr.astype(np.int32, copy=False)
-    return m
+def canonical(m) -> sp.csr_matrix:
+    """CSR, float32 values, int32 indices, sorted, duplicates summed. A scipy matrix of any
+    format has its index arrays checked first (``inputs.read_scipy``); a dense array is taken
+    as it is."""
+    from sparserl_compile import inputs
+
+    if not sp.issparse(m):
+        m = sp.csr_matrix(np.asarray(m))  # dense: no index arrays to distrust
+    pattern, data = inputs.read_scipy(m)
+    return _csr_of(pattern, _real(np.asarray(data)))
 
 
 def _values(nnz: int, rng: np.random.Generator) -> np.ndarray:

@@ -4,11 +4,14 @@ Sharded pre-generation (``sparserl pregen --rank R --world-size W``) or several 
 machines leave one cache folder each; this copies their entries into one folder, entry by
 entry (the file name is the key's digest, so entries of different keys never collide):
 
-* every source entry is read and checked by ``KernelCache`` itself (``ls``: the entry's
-  sha256 over its canonical JSON, and that its digest names its key); a corrupt entry is
-  skipped with a message and never copied -- the runtime would regenerate that kernel;
-* a key the destination lacks (or holds only as a corrupt file) is written with
-  ``KernelCache.put`` (temp file, fsync, atomic rename);
+* every source entry is read and checked by ``KernelCache`` itself, exactly as the runtime
+  would before serving it (``ls``: the folder's owner and modes, no symlink, the entry's HMAC
+  under the source folder's own key, its sha256, and that its digest names its key); an entry
+  that fails is skipped with a message and never copied -- the runtime would regenerate that
+  kernel;
+* what is copied is written with ``KernelCache.put`` into the destination, and so signed
+  with the destination's key (temp file, fsync, atomic rename): a copied folder's entries
+  (another machine's ``pregen --out``, copied whole with its ``.key``) become this folder's;
 * a key the destination already holds: identical entries are left alone; different ones keep
   the existing entry, unless ``prefer_faster`` and both entries carry a time, in which case
   the faster one stays (a kernel entry's ``kernel_us``; an entry where the reference won, its
@@ -16,9 +19,11 @@ entry (the file name is the key's digest, so entries of different keys never col
 
 Sources are processed in the order given, so among sources, the first one's entry wins a
 conflict (without ``prefer_faster``). A source folder is only read, never created or
-repaired (run ``sparserl cache verify --dir SRC`` for that); naming a folder is vouching for
-it, so a source that fails the cache's own ownership/permission rules is merged with a warning.
-The destination must pass those rules. Safe to run while the runtime reads the destination.
+repaired (run ``sparserl cache verify --dir SRC`` for that). A source the cache would refuse
+to read (owned by another user, writable by group or others, a symlink) is refused here too,
+with the reason: its entries cannot be authenticated, and naming it does not make them so.
+The destination must pass the same rules and be writable. Safe to run while the runtime
+reads the destination.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparserl_compile.cache import CacheEntry, CacheWarning, KernelCache, check_dir
+from sparserl_compile.cache import CacheEntry, CacheWarning, KernelCache
 
 OUTCOMES = ("copied", "identical", "kept", "replaced", "corrupt", "failed")
 
@@ -48,6 +53,7 @@ class MergeReport:
     into: str
     actions: tuple[MergeAction, ...]
     warnings: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()  # "SRC: why" of source folders not read at all
 
     def count(self, outcome: str) -> int:
         return sum(a.outcome == outcome for a in self.actions)
@@ -71,24 +77,25 @@ def merge_caches(sources, into, *, prefer_faster: bool = False) -> MergeReport:
         warnings.simplefilter("ignore", CacheWarning)
         dst = KernelCache(into)
     if not dst.on_disk:
-        raise ValueError(f"cannot merge into {into}: {dst.disabled_reason}")
+        raise ValueError(f"cannot merge into {into}: {dst.disabled_reason or dst.read_only_reason}")
     actions: list[MergeAction] = []
     notes: list[str] = []
+    refused: list[str] = []
     for src in map(Path, sources):
         if not src.is_dir():
             raise ValueError(f"source cache {src} is not a folder; pass the --out folder of a pregen run")
         if src.resolve() == into.resolve():
             notes.append(f"{src}: is the destination itself, skipped")
             continue
-        why = check_dir(src)
-        if why:
-            notes.append(f"{src}: merged although the cache would not load it directly ({why})")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CacheWarning)
-            store = KernelCache(src)
+            store = KernelCache(src, create=False)
+        if not store.readable:
+            refused.append(f"{src}: {store.disabled_reason}")
+            continue
         for x in store.ls():
             actions.append(_merge_one(dst, str(src), x.digest, x.entry, x.problem, prefer_faster))
-    return MergeReport(str(into), tuple(actions), tuple(notes))
+    return MergeReport(str(into), tuple(actions), tuple(notes), tuple(refused))
 
 
 def _merge_one(dst: KernelCache, src: str, digest: str, entry: CacheEntry | None, problem: str,

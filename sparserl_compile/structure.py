@@ -12,6 +12,10 @@ loops run under numba (``@njit(cache=True)``) in O(nnz) per statistic, so a 10^7
 matrix costs a few tens of milliseconds; the first call in a fresh environment pays the JIT
 compile (about a second, then cached on disk by numba).
 
+``check_csr`` is the one CSR validator every input path uses (``inputs.py``, the loaders,
+``formats``, ``features``): it reads the raw index arrays without casting them and names the
+first broken invariant. ``check_shape`` and ``host_index_array`` are its parts.
+
 Inputs are CSR index arrays as numpy arrays or torch tensors on any device (GPU tensors are
 copied to the host once). Column indices are expected sorted within rows (canonical CSR);
 the statistics stay defined for unsorted rows, but the locality figures then describe the
@@ -71,75 +75,150 @@ def fingerprint(indptr, indices, shape) -> str:
 INT32_MAX = 2**31 - 1
 
 
-def check_csr_arrays(crow: np.ndarray, col: np.ndarray, nnz_values: int, shape) -> None:
-    """Raise ``ValueError`` naming the first broken CSR invariant (host int64 arrays)."""
-    n_rows, n_cols = shape
-    if n_rows > INT32_MAX or n_cols > INT32_MAX or col.size > INT32_MAX:
+def _torch_index_dtypes(torch) -> frozenset:
+    """The torch integer dtypes an index array may use (values read exactly; unsigned ones
+    exist from torch 2.3 on)."""
+    names = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+    return frozenset(getattr(torch, n) for n in names if hasattr(torch, n))
+
+
+def host_index_array(a, name: str) -> np.ndarray:
+    """A 1-D host numpy array holding exactly the integers of the index array ``a`` (a numpy
+    array, a torch tensor on any device, or a sequence). Nothing is cast, so a value can never
+    wrap on the way in; ``TypeError`` for a non-integer dtype, ``ValueError`` for any other
+    shape than 1-D. A numpy input is returned as it is (callers that keep it copy it first)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if torch is not None and isinstance(a, torch.Tensor):
+        if a.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense tensor, got layout {a.layout}")
+        if a.dtype not in _torch_index_dtypes(torch):
+            raise TypeError(f"{name} are not integers (dtype {a.dtype}): pass the indices as an integer "
+                            "tensor (e.g. .long())")
+        if a.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device: it holds no indices to read")
+        a = a.detach().cpu().numpy()
+    else:
+        try:
+            a = np.asarray(a)
+        except (ValueError, TypeError) as e:
+            raise TypeError(f"{name} is not an array of integers: {e}") from None
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"{name} are not integers (dtype {a.dtype}): pass an integer array "
+                            "(e.g. .astype(np.int64)); a cast would silently change non-integer values")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(a.shape)}")
+    return a
+
+
+def check_shape(shape) -> tuple[int, int]:
+    """``(n_rows, n_cols)`` as Python ints: two non-negative integers that fit int32, else a
+    ``ValueError`` naming what was given."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if shape is None or isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 2:
+        raise ValueError(f"shape must be (n_rows, n_cols), got {shape!r}")
+
+    def is_int(s) -> bool:
+        if isinstance(s, bool) or isinstance(s, np.bool_):
+            return False
+        if isinstance(s, (int, np.integer)):
+            return True
+        return (torch is not None and isinstance(s, torch.Tensor) and s.dim() == 0
+                and not s.dtype.is_floating_point and not s.dtype.is_complex and s.dtype != torch.bool)
+
+    if not all(is_int(s) for s in shape):
+        raise ValueError(f"shape must be two integers (n_rows, n_cols), got {tuple(shape)!r}")
+    n_rows, n_cols = (int(s) for s in shape)
+    if n_rows < 0 or n_cols < 0:
+        raise ValueError(f"shape {(n_rows, n_cols)} has a negative dimension")
+    if n_rows > INT32_MAX or n_cols > INT32_MAX:
         raise ValueError(
-            f"shape {n_rows}x{n_cols} with nnz={col.size} does not fit int32 indices; sparserl "
-            "kernels index with int32: split the matrix into blocks below 2^31"
+            f"shape {n_rows}x{n_cols} does not fit int32 indices; sparserl kernels index with int32: "
+            "split the matrix into blocks below 2^31"
         )
-    if crow.size != n_rows + 1:
+    return n_rows, n_cols
+
+
+def check_csr(indptr, indices, shape, nnz: int | None = None, *, ptr: str = "crow_indices",
+              idx: str = "column") -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The one CSR validator: ``(indptr, indices, n_rows, n_cols)`` with int32 host arrays, or a
+    ``ValueError``/``TypeError`` naming the first broken invariant.
+
+    Reads the raw arrays (numpy, torch on any device) without casting them first, and checks:
+    integer dtypes, 1-D, the shape (two non-negative integers that fit int32), nnz fits int32,
+    ``len(indptr) == n_rows + 1``, ``len(indices) == nnz`` (the number of values, when given),
+    ``indptr[0] == 0``, ``indptr[-1] == nnz``, ``indptr`` non-decreasing and every index in
+    ``[0, n_cols)``. Sorted or unique indices within a row are not required. ``ptr``/``idx``
+    name the arrays in messages (a CSC matrix is checked as the CSR of its transpose). The
+    returned arrays may share memory with the inputs; callers that keep them copy first.
+    """
+    n_rows, n_cols = check_shape(shape)
+    ip = host_index_array(indptr, ptr)
+    ix = host_index_array(indices, f"{idx} indices")
+    if ix.size > INT32_MAX:
+        raise ValueError(f"nnz={ix.size} does not fit int32 indices; split the matrix into blocks below 2^31 "
+                         "nonzeros")
+    if ip.size != n_rows + 1:
         raise ValueError(
-            f"crow_indices has {crow.size} entries but the shape {n_rows}x{n_cols} needs "
+            f"{ptr} has {ip.size} entries but the shape {n_rows}x{n_cols} needs "
             f"n_rows + 1 = {n_rows + 1}: pass the matching shape"
         )
-    if col.size != nnz_values:
+    if nnz is not None and ix.size != nnz:
+        raise ValueError(f"{ix.size} {idx} indices but {nnz} values: the sparse matrix is malformed")
+    first, last = int(ip[0]), int(ip[-1])
+    if first != 0:
+        raise ValueError(f"{ptr}[0] ({first}) != 0: the sparse matrix is malformed")
+    if last != ix.size:
         raise ValueError(
-            f"{col.size} column indices but {nnz_values} values: the CSR tensor is malformed"
-        )
-    if crow[0] != 0:
-        raise ValueError(f"crow_indices[0] ({crow[0]}) != 0: the CSR tensor is malformed")
-    if crow[-1] != col.size:
-        raise ValueError(
-            f"crow_indices[-1] ({crow[-1]}) != nnz ({col.size}): the CSR tensor is malformed; "
+            f"{ptr}[-1] ({last}) != nnz ({ix.size}): the sparse matrix is malformed; "
             "build it with check_invariants=True"
         )
     if n_rows:
-        bad = np.flatnonzero(np.diff(crow) < 0)
+        bad = np.flatnonzero(ip[1:] < ip[:-1])
         if bad.size:
             k = int(bad[0])
             raise ValueError(
-                f"crow_indices is not non-decreasing: crow_indices[{k + 1}] ({crow[k + 1]}) < "
-                f"crow_indices[{k}] ({crow[k]}); the CSR tensor is malformed"
+                f"{ptr} is not non-decreasing: {ptr}[{k + 1}] ({int(ip[k + 1])}) < "
+                f"{ptr}[{k}] ({int(ip[k])}); the sparse matrix is malformed"
             )
-    if col.size:
-        lo, hi = int(col.min()), int(col.max())
+    if ix.size:
+        lo, hi = int(ix.min()), int(ix.max())
         if lo < 0 or hi >= n_cols:
+            dim = "n_cols" if idx == "column" else "n_rows" if idx == "row" else "the dimension"
             raise ValueError(
-                f"column indices span [{lo}, {hi}] but n_cols is {n_cols}: an index is out of "
+                f"{idx} indices span [{lo}, {hi}] but {dim} is {n_cols}: an index is out of "
                 "range; fix the indices or pass the right shape"
             )
+    # every value is now in [0, nnz] (indptr) or [0, n_cols) (indices): int32 holds it exactly
+    return ip.astype(np.int32, copy=False), ix.astype(np.int32, copy=False), n_rows, n_cols
 
 
-def check_csr(indptr, indices, shape) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Host int32 copies of a CSR pattern, checked; raises ``ValueError`` saying what is wrong.
-
-    Checks lengths, ``indptr[0] == 0``, ``indptr[-1] == nnz``, monotone ``indptr`` and column
-    indices in ``[0, n_cols)``. Does not require sorted columns.
-    """
-    n_rows, n_cols = (int(s) for s in shape)
-    if n_rows < 0 or n_cols < 0:
-        raise ValueError(f"shape {tuple(shape)} has a negative dimension")
-    ip = _host_int32(indptr).ravel()
-    ix = _host_int32(indices).ravel()
-    if ip.size != n_rows + 1:
-        raise ValueError(
-            f"indptr has {ip.size} entries but shape {n_rows}x{n_cols} needs n_rows+1 = {n_rows + 1}"
-        )
-    if ip[0] != 0 or ip[-1] != ix.size:
-        raise ValueError(
-            f"indptr[0] ({ip[0]}) must be 0 and indptr[-1] ({ip[-1]}) must equal nnz "
-            f"({ix.size}): the CSR pattern is malformed"
-        )
-    if n_rows and np.any(np.diff(ip) < 0):
-        raise ValueError("indptr is not non-decreasing: the CSR pattern is malformed")
-    if ix.size and (ix.min() < 0 or ix.max() >= n_cols):
-        raise ValueError(
-            f"column indices span [{ix.min()}, {ix.max()}] but n_cols is {n_cols}: the CSR "
-            "pattern is malformed"
-        )
-    return ip, ix, n_rows, n_cols
+def check_coo(row, col, shape, nnz: int | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The COO counterpart of ``check_csr``: ``(row, col, n_rows, n_cols)`` as host integer
+    arrays (not cast), or a ``ValueError``/``TypeError`` naming the problem: integer dtypes, 1-D,
+    equal lengths (and ``nnz``, the number of values, when given), nnz fits int32, every row in
+    ``[0, n_rows)`` and every column in ``[0, n_cols)`` (so no negative index)."""
+    n_rows, n_cols = check_shape(shape)
+    r = host_index_array(row, "row indices")
+    c = host_index_array(col, "column indices")
+    if r.size != c.size or (nnz is not None and r.size != nnz):
+        values = "" if nnz is None else f" and {nnz} values"
+        raise ValueError(f"{r.size} row indices, {c.size} column indices{values}: the sparse matrix is malformed")
+    if r.size > INT32_MAX:
+        raise ValueError(f"nnz={r.size} does not fit int32 indices; split the matrix into blocks below 2^31 "
+                         "nonzeros")
+    for name, ix, n, dim in ((("row", r, n_rows, "n_rows")), ("column", c, n_cols, "n_cols")):
+        if ix.size:
+            lo, hi = int(ix.min()), int(ix.max())
+            if lo < 0 or hi >= n:
+                raise ValueError(f"{name} indices span [{lo}, {hi}] but {dim} is {n}: an index is out of "
+                                 "range; fix the indices or pass the right shape")
+    return r, c, n_rows, n_cols
 
 
 @dataclass(frozen=True)
@@ -288,7 +367,7 @@ def _count_blocks(indptr, indices, n_rows, n_cols, R, C):
 
 def features(indptr, indices, shape) -> StructureFeatures:
     """Compute ``StructureFeatures`` of a CSR pattern (numpy arrays or torch tensors)."""
-    ip, ix, n_rows, n_cols = check_csr(indptr, indices, shape)
+    ip, ix, n_rows, n_cols = check_csr(indptr, indices, shape, ptr="indptr")
     nnz = int(ix.size)
     (rmin, rmax, sumsq, empty, hist, lower, upper, profile, n_diags, gap_sum, pairs,
      consec) = _row_pass(ip, ix, n_rows, n_cols, N_HIST_BINS)

@@ -16,8 +16,8 @@ What it supports:
   ``F.linear(x, A, b)`` with ``A`` as the weight (``x @ A^T + b``), batched dense operands
   in ``matmul`` (the batch is folded into the dense width);
 * ``to_dense()``, ``.to(device/dtype)``/``.cuda()``/``.cpu()``, ``detach``, ``clone``,
-  ``nnz``, ``crow_indices()``/``col_indices()``/``values()`` (the stored CSR), ``shape``,
-  ``dtype``, ``device``;
+  ``nnz``, ``crow_indices()``/``col_indices()`` (copies of the stored CSR indices),
+  ``values()`` (a view: in-place updates reach the matrix), ``shape``, ``dtype``, ``device``;
 * ``t()``/``.T``/``transpose(0, 1)``: free -- it flips the ``transposed`` flag and shares the
   arrays; products with a transposed tensor run the ``*_t`` ops, whose runtime computes the
   transposed pattern once per structure (memoized) and gives it its own kernel.
@@ -26,13 +26,19 @@ Everything else raises ``NotImplementedError`` naming the op (convert with ``to_
 Products at the aten level (reached only through decompositions) work but carry no autograd.
 Sparse values never get a gradient (see ``ops.py``).
 
-``SparseRLTensor.from_csr`` and ``sparsify`` validate once, on the host, with errors that say
-what is wrong and how to fix it: lengths, ``crow_indices[0] == 0``, ``crow_indices[-1] ==
-nnz``, non-decreasing ``crow_indices``, columns in range, index values that do not fit int32,
-value dtypes (float32, float16, bfloat16, float64; float64 always uses the reference path).
-Unsorted or duplicate column indices are canonicalized: duplicates are summed and each row
-sorted (scipy's canonical CSR), so the fingerprint names the pattern, not its storage order.
-NaN and inf values are allowed and propagate as in the reference (IEEE).
+``SparseRLTensor.from_csr``, ``sparsify`` and unpickling validate once, on the host, before
+any library routine reads the index arrays (``inputs.py``), with errors that say what is wrong
+and how to fix it: lengths, ``crow_indices[0] == 0``, ``crow_indices[-1] == nnz``,
+non-decreasing ``crow_indices``, indices in range and not negative, index values that do not
+fit int32, the shape, value dtypes (float32, float16, bfloat16, float64; float64 always uses
+the reference path). Unsorted or duplicate indices are canonicalized: duplicates are summed and
+each row sorted (scipy's canonical CSR), so the fingerprint names the pattern, not its storage
+order. NaN and inf values are allowed and propagate as in the reference (IEEE). Products never
+validate again: their checks are shapes, dtypes and devices.
+
+This module is over 600 lines on purpose: the subclass and every handler of its op table
+(products, conversions, the aten ops) are one unit, read together; how a matrix enters
+(``inputs.py``) and what runs a product (``plans.py``) live elsewhere.
 """
 
 from __future__ import annotations
@@ -43,14 +49,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sparserl_compile import inputs
 from sparserl_compile import plans as _plans
 from sparserl_compile.reference import VALUE_DTYPES
-from sparserl_compile.structure import check_csr_arrays
 from sparserl_compile.structure import fingerprint as _fingerprint
 
 aten = torch.ops.aten
 
-_INT32_MAX = 2**31 - 1
 
 _ATEN_TABLE: dict = {}
 _TORCH_FN_TABLE: dict = {}
@@ -184,76 +189,50 @@ class SparseRLTensor(torch.Tensor):
         return self.col.shape[0]
 
     def crow_indices(self) -> torch.Tensor:
-        """The stored CSR row pointer (int32, of the untransposed matrix)."""
-        return self.crow
+        """A copy of the stored CSR row pointer (int32, of the untransposed matrix).
+
+        A copy, not a view: every kernel launch and the memoized transposed pattern trust these
+        arrays as they were checked when the tensor was built, and torch has no read-only
+        tensors (a view's ``.numpy()`` or ``data_ptr()`` writes past any version counter). The
+        cost is one allocation of ``n_rows + 1`` ints per call; build a new tensor with
+        ``SparseRLTensor.from_csr`` to change the structure."""
+        return self.crow.clone()
 
     def col_indices(self) -> torch.Tensor:
-        """The stored CSR column indices (int32, sorted within rows)."""
-        return self.col
+        """A copy of the stored CSR column indices (int32, sorted within rows); a copy for the
+        reason ``crow_indices`` gives (``nnz`` ints per call)."""
+        return self.col.clone()
 
     def values(self) -> torch.Tensor:
-        """The stored CSR values (in place updates keep the fingerprint: same structure)."""
-        return self.val
+        """The stored CSR values, as a view: in place updates reach the matrix and keep its
+        fingerprint (same structure, e.g. a training step's weights); a view's own ``resize_``
+        or ``set_`` leaves the matrix as it is."""
+        return self.val.view(self.val.shape)
 
     def with_values(self, values: torch.Tensor) -> "SparseRLTensor":
         """The same structure (and fingerprint) with new values, e.g. a training step's weights."""
+        if not isinstance(values, torch.Tensor) or isinstance(values, SparseRLTensor) or values.layout != torch.strided:
+            raise TypeError(f"with_values: values must be a dense tensor, got {type(values).__name__}")
         if values.shape != self.val.shape:
             raise ValueError(
                 f"with_values: got {tuple(values.shape)} values for a pattern with nnz={self.nnz}"
             )
         if values.dtype not in VALUE_DTYPES:
             raise TypeError(f"with_values: dtype {values.dtype} unsupported; use one of {VALUE_DTYPES}")
-        return self._with(val=values.to(self.val.device))
+        return self._with(val=values.to(self.val.device).contiguous())
 
 
-# ------------------------------------------------------------------------ validation
+# ------------------------------------------------------------------------ construction
 
 
-def _host_i64(a) -> np.ndarray:
-    if isinstance(a, torch.Tensor):
-        if a.dtype.is_floating_point or a.dtype == torch.bool:
-            raise TypeError(f"CSR index arrays must be integers, got {a.dtype}")
-        return a.detach().cpu().numpy().astype(np.int64, copy=False).ravel()
-    a = np.asarray(a)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"CSR index arrays must be integers, got {a.dtype}")
-    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and int(a.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"a CSR index is {int(a.max())}, beyond any matrix sparserl takes (int32 indices)")
-    return a.astype(np.int64, copy=False).ravel()
-
-
-def _is_canonical(crow: np.ndarray, col: np.ndarray) -> bool:
-    """Columns strictly increasing within every row (sorted, no duplicates)."""
-    if col.size < 2:
-        return True
-    inner = np.ones(col.size - 1, dtype=bool)
-    starts = crow[1:-1]
-    starts = starts[(starts > 0) & (starts < col.size)]
-    inner[starts - 1] = False
-    return bool(np.all(np.diff(col)[inner] > 0))
-
-
-def _canonicalize(crow, col, val: torch.Tensor, shape):
-    """Sort each row's columns and sum duplicates (values summed on their device)."""
-    n_rows, n_cols = shape
-    rows = np.repeat(np.arange(n_rows, dtype=np.int64), np.diff(crow))
-    keys = rows * max(n_cols, 1) + col
-    order = np.argsort(keys, kind="stable")
-    uniq, inverse = np.unique(keys[order], return_inverse=True)
-    new_rows, new_col = uniq // max(n_cols, 1), uniq % max(n_cols, 1)
-    new_crow = np.zeros(n_rows + 1, dtype=np.int64)
-    np.cumsum(np.bincount(new_rows, minlength=n_rows), out=new_crow[1:])
-    dev = val.device
-    summed = val.new_zeros(uniq.size).index_add_(
-        0, torch.from_numpy(inverse.astype(np.int64)).to(dev),
-        val[torch.from_numpy(order).to(dev)],
-    )
-    return new_crow, new_col, summed
-
-
-def _from_csr(crow, col, values, shape, *, device=None) -> SparseRLTensor:
+def _check_values(values) -> torch.Tensor:
     if not isinstance(values, torch.Tensor):
-        values = torch.as_tensor(np.asarray(values))
+        try:
+            values = torch.as_tensor(np.asarray(values))
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"values must be a tensor or an array of floats: {e}") from None
+    if values.layout != torch.strided:
+        raise TypeError(f"values must be a dense tensor, got layout {values.layout}")
     values = values.detach()
     if values.dtype not in VALUE_DTYPES:
         raise TypeError(
@@ -265,29 +244,31 @@ def _from_csr(crow, col, values, shape, *, device=None) -> SparseRLTensor:
             f"values must be 1-D (one per nonzero), got shape {tuple(values.shape)}: batched or "
             "hybrid sparse tensors are not supported"
         )
-    if shape is None or isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 2:
-        raise ValueError(f"shape must be (n_rows, n_cols), got {shape!r}")
-    if not all(isinstance(s, (int, np.integer)) or (isinstance(s, torch.Tensor) and s.dim() == 0
-                                                     and not s.dtype.is_floating_point) for s in shape):
-        raise ValueError(f"shape must be two integers (n_rows, n_cols), got {tuple(shape)!r}")
-    n_rows, n_cols = (int(s) for s in shape)
-    if n_rows < 0 or n_cols < 0:
-        raise ValueError(f"shape {tuple(shape)} has a negative dimension")
+    if values.device.type == "meta":
+        raise ValueError("values are on the meta device: they hold no numbers to multiply")
+    return values
+
+
+def _wrap(p: inputs.Pattern, values: torch.Tensor, device=None) -> SparseRLTensor:
+    """A SparseRLTensor of a checked pattern and its stored values (checked, then reordered)."""
+    values = p.values(_check_values(values))
     dev = torch.device(device) if device is not None else values.device
-    ip, ix = _host_i64(crow), _host_i64(col)
-    check_csr_arrays(ip, ix, values.shape[0], (n_rows, n_cols))
-    if not _is_canonical(ip, ix):
-        ip, ix, values = _canonicalize(ip, ix, values, (n_rows, n_cols))
-    ip32, ix32 = ip.astype(np.int32), ix.astype(np.int32)
-    fp = _fingerprint(ip32, ix32, (n_rows, n_cols))
     return SparseRLTensor(
-        torch.from_numpy(ip32).to(dev), torch.from_numpy(ix32).to(dev),
-        values.to(dev).contiguous(), n_rows, n_cols, fp,
+        torch.from_numpy(p.indptr).to(dev), torch.from_numpy(p.indices).to(dev),
+        values.to(dev).contiguous(), p.n_rows, p.n_cols, _fingerprint(p.indptr, p.indices, p.shape),
     )
+
+
+def _from_csr(crow, col, values, shape, *, device=None) -> SparseRLTensor:
+    values = _check_values(values)
+    return _wrap(inputs.csr(crow, col, shape, values.shape[0]), values, device)
 
 
 def _rebuild(crow, col, val, n_rows: int, n_cols: int, transposed: bool) -> SparseRLTensor:
     """Unpickling (``SparseRLTensor.__reduce_ex__``): validated like any user input."""
+    if not isinstance(val, torch.Tensor) or not isinstance(transposed, bool):
+        raise TypeError(f"a stored SparseRLTensor is malformed: values of type {type(val).__name__}, "
+                        f"transposed of type {type(transposed).__name__}")
     t = _from_csr(crow, col, val, (n_rows, n_cols), device=val.device)
     return t._with(transposed=True) if transposed else t
 
@@ -297,65 +278,42 @@ torch.serialization.add_safe_globals([_rebuild])
 
 def sparsify(a, *, device=None) -> SparseRLTensor:
     """A ``SparseRLTensor`` from a dense 2-D tensor, a torch sparse CSR/CSC/COO tensor (any
-    index dtype), a ``scipy.sparse`` matrix or a ``cupyx.scipy.sparse`` matrix.
+    index dtype), a ``scipy.sparse`` matrix or array (any format) or a ``cupyx.scipy.sparse``
+    matrix.
 
     Dense tensors keep their exact nonzeros (no threshold). Values are detached (sparse values
     are not trained). ``device`` moves the result (default: where ``a`` lives; CPU for scipy).
+    Index arrays are checked before any library routine reads them (``inputs.py``): a
+    malformed matrix raises ``ValueError`` naming the broken invariant.
     """
     if isinstance(a, SparseRLTensor):
         return a if device is None else a.to(device)
-    if isinstance(a, torch.Tensor):
-        if a.layout == torch.strided:
-            if a.dim() != 2:
-                raise ValueError(f"sparsify needs a 2-D matrix, got a {a.dim()}-D tensor of shape {tuple(a.shape)}")
-            if a.dtype not in VALUE_DTYPES:
-                raise TypeError(f"dense dtype {a.dtype} is not supported; convert with .float()")
-            a = a.detach().to_sparse_csr()
-        elif a.layout == torch.sparse_coo:
-            if a.sparse_dim() != 2 or a.dense_dim() != 0:
-                raise ValueError(
-                    f"sparsify needs a 2-D COO matrix without dense dimensions, got sparse_dim="
-                    f"{a.sparse_dim()}, dense_dim={a.dense_dim()}"
-                )
-            a = a.detach().coalesce()
-            idx, vals = a.indices().cpu().numpy(), a.values()
-            if idx.shape[1] > 1 and bool((idx[0, 1:] < idx[0, :-1]).any()):
-                # flagged coalesced but not row-sorted (is_coalesced=True on unsorted indices):
-                # coalesce() trusts the flag, so sort the rows here (columns are sorted below)
-                order = np.argsort(idx[0], kind="stable")
-                idx, vals = idx[:, order], vals[torch.from_numpy(order).to(vals.device)]
-            crow = np.zeros(a.shape[0] + 1, dtype=np.int64)
-            np.cumsum(np.bincount(idx[0], minlength=a.shape[0]), out=crow[1:])
-            return _from_csr(crow, idx[1], vals, a.shape, device=device)
-        elif a.layout == torch.sparse_csc:
-            a = a.detach().to_sparse_csr()
-        if a.layout != torch.sparse_csr:
-            raise TypeError(f"sparsify does not take layout {a.layout}; convert to CSR or COO first")
-        if a.dim() != 2 or a.values().dim() != 1:
-            raise ValueError(
-                f"sparsify needs a 2-D CSR matrix without batch or dense dimensions, got shape "
-                f"{tuple(a.shape)} with values of shape {tuple(a.values().shape)}"
-            )
-        return _from_csr(a.crow_indices(), a.col_indices(), a.values().detach(), a.shape, device=device)
-    mod = type(a).__module__
-    if mod.startswith("scipy.sparse"):
-        m = a.tocsr(copy=True)
-        m.sum_duplicates()
-        if m.dtype == np.float16 or m.dtype == np.float32 or m.dtype == np.float64:
-            vals = torch.from_numpy(np.ascontiguousarray(m.data))
-        else:
-            raise TypeError(f"scipy matrix dtype {m.dtype} is not supported; use .astype(np.float32)")
-        return _from_csr(m.indptr, m.indices, vals, m.shape, device=device)
-    if mod.startswith("cupyx") or mod.startswith("cupy"):
-        m = a.tocsr(copy=True)
-        m.sum_duplicates()
-        vals = torch.from_dlpack(m.data)
-        return _from_csr(torch.from_dlpack(m.indptr), torch.from_dlpack(m.indices), vals, m.shape,
-                         device=device)
-    raise TypeError(
-        f"sparsify cannot take a {type(a).__module__}.{type(a).__name__}: pass a dense or sparse "
-        "torch tensor, a scipy.sparse matrix or a cupyx.scipy.sparse matrix"
-    )
+    if isinstance(a, torch.Tensor) and a.layout == torch.strided:
+        if a.dim() != 2:
+            raise ValueError(f"sparsify needs a 2-D matrix, got a {a.dim()}-D tensor of shape {tuple(a.shape)}")
+        if a.dtype not in VALUE_DTYPES:
+            raise TypeError(f"dense dtype {a.dtype} is not supported; convert with .float()")
+        a = a.detach().to_sparse_csr()  # from a dense tensor: no index array to distrust
+    elif type(a).__module__.startswith("scipy.sparse"):
+        dtype = getattr(a, "dtype", None)
+        if dtype not in (np.float16, np.float32, np.float64):
+            raise TypeError(f"scipy matrix dtype {dtype} is not supported; use .astype(np.float32)")
+    elif not isinstance(a, torch.Tensor) and not type(a).__module__.startswith(("cupyx", "cupy")):
+        raise TypeError(
+            f"sparsify cannot take a {type(a).__module__}.{type(a).__name__}: pass a dense or sparse "
+            "torch tensor, a scipy.sparse matrix or a cupyx.scipy.sparse matrix"
+        )
+    try:
+        pattern, values = inputs.read(a)
+    except TypeError as e:
+        raise TypeError(f"sparsify: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"sparsify: {e}") from None
+    if isinstance(values, np.ndarray):  # the tensor's own copy: never the scipy matrix's data
+        values = torch.from_numpy(np.array(values, copy=True))
+    elif not isinstance(a, torch.Tensor):  # cupy's data through DLPack: copied likewise
+        values = values.clone()
+    return _wrap(pattern, values, device)
 
 
 def sparsify_(module: torch.nn.Module, min_sparsity: float = 0.5) -> torch.nn.Module:
@@ -491,8 +449,10 @@ def _mm(func, types, args, kwargs):
 @implements(torch.mv, torch.Tensor.mv)
 def _mv(func, types, args, kwargs):
     a, v = _two(args, kwargs, ("input", "vec"))
-    if not isinstance(a, SparseRLTensor) or v.dim() != 1:
+    if not isinstance(a, SparseRLTensor):
         raise NotImplementedError(f"{func.__name__}: needs a SparseRLTensor matrix and a 1-D dense vector")
+    if v.dim() != 1:
+        raise ValueError(f"mv needs a 1-D vector, got {_describe(v)}")
     return _product(a, v, False)
 
 
@@ -533,6 +493,7 @@ def _addmm(func, types, args, kwargs):
     if m1.dim() != 2 or m2.dim() != 2:
         raise ValueError(f"addmm needs 2-D mat1 and mat2, got {tuple(m1.shape)} and {tuple(m2.shape)}")
     p = _dispatch_pair(func, m1, m2)
+    inp = _addend("addmm", "input", inp, p)
     if alpha != 1:
         p = p * alpha
     if beta == 0:
@@ -546,6 +507,8 @@ def _linear(func, types, args, kwargs):
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if not isinstance(w, SparseRLTensor) or isinstance(x, SparseRLTensor):
         raise NotImplementedError("F.linear: sparserl takes a SparseRLTensor weight and a dense input")
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"linear: the input must be a tensor of at least 1 dimension, got {_describe(x)}")
     k = w.n_rows if w.transposed else w.n_cols  # in-features (attributes: no __torch_function__ trip)
     if x.shape[-1] != k:
         raise ValueError(
@@ -553,7 +516,7 @@ def _linear(func, types, args, kwargs):
             f"expects {k}"
         )
     val = w.val
-    if (x.dim() >= 2 and not w.transposed and type(x) is torch.Tensor and x.layout == torch.strided
+    if (k and x.dim() >= 2 and not w.transposed and type(x) is torch.Tensor and x.layout == torch.strided
             and x.dtype == val.dtype and x.device == val.device and _eager_plain(val, x)):
         # the eager hot path of a sparsified model (a decoder runs hundreds of these per token):
         # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do
@@ -562,7 +525,35 @@ def _linear(func, types, args, kwargs):
         y = y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
         y = _right(x, w, transpose=True)
-    return y if bias is None else y + bias
+    return y if bias is None else y + _addend("linear", "bias", bias, y)
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dim()}-D {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return f"a {type(t).__name__}"
+
+
+def _addend(op: str, name: str, t, out: torch.Tensor) -> torch.Tensor:
+    """``t`` checked to be added to the product ``out`` as torch's dense op would take it: a
+    dense tensor of the product's dtype and device that broadcasts to its shape (not promoted,
+    not broadcast past it)."""
+    if (type(t) is torch.Tensor and t.dtype is out.dtype and t.layout is torch.strided and out.dim()
+            and t.shape == out.shape[-1:] and t.device == out.device):
+        return t  # the common case, a bias of the output's width: no broadcast to work out
+    if not isinstance(t, torch.Tensor) or isinstance(t, SparseRLTensor) or t.layout != torch.strided:
+        raise TypeError(f"{op}: {name} must be a dense tensor, got {_describe(t)}")
+    if t.dtype != out.dtype or t.device != out.device:
+        raise ValueError(f"{op}: {name} is {t.dtype} on {t.device} but the product is {out.dtype} on {out.device}; "
+                         f"convert it with .to({out.dtype})")
+    try:
+        shape = torch.broadcast_shapes(t.shape, out.shape)
+    except RuntimeError:
+        shape = None
+    if shape != out.shape:
+        raise ValueError(f"{op}: {name} of shape {tuple(t.shape)} does not broadcast to the product's shape "
+                         f"{tuple(out.shape)}")
+    return t
 
 
 def _row_ids(A: SparseRLTensor) -> torch.Tensor:
@@ -679,4 +670,4 @@ def _aten_addmm(func, types, args, kwargs):
     return _addmm(func, types, args, kwargs)
 
 
-__all__ = ["SparseRLTensor", "sparsify", "sparsify_", "check_csr_arrays", "implements"]
+__all__ = ["SparseRLTensor", "sparsify", "sparsify_", "implements"]

@@ -115,7 +115,7 @@ def _cmd_clear(args) -> int:
     c = _open(args, write=True)
     if c is None:
         return 1
-    n = sum(p.is_file() for p in c._files())
+    n = c.count_files()
     if not args.yes:
         print(f"would remove {n} entries from {c.directory}; run again with --yes to remove them")
         return 1
@@ -155,7 +155,8 @@ def add_cli(subparsers) -> None:
     c.add_argument("--yes", action="store_true", help="really remove them")
     c.set_defaults(func=_cmd_clear)
     sub.add_parser("verify", parents=[common],
-                   help="re-hash every entry and remove corrupt ones").set_defaults(func=_cmd_verify)
+                   help="check every entry (hash, signature, owner, mode) and remove bad ones"
+                   ).set_defaults(func=_cmd_verify)
     _add_merge(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -168,12 +169,14 @@ def _cmd_merge(args) -> int:
         return 1
     for note in report.warnings:
         print(f"warning: {note}", file=sys.stderr)
+    for why in report.refused:
+        print(f"error: not merged: {why}", file=sys.stderr)
     for a in report.actions:
         if a.outcome in ("corrupt", "failed", "kept", "replaced"):
             label = {"corrupt": "skipped corrupt entry"}.get(a.outcome, a.outcome)
             print(f"{label} {a.digest[:12]} from {a.source}: {a.detail}")
     print(f"merged into {report.into}: {report.summary()}")
-    return 1 if report.count("failed") else 0
+    return 1 if report.count("failed") or report.refused else 0
 
 
 def _add_merge(cache_subparsers) -> None:

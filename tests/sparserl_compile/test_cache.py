@@ -183,7 +183,7 @@ def test_write_failure_warns_once_and_keeps_memory(tmp_path, monkeypatch):
     def no_space(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("tempfile.mkstemp", no_space)
+    monkeypatch.setattr("sparserl_compile.secure_dir.Folder._write_temp", no_space)
     with pytest.warns(CacheWarning, match="No space"):
         assert not c.put(_entry(_key()))
     with warnings.catch_warnings():
@@ -274,3 +274,20 @@ def test_the_shipped_policy_hash_is_its_weights_sha256():
 
     f = DEFAULT_CHECKPOINT / "model.safetensors"
     assert providers.shipped_policy_hash() == (weights_sha256(f) if f.is_file() else None)
+
+
+
+def test_entries_on_disk_are_signed_with_the_folders_private_key(tmp_path):
+    """What pregen and the runtime write (both through put) carries an HMAC-SHA256 under
+    ``<dir>/.key``, a 0600 file of 32 bytes, checked here with the standard library alone."""
+    import hashlib
+    import hmac
+
+    d = tmp_path / "c"
+    KernelCache(d).put(_entry(_key()))
+    key = d / ".key"
+    assert key.stat().st_mode & 0o777 == 0o600 and key.stat().st_size == 32
+    doc = json.loads(KernelCache(d).path_of(_key().digest()).read_text())
+    body = {k: v for k, v in doc.items() if k != "hmac_sha256"}
+    signed = b"sparserl kernel cache entry\0" + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    assert doc["format"] == 2 and doc["hmac_sha256"] == hmac.new(key.read_bytes(), signed, hashlib.sha256).hexdigest()

@@ -220,3 +220,48 @@ def test_sparse_mm_with_reduce_routed_on_cpu(reduce):
     with S.accelerate():  # "amax" and COO operands are torch's own
         torch.sparse.mm(A, X, "amax")
     assert calls() == 2
+
+
+def _bad(kind: str):
+    """Native operands whose raw indices torch would read out of bounds (check_invariants off)."""
+    if kind == "coo_negative":
+        return torch.sparse_coo_tensor(torch.tensor([[0, 0, 1, 1], [5, -1, 3, 8]]), torch.ones(4), (2, 9))
+    if kind == "coo_row_past_end":
+        return torch.sparse_coo_tensor(torch.tensor([[0, 7], [0, 1]]), torch.ones(2), (2, 9), is_coalesced=True)
+    if kind == "csr_not_monotone":
+        return torch.sparse_csr_tensor(torch.tensor([0, 3, 2]), torch.tensor([0, 1]), torch.ones(2), (2, 9),
+                                       check_invariants=False)
+    if kind == "csc_row_past_end":
+        return torch.sparse_csc_tensor(torch.tensor([0, 1] + [2] * 8), torch.tensor([0, 5]), torch.ones(2), (2, 9),
+                                       check_invariants=False)
+    raise KeyError(kind)
+
+
+BAD = {"coo_negative": r"column indices span \[-1, 8\]", "coo_row_past_end": r"row indices span \[0, 7\]",
+       "csr_not_monotone": "crow_indices is not non-decreasing", "csc_row_past_end": r"row indices span \[0, 5\]"}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_malformed_operands_are_refused_before_torch_reads_them(kind):
+    """Wherever a malformed native operand appears in a handled call (left, right, addmm's
+    input), the hook raises a ValueError naming the problem instead of handing it to torch."""
+    A = _bad(kind)
+    calls_ = [lambda: A @ torch.randn(9, 2), lambda: torch.mm(A, torch.randn(9, 2)),
+              lambda: torch.randn(3, 2) @ A, lambda: torch.addmm(torch.zeros(2, 2), A, torch.randn(9, 2)),
+              lambda: torch.mv(A, torch.randn(9))]
+    with S.accelerate():
+        for call in calls_:
+            with pytest.raises(ValueError, match=BAD[kind]):
+                call()
+    assert calls() == 0
+
+
+def test_uncoalesced_coo_in_canonical_order_is_routed():
+    A = native(layout="coo")
+    raw = torch.sparse_coo_tensor(A._indices(), A._values(), A.shape)  # the same entries, not flagged coalesced
+    assert not raw.is_coalesced()
+    X = torch.randn(9, 3)
+    with S.accelerate():
+        y = raw @ X
+    assert calls() == 1
+    torch.testing.assert_close(y, A.to_dense() @ X)

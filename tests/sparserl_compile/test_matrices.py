@@ -166,3 +166,60 @@ def test_pruned_weight_masks():
         matrices.pruned_weight(4, 4, 0.5, "random")
     with pytest.raises(ValueError, match="sparsity"):
         matrices.pruned_weight(4, 4, 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "csc", "coo", "bsr", "dia"])
+def test_load_npz_reads_every_save_npz_format_as_itself(tmp_path, fmt):
+    """scipy.sparse.save_npz names the format; a CSC file used to be read as CSR (a square
+    matrix came back transposed)."""
+    m = matrices.uniform_random(12, 12, 3.0, seed=2)
+    a = m.asformat(fmt) if fmt != "bsr" else m.tobsr(blocksize=(3, 2))
+    sp.save_npz(tmp_path / "m.npz", a)
+    back = matrices.load_npz(tmp_path / "m.npz")
+    _assert_canonical(back)
+    np.testing.assert_array_equal(back.toarray(), m.toarray())
+
+
+@pytest.mark.parametrize("arrays, why", [
+    (dict(indptr=np.array([0, 9, 1, 2]), indices=np.array([0, 1]), data=np.ones(2)), "indptr has 4 entries"),
+    (dict(indptr=np.array([0, 3, 2]), indices=np.array([0, 1]), data=np.ones(2)), "indptr is not non-decreasing"),
+    (dict(row=np.array([0, -1]), col=np.array([0, 1]), data=np.ones(2)), r"row indices span \[-1, 0\]"),
+    (dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), data=np.ones((2, 1))), "data must be 1-D"),
+    (dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), data=np.ones(2), format=np.array(b"bsr")),
+     "BSR data must have shape"),
+    (dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), data=np.ones(2), format=np.array(b"lil")),
+     "format 'lil'"),
+])
+def test_load_npz_refuses_malformed_arrays_before_scipy_sees_them(tmp_path, arrays, why):
+    np.savez(tmp_path / "bad.npz", shape=np.array([2, 2]), **arrays)
+    with pytest.raises(ValueError, match=why):
+        matrices.load_npz(tmp_path / "bad.npz")
+
+
+@pytest.mark.parametrize("text, why", [
+    ("%%MatrixMarket matrix coordinate real general\n3 3 10000000000\n1 1 1.0\n", "claims 10000000000 entries"),
+    ("%%MatrixMarket matrix array real general\n100000 100000\n1.0\n", "claims 10000000000 entries"),
+    ("%%MatrixMarket matrix coordinate real general\n3 3 1\n4 1 1.0\n", "Row index out of bounds"),
+    ("%%MatrixMarket matrix coordinate real general\n3 3 1\n0 1 1.0\n", "Row index out of bounds"),
+    ("%%MatrixMarket matrix coordinate complex general\n1 1 1\n1 1 1.0 2.0\n", "complex matrix"),
+    ("%%MatrixMarket matrix coordinate real general\n3 -3 1\n1 1 1.0\n", "is not 3 non-negative integers"),
+    ("%%MatrixMarket matrix coordinate real general\n3000000000 3 0\n", "does not fit int32"),
+    ("hello\n", "not a Matrix Market matrix"),
+])
+def test_load_mtx_checks_the_header_before_scipy_allocates(tmp_path, text, why):
+    p = tmp_path / "m.mtx"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=why):
+        matrices.load_matrix(p)
+
+
+def test_load_mtx_gz_round_trip(tmp_path):
+    import gzip
+
+    import scipy.io
+
+    m = matrices.uniform_random(9, 7, 2.0, seed=3)
+    scipy.io.mmwrite(tmp_path / "m.mtx", m)
+    (tmp_path / "m.mtx.gz").write_bytes(gzip.compress((tmp_path / "m.mtx").read_bytes()))
+    for name in ("m.mtx", "m.mtx.gz"):
+        np.testing.assert_allclose(matrices.load_matrix(tmp_path / name).toarray(), m.toarray(), rtol=1e-6)

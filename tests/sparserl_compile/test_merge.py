@@ -150,7 +150,8 @@ def test_sharded_pregen_cli_then_merge(tmp_path, monkeypatch, capsys):
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
         assert cli.main(["pregen", str(tmp_path), "--out", str(tmp_path / "k" / "rank{rank}"),
-                         "--target-gpu", "NVIDIA H200", "--target-driver", "13000", "--target-nvrtc", "13.0", "--no-progress"]) == 0
+                         "--target-gpu", "NVIDIA H200", "--target-driver", "13000", "--target-nvrtc", "13.0",
+                         "--no-progress"]) == 0
     assert "rank 1/2:" in capsys.readouterr().err
     assert set(seen[0]).isdisjoint(seen[1]) and len(seen[0]) + len(seen[1]) == 6
     assert cli.main(["cache", "merge", str(tmp_path / "k" / "rank0"), str(tmp_path / "k" / "rank1"),
@@ -159,5 +160,49 @@ def test_sharded_pregen_cli_then_merge(tmp_path, monkeypatch, capsys):
     assert len(merged) == 6 and all(x.entry is not None for x in merged)
     # flags override the environment
     assert cli.main(["pregen", str(tmp_path), "--out", str(tmp_path / "k" / "rank{rank}"), "--rank", "0",
-                     "--world-size", "1", "--target-gpu", "NVIDIA H200", "--target-driver", "13000", "--target-nvrtc", "13.0", "--no-progress"]) == 0
+                     "--world-size", "1", "--target-gpu", "NVIDIA H200", "--target-driver", "13000",
+                     "--target-nvrtc", "13.0", "--no-progress"]) == 0
     assert len(seen[0]) == 6
+
+
+def test_merge_re_signs_with_the_destination_key_and_skips_unsigned_entries(tmp_path):
+    """A copied folder's entries become the destination's (signed with its key); an entry of a
+    source that does not verify under that source's own key (its sha256 recomputed after an
+    edit) is not copied."""
+    import base64
+    import hashlib
+
+    from sparserl_compile.cache import _canonical
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    good, edited = _key("1" * 32), _key("2" * 32)
+    KernelCache(src).put(_entry(good))
+    KernelCache(src).put(_entry(edited))
+    p = KernelCache(src).path_of(edited.digest())
+    d = json.loads(p.read_text())
+    d["cubin_b64"] = base64.b64encode(b"\x7fELF planted").decode()
+    body = {k: v for k, v in d.items() if k not in ("sha256", "hmac_sha256")}
+    d["sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    p.write_text(json.dumps(d))
+    r = merge_caches([src], dst)
+    assert (r.count("copied"), r.count("corrupt")) == (1, 1)
+    (bad,) = [a for a in r.actions if a.outcome == "corrupt"]
+    assert bad.digest == edited.digest() and "not signed" in bad.detail
+    assert (src / ".key").read_bytes() != (dst / ".key").read_bytes()
+    copied = json.loads(KernelCache(dst).path_of(good.digest()).read_text())
+    original = json.loads(KernelCache(src).path_of(good.digest()).read_text())
+    assert copied["hmac_sha256"] != original["hmac_sha256"]  # re-signed, not copied byte for byte
+    assert KernelCache(dst).get(good) == KernelCache(src).get(good)
+    assert KernelCache(dst).get(edited) is None
+
+
+def test_cli_merge_refuses_a_source_others_can_write(tmp_path, capsys):
+    import os
+
+    src = tmp_path / "src"
+    KernelCache(src).put(_entry(_key("1" * 32)))
+    os.chmod(src, 0o777)
+    assert cli.main(["cache", "merge", str(src), "--into", str(tmp_path / "dst")]) == 1
+    err = capsys.readouterr().err
+    assert "not merged" in err and "writable by group or others" in err
+    assert KernelCache(tmp_path / "dst").ls() == []

@@ -138,3 +138,29 @@ def test_feature_names_are_the_vector_layout():
 
 def _csr(A):
     return A.indptr, A.indices, A.shape
+
+
+def test_check_csr_reads_every_integer_dtype_without_casting_first():
+    """A cast before the check would wrap 2^32 + 1 to 1 and accept it; the check reads the
+    values as stored (numpy or torch, signed or unsigned, any width)."""
+    import torch
+
+    from sparserl_compile.structure import check_coo, check_csr
+
+    for dt in (np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64):
+        ip, ix, n_rows, n_cols = check_csr(np.array([0, 1, 2], dt), np.array([1, 0], dt), (2, 2))
+        assert ip.dtype == ix.dtype == np.int32 and ix.tolist() == [1, 0] and (n_rows, n_cols) == (2, 2)
+    with pytest.raises(ValueError, match=r"column indices span \[0, 4294967297\]"):
+        check_csr(np.array([0, 1, 2]), np.array([0, 2**32 + 1]), (2, 2))
+    with pytest.raises(ValueError, match=r"column indices span \[0, 4294967297\]"):
+        check_csr(torch.tensor([0, 1, 2]), torch.tensor([0, 2**32 + 1]), (2, 2))
+    with pytest.raises(TypeError, match="not integers"):
+        check_csr(np.array([0, 1]), np.array([True]), (1, 2))
+    with pytest.raises(ValueError, match=r"crow_indices\[-1\] \(2\) != nnz \(1\)"):
+        check_csr(np.array([0, 2]), np.array([0]), (1, 2))
+    with pytest.raises(ValueError, match="2 column indices but 3 values"):
+        check_csr(np.array([0, 2]), np.array([0, 1]), (1, 2), nnz=3)
+    r, c, _, _ = check_coo(np.array([1, 0], np.uint8), np.array([0, 1]), (2, 2), nnz=2)
+    assert r.tolist() == [1, 0]
+    with pytest.raises(ValueError, match=r"row indices span \[-3, 1\] but n_rows is 2"):
+        check_coo(np.array([1, -3]), np.array([0, 1]), (2, 2))

@@ -410,7 +410,7 @@ def test_a_shape_that_is_not_two_integers_is_refused(shape):
 
 
 def test_an_unsigned_index_beyond_int64_is_named():
-    with pytest.raises(ValueError, match="a CSR index is 9223372036854775813"):
+    with pytest.raises(ValueError, match=r"column indices span \[0, 9223372036854775813\] but n_cols is 3"):
         SparseRLTensor.from_csr(np.array([0, 1, 1, 2], np.uint64), np.array([0, 2**63 + 5], np.uint64),
                                 np.ones(2, np.float32), (3, 3))
 
@@ -481,3 +481,96 @@ def test_torch_save_and_weights_only_load_round_trip_and_validate(tmp_path):
     torch.save(bad, tmp_path / "bad.pt")
     with pytest.raises(Exception, match=r"column indices span \[0, 7\] but n_cols is 2"):
         torch.load(tmp_path / "bad.pt")
+
+
+# ---------------------------------------------------------------- the stored structure cannot be changed
+
+
+def test_index_accessors_return_copies_an_edit_cannot_reach_the_matrix():
+    """An in-place edit of what crow_indices()/col_indices() return used to reach the live
+    arrays: out of range, ``A @ x`` read past the end; moved, the memoized transpose went stale
+    (``A.t() @ v`` wrong by 0.39)."""
+    m = rand_csr(6, 5, 0.5, seed=11)
+    A = S.sparsify(m)
+    x, v = torch.randn(5, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    check_close(A.t() @ v, m.toarray().T @ v.numpy(), torch.float64)  # the transpose is memoized
+    col, crow = A.col_indices(), A.crow_indices()
+    assert col.dtype == torch.int32 and col.data_ptr() != A.col.data_ptr()
+    col.fill_(10**6)  # out of range
+    col.numpy()[:] = 0  # a write past torch's version counter
+    crow.zero_()
+    check_close(A @ x, m.toarray() @ x.numpy(), torch.float64)
+    check_close(A.t() @ v, m.toarray().T @ v.numpy(), torch.float64)
+    assert A.col_indices().tolist() == m.indices.tolist() and A.crow_indices().tolist() == m.indptr.tolist()
+
+
+def test_values_stay_writable_but_cannot_change_their_count():
+    m = rand_csr(5, 4, 0.5, seed=12)
+    before = m.data.copy()
+    A = S.sparsify(m)
+    A.values().mul_(2)  # a training step's in-place update
+    check_close(A.to_dense(), 2 * m.toarray(), torch.float64)
+    assert np.array_equal(m.data, before)  # the tensor holds its own copy of a scipy matrix's values
+    v = A.values()
+    v.resize_(0)  # the view changes, the matrix keeps its nnz values
+    assert A.val.shape == (m.nnz,)
+    check_close(A @ torch.ones(4, dtype=torch.float64), 2 * m.toarray().sum(1), torch.float64)
+    with pytest.raises(TypeError, match="dense tensor"):
+        A.with_values(torch.ones(m.nnz, dtype=torch.float64).to_sparse())
+    strided = torch.arange(2 * m.nnz, dtype=torch.float64)[::2]
+    assert A.with_values(strided).val.is_contiguous()  # kernels read values contiguously
+
+
+# ---------------------------------------------------------------- degenerate shapes behave as torch
+
+
+@pytest.mark.parametrize("shape", [(0, 0), (0, 4), (4, 0), (3, 4)])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_degenerate_products_match_torch(shape, batch):
+    """0 rows, 0 columns, nnz 0, an empty batch: every product gives torch's result for the
+    dense matrix, F.linear with no in-features included (zeros plus the bias)."""
+    n_rows, n_cols = shape
+    W = torch.zeros(shape)
+    if n_rows and n_cols:
+        W[1, 2] = 1.5
+    A = S.sparsify(W)
+    x = torch.randn(batch, n_cols)
+    b = torch.randn(n_rows)
+    for got, want in [(F.linear(x, A), F.linear(x, W)), (F.linear(x, A, b), F.linear(x, W, b)),
+                      (A @ x.t(), W @ x.t()), (torch.randn(batch, n_rows) @ A, None),
+                      (A @ torch.ones(n_cols), W @ torch.ones(n_cols)),
+                      (torch.addmm(torch.ones(n_rows, batch), A, x.t()), torch.addmm(torch.ones(n_rows, batch), W, x.t())),
+                      (A @ torch.randn(2, n_cols, batch), None)]:
+        if want is None:
+            continue
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+    y = torch.randn(batch, n_rows)
+    torch.testing.assert_close(y @ A, y @ W)
+    B = torch.randn(2, n_cols, batch)
+    torch.testing.assert_close(A @ B, W @ B)
+
+
+def test_added_operands_are_checked_like_torch_checks_them():
+    A = S.sparsify(rand_csr(4, 3, 0.5, seed=13, dtype=np.float32))
+    x = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=r"bias of shape \(5,\) does not broadcast to the product's shape \(2, 4\)"):
+        F.linear(x, A, torch.ones(5))
+    with pytest.raises(ValueError, match="bias is torch.float64 on cpu but the product is torch.float32"):
+        F.linear(x, A, torch.ones(4, dtype=torch.float64))  # never promoted silently
+    with pytest.raises(ValueError, match=r"input of shape \(3, 3\) does not broadcast"):
+        torch.addmm(torch.ones(3, 3), A, torch.randn(3, 3))
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        F.linear(torch.tensor(1.0), A)
+
+
+def test_a_tampered_pickle_is_refused_with_the_field_named(tmp_path):
+    from sparserl_compile.tensor import _rebuild
+
+    A = S.sparsify(torch.eye(3))
+    with pytest.raises(TypeError, match="transposed of type int"):
+        _rebuild(A.crow, A.col, A.val, 3, 3, 1)
+    with pytest.raises(ValueError, match="shape must be two integers"):
+        _rebuild(A.crow, A.col, A.val, 3.0, 3, False)
+    with pytest.raises(TypeError, match="column indices are not integers"):
+        _rebuild(A.crow, A.col.float(), A.val, 3, 3, False)

@@ -133,7 +133,7 @@ def test_verify_says_which_corrupt_entries_it_cannot_remove(tmp_path, capsys):
     stuck = c.path_of(_key(op="spmm").digest())
     stuck.mkdir(parents=True)  # a folder where an entry file should be
     assert cli.main(["cache", "--dir", str(tmp_path), "verify"]) == 1
-    cap = capsys.readouterr()
-    assert "cannot be removed" in cap.err and "1 valid entries, 0 removed, 1 corrupt and not removable" in cap.out
+    out, err = capsys.readouterr()
+    assert "cannot be removed" in err and "1 valid entries, 0 removed, 1 corrupt and not removable" in out
     assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
     assert "would remove 1 entries" in capsys.readouterr().out  # the folder is not counted
