@@ -3,7 +3,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparserl_compile.policy.decode import DecodeConfig, generate, grammar_accepts, unpack_masks
+from sparserl_compile.policy.decode import generate
+from sparserl_compile.policy.masks import grammar_accepts, unpack_masks
+from sparserl_compile.policy.sampling import DecodeConfig
 from sparserl_compile.policy.encoder import prepare_structure
 from sparserl_compile.policy.model import CountingPolicy
 from sparserl_compile.policy.grammar import kernel_grammar
@@ -82,13 +84,25 @@ def test_unconstrained_ablation_has_no_masks(tiny_model, tiny_tok):
     assert r.masks is None and len(r.tokens) <= 20
 
 
-def test_both_grammars_accept_the_kernel(tiny_tok, kernel_source):
-    for fb in (True, False):
-        assert grammar_accepts(tiny_tok, len(tiny_tok), kernel_source, kernel_grammar("spmv", "f32", use_fallback=fb))
+def test_the_output_grammar_is_the_kernel_languages(tiny_tok, kernel_source, monkeypatch):
+    """The policy writes the kernel language of ``grammar/kernel.lark``: statements its grammar
+    has no rule for are not sentences, wherever they are; a kernel grammar without the rules the
+    output grammar builds on is refused, naming them."""
+    from sparserl_compile import language
+
+    V, g = len(tiny_tok), kernel_grammar("spmv", "f32")
+    assert grammar_accepts(tiny_tok, V, kernel_source, g)
+    assert not grammar_accepts(tiny_tok, V, kernel_source.replace("float acc = 0.0f;", "float acc acc;"), g)
+    assert not grammar_accepts(tiny_tok, V, kernel_source.replace("y[row] = acc;", "y[row] = = acc;"), g)
+    no_helper = language.grammar().replace("helper:", "device_fn:")
+    monkeypatch.setattr(language, "grammar", lambda: no_helper)
+    with pytest.raises(RuntimeError, match="defines no rule helper"):
+        kernel_grammar("spmv", "f32")
 
 
 def test_format_diverse_forces_the_models_top_formats(tiny_model, tiny_tok):
-    from sparserl_compile.policy.decode import format_diverse, header_prefix, rank_formats
+    from sparserl_compile.policy.candidates import format_diverse, rank_formats
+    from sparserl_compile.policy.sampling import header_prefix
 
     fmts = ("csr", "merge", "dia", "ell")
     ranked = rank_formats(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, fmts)
@@ -113,7 +127,7 @@ def test_forced_prefixes_must_match_k(tiny_model, tiny_tok):
 
 
 def test_draft_tokens_follow_the_longest_matching_suffix():
-    from sparserl_compile.policy.decode import draft_tokens
+    from sparserl_compile.policy.speculative import draft_tokens
 
     refs = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8]]
     assert draft_tokens([], refs, 3) == [1, 2, 3]  # nothing written yet: the first reference's start
@@ -128,7 +142,7 @@ def test_draft_tokens_is_the_first_occurrence_of_the_longest_suffix():
     random token lists with few symbols, where partial matches abound."""
     import random
 
-    from sparserl_compile.policy.decode import draft_tokens
+    from sparserl_compile.policy.speculative import draft_tokens
 
     def naive(generated, refs, length, max_ngram=4):
         if not refs or length < 1:
@@ -171,7 +185,8 @@ def test_speculative_decoding_keeps_forced_prefixes(tiny_model, tiny_tok):
     """Forced prefixes (format_diverse's headers) decoded with drafts: the same tokens,
     log-probabilities and masks as plain forced decoding, in fewer calls when a reference is
     the answer; untraced greedy writes the same tokens too."""
-    from sparserl_compile.policy.decode import format_diverse, header_prefix
+    from sparserl_compile.policy.candidates import format_diverse
+    from sparserl_compile.policy.sampling import header_prefix
 
     g = DecodeConfig(greedy=True, max_new_tokens=60)
     forced = [tiny_tok.encode(header_prefix("spmv", f)) for f in ("ell", "csr")]
@@ -262,7 +277,7 @@ def test_speculative_sampling_keeps_the_masks_and_logprob_bookkeeping(tiny_model
 def test_untraced_speculative_sampling_keeps_the_grammar(tiny_model, tiny_tok):
     """Untraced sampling draws each forward's positions unmasked and draws again under the mask
     where the grammar rejects one: every token of every sample is one the grammar allows."""
-    from sparserl_compile.policy.decode import make_matcher
+    from sparserl_compile.policy.masks import make_matcher
 
     rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=4, references=["// sparserl op=spmv"],
                   config=DecodeConfig(max_new_tokens=80, seed=3, trace=False))
@@ -278,7 +293,7 @@ def test_batched_speculative_greedy_writes_the_sequential_tokens(tiny_model, tin
     """batch_drafts: forced prefixes of different lengths and drafts each sample takes a different
     part of, decoded in one batch, write the same tokens (and, traced, log-probabilities and masks)
     as the samples decoded one after another, in fewer model calls than their sum."""
-    from sparserl_compile.policy.decode import header_prefix
+    from sparserl_compile.policy.sampling import header_prefix
 
     forced = [tiny_tok.encode(header_prefix("spmv", f)) for f in ("ell", "csr", "csr_vector")]
     g = DecodeConfig(greedy=True, max_new_tokens=60, trace=trace)
@@ -305,7 +320,7 @@ def test_batched_speculative_greedy_of_the_shipped_policy_is_its_sequential_gree
     drafts, so the batch's cache has holes): one batch writes every candidate token for token as
     one-at-a-time decoding does, in fewer model calls (on the GPU too, where attention with a
     mask may take another kernel than without)."""
-    from sparserl_compile.policy.decode import format_diverse
+    from sparserl_compile.policy.candidates import format_diverse
     from sparserl_compile.policy.model import load_policy
     from sparserl_compile.policy.provider import structure_and_formats
     from sparserl_compile.policy.retrieval import default_entries, reference_sources
@@ -328,7 +343,8 @@ def test_batched_hint_candidates_are_the_hints_kernels_one_at_a_time(tiny_model,
     """hint_diverse with batch_drafts: prompts of different lengths (one hint each) padded into
     one batch write each hint's greedy kernel token for token, in fewer model calls; a wrong
     count of hints is refused."""
-    from sparserl_compile.policy.decode import generate_speculative, hint_diverse
+    from sparserl_compile.policy.candidates import hint_diverse
+    from sparserl_compile.policy.speculative import generate_speculative
 
     hints = ["csr_scalar[block=128]", "ell[block=256][tpr=2][rows_per_warp=4][vec=2]", "x"]
     g = DecodeConfig(greedy=True, max_new_tokens=60, trace=False)
@@ -352,7 +368,7 @@ def test_batched_hint_candidates_are_the_hints_kernels_one_at_a_time(tiny_model,
 def test_batched_speculative_sampling_keeps_the_grammar_and_the_bookkeeping(tiny_model, tiny_tok):
     """Samples decoded speculatively in one batch, traced and untraced: every token is one the
     grammar allows; traced samples carry a mask and log-probability per token."""
-    from sparserl_compile.policy.decode import make_matcher
+    from sparserl_compile.policy.masks import make_matcher
 
     for trace in (True, False):
         rs = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, k=5, references=["// sparserl op=spmv"],
@@ -378,7 +394,7 @@ def test_untraced_speculative_sampling_draws_the_masked_distribution(tiny_model,
     softmax the traced path draws from: the same distribution, up to sampling noise."""
     import llguidance.torch as llt
 
-    from sparserl_compile.policy.decode import _apply_masks, make_matcher
+    from sparserl_compile.policy.masks import apply_masks, make_matcher
     from sparserl_compile.policy.encoder import StructureBatch
     from sparserl_compile.policy.tokenizer import prompt_text
 
@@ -397,7 +413,7 @@ def test_untraced_speculative_sampling_draws_the_masked_distribution(tiny_model,
     assert all(matcher.consume_token(t) for t in prefix)
     bitmask = llt.allocate_token_bitmask(1, vocab)
     llt.fill_next_token_bitmask(matcher, bitmask, 0)
-    want = torch.softmax(_apply_masks(logits, bitmask, vocab, tiny_tok.eos_token_id) / temp, -1)[0].double()
+    want = torch.softmax(apply_masks(logits, bitmask, vocab, tiny_tok.eos_token_id) / temp, -1)[0].double()
     assert (want > 0.02).sum() >= 3  # several formats carry weight: a real test of the mix
     assert float((seen - want).abs().sum()) / 2 < 0.05  # total variation distance
     assert float(seen[want == 0].sum()) == 0.0  # never a token the grammar forbids
@@ -407,7 +423,8 @@ def test_branch_points_are_the_most_likely_grammatical_departures(tiny_model, ti
     """Each departure is a position of the greedy kernel and another token the grammar allows
     there, ranked by log p(tokens[:p] + [a]) as one teacher-forced pass scores it; no departure
     only re-spells the greedy text, and ``skip`` leaves pairs out."""
-    from sparserl_compile.policy.decode import _apply_masks, branch_points, make_matcher
+    from sparserl_compile.policy.departures import branch_points
+    from sparserl_compile.policy.masks import apply_masks, make_matcher
     from sparserl_compile.policy.encoder import StructureBatch
     from sparserl_compile.policy.tokenizer import prompt_text
 
@@ -425,7 +442,7 @@ def test_branch_points_are_the_most_likely_grammatical_departures(tiny_model, ti
     logp = []
     for p, t in enumerate(g.tokens):
         llt.fill_next_token_bitmask(matcher, packed, 0)
-        logp.append(torch.log_softmax(_apply_masks(logits[len(prompt) - 1 + p][None], packed, len(tiny_tok),
+        logp.append(torch.log_softmax(apply_masks(logits[len(prompt) - 1 + p][None], packed, len(tiny_tok),
                                                    tiny_tok.eos_token_id), -1)[0])
         matcher.consume_token(t)
     for p, a, s in pts:
@@ -442,20 +459,20 @@ def test_branch_points_are_the_most_likely_grammatical_departures(tiny_model, ti
 
 def test_branch_points_stay_in_the_header_by_default(tiny_tok):
     """``scope="header"``: only the positions before the two contract header lines end."""
-    from sparserl_compile.policy.decode import _header_end
+    from sparserl_compile.policy.departures import header_end
 
     src = ("// sparserl op=spmv format=csr dtype=f32 index=i32\n// launch block=128 work=rows per_block=128\n"
            'extern "C" __global__ void sparserl_kernel() {}')
     ids = tiny_tok.encode(src)
-    end = _header_end(tiny_tok, ids)
+    end = header_end(tiny_tok, ids)
     assert tiny_tok.decode(ids[:end]).count("\n") == 2 and tiny_tok.decode(ids[:end - 1]).count("\n") < 2
-    assert _header_end(tiny_tok, ids[:5]) == 5  # an unfinished header: every position
+    assert header_end(tiny_tok, ids[:5]) == 5  # an unfinished header: every position
 
 
 def test_branch_diverse_is_the_greedy_kernel_and_its_distinct_departures(tiny_model, tiny_tok):
     """The first candidate is the greedy kernel; every other one starts with the greedy tokens up
     to its departure, then the departure's token; no two are the same text; drafts change nothing."""
-    from sparserl_compile.policy.decode import branch_diverse
+    from sparserl_compile.policy.departures import branch_diverse
 
     g = DecodeConfig(greedy=True, max_new_tokens=40)
     rs = branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all")
@@ -477,7 +494,7 @@ def test_branch_diverse_replaces_what_the_screen_leaves_out(tiny_model, tiny_tok
     """A screen's verdicts: a departure it leaves out is replaced by the next most likely one and
     listed, with the reason, in the greedy rollout's ``screened_out``; the kept ones are the
     unscreened draw's, minus the left-out ones, in order."""
-    from sparserl_compile.policy.decode import branch_diverse
+    from sparserl_compile.policy.departures import branch_diverse
 
     g = DecodeConfig(greedy=True, max_new_tokens=40)
     plain = branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 8, config=g, scope="all")
@@ -504,7 +521,7 @@ def test_a_sample_past_its_step_budget_is_cut_there(tiny_model, tiny_tok):
     that many forwards is cut there, ``extra["cut"] == "budget"``, having written what it would
     have written up to then; a sample the drafts carry to its end within the budget is untouched;
     in a batch, each sample counts its own."""
-    from sparserl_compile.policy.decode import header_prefix
+    from sparserl_compile.policy.sampling import header_prefix
 
     g = DecodeConfig(greedy=True, max_new_tokens=60, trace=False)
     (plain,) = generate(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, config=g)
@@ -534,7 +551,7 @@ def test_a_sample_past_its_step_budget_is_cut_there(tiny_model, tiny_tok):
 def test_branch_diverse_replaces_a_departure_cut_at_the_step_budget(tiny_model, tiny_tok):
     """``step_budget``: each departure cut off unfinished is listed with why in the greedy
     rollout's ``screened_out`` and replaced by the next most likely one; none is returned cut."""
-    from sparserl_compile.policy.decode import branch_diverse
+    from sparserl_compile.policy.departures import branch_diverse
 
     g = DecodeConfig(greedy=True, max_new_tokens=40, trace=False, batch_drafts=True)
     nothing = ["// nothing alike " * 5]  # every departure written one token a forward
@@ -551,7 +568,7 @@ def test_branch_candidates_of_the_shipped_policy_are_other_launch_choices():
     """On the shipped default policy the departures are header choices (format, its parameters,
     the launch configuration): each candidate is a complete kernel whose header parses, and its
     header differs from the greedy kernel's."""
-    from sparserl_compile.policy.decode import branch_diverse
+    from sparserl_compile.policy.departures import branch_diverse
     from sparserl_compile.policy.model import load_policy
 
     model, tok = load_policy(DEFAULT_CHECKPOINT, "cpu")
@@ -570,7 +587,8 @@ def test_departures_of_the_shipped_policy_decode_in_fewer_forwards_with_every_fo
     """A departure into another format than the nearest entries' drafts is written one token a
     forward; with ``problem_inputs``'s drafts (one of every format) the same departures take far
     fewer forwards. Greedy decoding writes the same kernels either way."""
-    from sparserl_compile.policy.decode import branch_diverse, format_of
+    from sparserl_compile.policy.departures import branch_diverse
+    from sparserl_compile.policy.sampling import format_of
     from sparserl_compile.policy.model import load_policy
     from sparserl_compile.policy.provider import problem_inputs
     from sparserl_compile.policy.retrieval import default_entries, reference_sources
@@ -602,7 +620,9 @@ def test_a_kernel_whose_header_no_draft_has_is_drafted_from_the_space_kernel_of_
     token a forward. ``reference_sources`` returns a ``Drafts``: once a sample's header is
     written, the space's kernel with that header drafts its body. The same kernels, far fewer
     forwards."""
-    from sparserl_compile.policy.decode import Drafts, branch_diverse, header_of
+    from sparserl_compile.policy.departures import branch_diverse
+    from sparserl_compile.policy.sampling import header_of
+    from sparserl_compile.policy.speculative import Drafts
     from sparserl_compile.policy.model import load_policy
     from sparserl_compile.policy.provider import problem_inputs
     from sparserl_compile.matrices import uniform_random
@@ -638,7 +658,7 @@ def test_stale_departure_passes_every_consistent_pair_of_the_kernel_space():
     offset in the body)."""
     import itertools
 
-    from sparserl_compile.policy.decode import stale_departure
+    from sparserl_compile.policy.departures import stale_departure
     from sparserl_compile import kernels
 
     pairs = 0
@@ -654,11 +674,11 @@ def test_stale_departure_passes_every_consistent_pair_of_the_kernel_space():
 
 
 def test_stale_departure_names_an_spmv_body_under_an_spmm_header():
-    """Version 5's wrong departure of the thirty-fourth session's cold start: a departure from a
+    """A wrong departure a trained policy wrote: a departure from a
     CSR SpMM kernel to SELL, whose body the model wrote as SELL's SpMV kernel (it never reads
     the width n and fills one output column). Left out on the text; the SELL SpMM kernel of the
     kernel space passes, and an SpMV departure is not asked about n."""
-    from sparserl_compile.policy.decode import stale_departure
+    from sparserl_compile.policy.departures import stale_departure
     from sparserl_compile import kernels
 
     greedy = next(c for c in kernels.space("spmm", "f32", n=32) if c.family == "csr_rowgroup").source
@@ -673,10 +693,10 @@ def test_stale_departure_names_an_spmv_body_under_an_spmm_header():
 
 
 def test_stale_departure_names_the_merge_body_that_kept_the_greedy_items_per_part():
-    """The R-MAT fault of the thirty-second session: a merge departure to another items_per_part
+    """A departure that faulted on an R-MAT matrix: a merge departure to another items_per_part
     whose body still cuts pieces of the greedy kernel's size. Left out, with the line; the body
     rewritten for the new header, or naming the field, passes; so does a header that does not parse."""
-    from sparserl_compile.policy.decode import stale_departure
+    from sparserl_compile.policy.departures import stale_departure
     from sparserl_compile import kernels
 
     greedy = kernels.render("merge", "spmm", "f32", {"block": 128, "items_per_part": 64}).source
@@ -698,27 +718,27 @@ def test_stale_departure_names_the_merge_body_that_kept_the_greedy_items_per_par
 def test_branch_diverse_leaves_out_stale_departures_before_the_screen(tiny_model, tiny_tok, monkeypatch):
     """A departure the stale check flags is replaced like a screened-out one, listed with its
     reason, and never shown to the screen; ``stale_check=False`` keeps it."""
-    import sparserl_compile.policy.decode as decode
+    import sparserl_compile.policy.departures as departures
 
     g = DecodeConfig(greedy=True, max_new_tokens=40)
-    plain = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 8, config=g, scope="all",
-                                  stale_check=False)
+    plain = departures.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 8, config=g, scope="all",
+                                      stale_check=False)
     flagged = plain[2].text
-    monkeypatch.setattr(decode, "stale_departure", lambda greedy, text: "stale: test" if text == flagged else None)
+    monkeypatch.setattr(departures, "stale_departure", lambda greedy, text: "stale: test" if text == flagged else None)
     seen = []
 
     def screen(texts):
         seen.extend(texts)
         return [None] * len(texts)
 
-    rs = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all", screen=screen)
+    rs = departures.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all", screen=screen)
     assert flagged not in seen and flagged not in [r.text for r in rs]
     assert [r.text for r in rs[1:]] == [r.text for r in plain[1:] if r.text != flagged][:3]
     assert [why for *_, why in rs[0].extra["screened_out"]] == ["stale: test"]
-    unscreened = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all")
+    unscreened = departures.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all")
     assert flagged not in [r.text for r in unscreened] and unscreened[0].extra["screened_out"]
-    kept = decode.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all",
-                                 stale_check=False)
+    kept = departures.branch_diverse(tiny_model, tiny_tok, _s(), "spmv", "f32", 1, 4, config=g, scope="all",
+                                     stale_check=False)
     assert [r.text for r in kept] == [r.text for r in plain[:4]]
 
 
@@ -728,7 +748,7 @@ def test_the_decoders_token_bitmask_is_llguidances(tiny_tok):
     row, along a prefix of the grammar."""
     import llguidance.torch as llt
 
-    from sparserl_compile.policy.decode import fill_token_bitmask, make_matcher, token_bitmask
+    from sparserl_compile.policy.masks import fill_token_bitmask, make_matcher, token_bitmask
 
     vocab = len(tiny_tok)
     ours, theirs = token_bitmask(3, vocab), llt.allocate_token_bitmask(3, vocab)
@@ -743,7 +763,7 @@ def test_the_decoders_token_bitmask_is_llguidances(tiny_tok):
 
 
 def test_encode_cached_is_the_tokenizers_encoding_in_a_fresh_list(tiny_tok):
-    from sparserl_compile.policy.decode import encode_cached
+    from sparserl_compile.policy.tokenizer import encode_cached
 
     text = "// sparserl op=spmv format=csr dtype=f32 index=i32"
     a = encode_cached(tiny_tok, text)
