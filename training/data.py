@@ -223,7 +223,7 @@ def load_supervision(path: str | Path | Sequence[str | Path]) -> list[Supervisio
         return [r for p in parts for r in load_supervision(Path(str(p).strip()))]
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"supervision file {path} does not exist (see docs/training.md, 'Data')")
+        raise FileNotFoundError(f"supervision file {path} does not exist (the default files ship in training/data/; see docs/policy.md)")
     out, variant_lines = [], []
     for i, line in enumerate(_read_lines(path), 1):
         if not line.strip():

@@ -37,12 +37,12 @@ evaluator they come from the cost model and exist only for kernel-space points.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from sparserl_compile.training.config import opt, resolve_device
 from sparserl_compile.training.data import DEFAULT_SUPERVISION
-from sparserl_compile.training.rewards import normalized
+from sparserl_compile.training.space import default_render, measured_sources, normalized
+from sparserl_compile.training.stats import geomean
 
 
 @dataclass
@@ -63,11 +63,11 @@ class EvalConfig:
                              "'nearest' (the nearest provider, its table built from this file's training split)")
     samples: str = opt("temperature", "how the k candidates after the greedy one are drawn: 'temperature' "
                                       "(k samples at --temperature), 'formats' (the k most likely plausible "
-                                      "formats, each written greedily: policy.decode.format_diverse) or 'hints' "
+                                      "formats, each written greedily: policy.candidates.format_diverse) or 'hints' "
                                       "(one greedy sample per retrieval hint, the k nearest measured winners: "
-                                      "policy.decode.hint_diverse; policies trained with hints only) or "
+                                      "policy.candidates.hint_diverse; policies trained with hints only) or "
                                       "'branches' (the greedy kernel and its k - 1 most likely single-token "
-                                      "departures, each completed greedily: policy.decode.branch_diverse)")
+                                      "departures, each completed greedily: policy.departures.branch_diverse)")
     branch_scope: str = opt("header", "--samples branches: where the departures are looked for, 'header' (the "
                                       "two contract header lines) or 'all' (any position)")
     untraced_samples: bool = opt(False, "decode the temperature samples untraced (no masks or log-probabilities "
@@ -81,11 +81,6 @@ class EvalConfig:
     fit_formats: bool = opt(True, "leave out of the grammar the parameter-free padded formats (ELL, DIA) the "
                                   "matrix does not convert to, as the policy provider does "
                                   "(policy.provider.grammar_for); --no-fit-formats: the plain grammar")
-
-
-def geomean(xs) -> float | None:
-    """Geometric mean of positive numbers (None for none)."""
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 @dataclass
@@ -181,11 +176,11 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     ``branch_scope``: ``EvalConfig.branch_scope``. ``screen``: a ``policy.screen.Screen`` the
     departures of ``samples="branches"`` pass before they are scored (``EvalConfig.screen_workers``);
     each record's row lists the departures left out and why (``screened_out``): the screen's,
-    and those ``decode.stale_departure`` leaves out with or without a screen."""
-    from sparserl_compile.policy.decode import DecodeConfig, check_samples, generate
+    and those ``departures.stale_departure`` leaves out with or without a screen."""
+    from sparserl_compile.policy.candidates import check_samples
+    from sparserl_compile.policy.decode import generate
+    from sparserl_compile.policy.sampling import DecodeConfig
     from sparserl_compile.policy.provider import problem_inputs
-    from sparserl_compile.training.sft import default_render
-
     check_samples(samples, model)
     if samples == "hints" and hint_entries is None:
         raise ValueError("samples='hints' takes its hints from hint_entries (a nearest table): none given")
@@ -213,7 +208,7 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg,
                           grammar_text=grammar)
         if samples == "hints":
-            from sparserl_compile.policy.decode import hint_diverse
+            from sparserl_compile.policy.candidates import hint_diverse
 
             # the first hint is the greedy sample's own: its sample is that one, not decoded twice
             sampled = greedy + (hint_diverse(model, tok, s, pb.op, pb.dtype, pb.n,
@@ -227,12 +222,12 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
                 st.hint_samples += 1
                 st.hint_followed += normalized(r.text) == src
         elif samples == "formats":
-            from sparserl_compile.policy.decode import format_diverse
+            from sparserl_compile.policy.candidates import format_diverse
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, formats, hint=hint,
                                      config=greedy_cfg, references=refs, grammar_text=grammar)
         elif samples == "branches":
-            from sparserl_compile.policy.decode import branch_diverse
+            from sparserl_compile.policy.departures import branch_diverse
 
             # the greedy kernel is the first of the k (as format_diverse's most likely format is)
             check = screen and screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)
@@ -339,9 +334,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     from sparserl_compile.policy.model import load_policy
     from sparserl_compile.training.data import load_supervision, split
     from sparserl_compile.training.soup import provenance
-    from sparserl_compile.training.rewards import measured_sources
-    from sparserl_compile.training.rl import make_evaluator, problems_from_records
-    from sparserl_compile.training.sft import default_render
+    from sparserl_compile.training.rewards import make_evaluator, problems_from_records
 
     both = split(load_supervision(cfg.data))
     records = both.held_out
@@ -426,5 +419,3 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     save()
     return report
 
-
-_ = asdict
