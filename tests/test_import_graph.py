@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "sparserl_compile"
 # Where each package's source lies in the repository (pyproject.toml's package-dir mapping).
