@@ -20,7 +20,7 @@ def test_without_the_train_extra_one_line_says_what_to_install(argv, monkeypatch
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
-    assert "llguidance, transformers not installed" in err and "pip install 'sparserl[train]'" in err
+    assert "transformers, llguidance not installed" in err and "pip install 'sparserl[train]'" in err
     assert err.startswith(f"sparserl {' '.join(argv[:2]) if argv[0] == 'train' else 'eval'} needs the train extra")
 
 
