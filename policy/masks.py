@@ -29,8 +29,8 @@ def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """llguidance's packed token bitmask on the host: ``rows`` rows of int32 words, 32 tokens a
     word, every token allowed; pinned where CUDA is (its copy to the GPU each step). What
     ``llguidance.torch.allocate_token_bitmask`` returns, without importing ``llguidance.torch``:
-    that module wraps a function in ``torch.compile`` at import, which imports inductor (1.3 s of a
-    process's first proposal on the CPU) for a kernel the decoder never calls."""
+    that module wraps a function in ``torch.compile`` at import, which imports inductor (a second or more of
+    a process's first proposal) for a kernel the decoder never calls."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32,
                       pin_memory=torch.cuda.is_available())
 

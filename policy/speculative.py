@@ -99,9 +99,8 @@ def generate_speculative(model, tokenizer, structure: PreparedStructure, op: str
     first reference of the next (samples of one problem are often alike). With
     ``config.batch_drafts`` they are decoded together: one forward a step checks every
     unfinished sample's own draft, padded to the longest. A sample drafts from the other
-    samples' tokens so far, then from the references (on a banded SpMM, 8 samples took 163
-    forwards over five seeds with the other samples' tokens, 204 from the references alone;
-    level on the other cases, 2-core CPU, default checkpoint). A sample's rejected draft
+    samples' tokens so far, then from the references (samples of one problem are often alike,
+    so another sample's tokens are often the better draft). A sample's rejected draft
     positions stay in the batch's cache as holes its later positions do not attend to
     (``past_mask``, ``position_ids``), a finished sample leaves the batch, and the cache is cut
     back to the last position a sample keeps. The same distribution either way; the batch takes

@@ -36,7 +36,7 @@ The held-out split (``is_held_out``) is deterministic and never trained on by an
 - shared matrices: the fixed list ``SHARED_HELD_OUT``, chosen once by the rule "within each
   ``kind`` of the full ``MANIFEST.json``, names sorted, every fourth one (positions 3, 7, 11,
   ...)" (``shared_held_out_by_rule`` recomputes it; a test checks they agree). The list is
-  frozen so that a partial copy of the matrices (a trimmed carry to the device, say) cannot
+  frozen so that a partial copy of the matrices (a trimmed copy for another machine, say) cannot
   move matrices between the splits;
 - generated matrices: held out when BLAKE2b of ``generator`` + sorted ``kwargs`` (seed
   included) is 0 mod 5, i.e. about one in five, independently of the order of the file.

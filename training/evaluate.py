@@ -73,7 +73,7 @@ class EvalConfig:
     untraced_samples: bool = opt(False, "decode the temperature samples untraced (no masks or log-probabilities "
                                         "are scored here) and speculatively in one batch: the same distribution, "
                                         "other draws for a seed than the traced default's; faster where a model "
-                                        "call is dear (the H200), about 10 % slower in all on the 2-core CPU")
+                                        "call is dear (a GPU), about 10 % slower in all on a CPU")
     screen_workers: int = opt(0, "--samples branches: check each departure on the CPU before it is scored (its "
                                  "format fits the matrix; it passes verification on the CPU executor on the "
                                  "matrix's first rows: policy.screen) with this many CPU workers, and replace "

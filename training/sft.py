@@ -192,7 +192,7 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
                                    hint_entries=entries, loaded=loaded, hints=cfg.hints,
                                    hint_tolerance=cfg.hint_tolerance)
     loaded.clear()
-    # the held-out loss is a diagnostic: a trimmed copy of the shared folder (a device carry)
+    # the held-out loss is a diagnostic: a trimmed copy of the shared folder (on another machine)
     # may lack held-out matrices, and the loss is then over the records whose matrix is there
     present = {ref: ref.present() for ref in {r.matrix for r in parts.held_out}}
     held_records = [r for r in parts.held_out if present[r.matrix]]
