@@ -185,7 +185,12 @@ def _speculate(model, tokenizer, past, pending: torch.Tensor, valid: torch.Tenso
     ``past_mask``/``position_ids`` and a step's rejected draft is cropped off, as before
     batching. ``for_header`` (``Drafts.for_header``): once a sample's two header lines are
     written, the space's kernels with that header become its first drafts. ``step_budget``: see
-    ``generate_speculative``."""
+    ``generate_speculative``.
+
+    Longer than the house's 80 lines on purpose: one decoding step's phases (drafting, the
+    forward, taking positions under the masks, cutting the cache back) all read and write the
+    same per-sample state (tokens, masks, cache validity, positions), and this loop is the hot
+    path of every proposal; split, each phase would take and return most of that state."""
     n_rows = len(prefixes)
     device = pending.device
     vocab = model.config.vocab_size
