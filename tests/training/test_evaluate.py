@@ -176,6 +176,7 @@ def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tin
 
     # a model that writes exactly its hint's point: every sample followed
     import sparserl_compile.policy.candidates as candidates
+    import sparserl_compile.policy.decode as decode
     from sparserl_compile.policy.sampling import Rollout
 
     def writes_the_hint(model, tok, s, op, dtype, n, k=1, config=None, hint=None, **kw):
@@ -184,6 +185,7 @@ def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tin
         params = {k_: int(v) for k_, v in params.items()}
         return [Rollout([], [], default_render(fam, op, dtype, params, m), [], True) for _ in range(k)]
 
+    monkeypatch.setattr(decode, "generate", writes_the_hint)  # the greedy sample's
     monkeypatch.setattr(candidates, "generate", writes_the_hint)  # what hint_diverse decodes with
     st = evaluate_policy(rag, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
                          max_new_tokens=12, constrained=True, samples="hints", hint_entries=table)["banded"]

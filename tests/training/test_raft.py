@@ -339,7 +339,7 @@ def test_raft_screen_checks_the_departures_for_the_problems_matrix(monkeypatch):
         return [greedy] + [SimpleNamespace(text=t, extra={}) for t in kept]
 
     monkeypatch.setattr(raft, "branch_diverse", fake_branches)
-    cfg = RLConfig(init="", data="", out_dir="", k=3, raft_explore="branches", raft_screen=1)
+    cfg = RLConfig(init="", data="", out_dir="", k=3, algo="raft", raft_explore="branches", raft_screen=1)
     pb = SimpleNamespace(op="spmm", dtype="f32", n=32, matrix=SimpleNamespace(indptr="ip", indices="ix", shape=(4, 5)))
     seconds = {}
     rs = raft.raft_candidates(None, None, None, pb, None, None, cfg, seed=0, seconds=seconds, screen=FakeScreen())
