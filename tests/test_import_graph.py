@@ -146,6 +146,17 @@ def test_graph_sees_every_source_tree():
     assert f"{PACKAGE}.policy.model" in graph[f"{PACKAGE}.policy.provider"]
 
 
+def test_imports_resolve_to_the_modules_they_load():
+    """Inside a function too; ``from p import name`` is ``p.name`` where that is a module, else
+    ``p`` itself (the bare package, whose ``__init__`` runs); relative imports count."""
+    modules = {name: Path(file) for name, file in (("pkg", "pkg/__init__.py"), ("pkg.a", "pkg/a.py"),
+                                                   ("pkg.b", "pkg/b.py"), ("pkg.sub", "pkg/sub/__init__.py"),
+                                                   ("pkg.sub.c", "pkg/sub/c.py"), ("pkg.x", "pkg/x.py"))}
+    tree = ast.parse("import os\n\ndef f():\n    from pkg import a, helper\n    import pkg.sub.c\n"
+                     "    from .b import thing\n")
+    assert _targets("pkg.x", tree, modules) == {"pkg.a", "pkg", "pkg.sub.c", "pkg.b"}
+
+
 def test_cycle_finder_names_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]
