@@ -299,7 +299,7 @@ def main(argv=None) -> int:
         return 2
     from sparserl_compile import bench, compiler, formats, kernels, verify
     from sparserl_compile.fileio import write_json
-    from sparserl_compile.suite import run_stamp
+    from sparserl_compile.version import run_stamp
 
     t_start = time.perf_counter()
     warm_s = formats.warm()  # numba's converters loaded (or compiled) before anything is timed

@@ -51,7 +51,7 @@ import sparserl_compile as sr
 from cold_start import _breakdown, _make_provider, first_product, native_csr
 from sparserl_compile import bench, matrices, miss, plans
 from sparserl_compile.fileio import write_json
-from sparserl_compile.training.evaluate import geomean
+from sparserl_compile.training.stats import geomean
 
 
 def _host_leak(native, x) -> dict:

@@ -1,20 +1,27 @@
 """The grammar the decoder constrains the policy to, in llguidance's Lark dialect.
 
 ``kernel_grammar()`` returns the output grammar: the two contract header lines
-(``sparserl_compile/contract.py``) followed by one kernel in the kernel language. The kernel
-language's grammar is owned by the runtime (``sparserl_compile/grammar/kernel.lark``, the same
-file the hand-written families are tested against); when that file is installed it is used
-as the kernel part. Without it, ``FALLBACK_KERNEL`` below is used: a deliberately loose
-grammar (the fixed ``extern "C" __global__ void sparserl_kernel(...)`` shape, balanced braces
-and parentheses, C tokens inside) that keeps decoding testable but rejects far less than the
-real one. ``grammar_source()`` says which one is active.
+(``sparserl_compile/contract.py``) followed by one kernel in the kernel language. There is one
+kernel grammar: ``sparserl_compile/grammar/kernel.lark`` (``language.GRAMMAR_PATH``), the file
+the hand-written families are tested against. The policy's grammar reuses its ``helper`` and
+``block`` rules and replaces its loose header terminals and parameter list with tighter ones:
+a header pinned to the prompt's op and dtype, per-format parameter keys, and the exact
+signature ``contract.signature_c`` gives for the chosen format, so every sampled kernel has the
+signature its header promises.
 
 This module only produces grammar text; ``decode.py`` compiles it with llguidance.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
+
+from sparserl_compile import language
+from sparserl_compile.contract import DTYPES, FORMATS, OPS, signature_c
+
+# The kernel grammar's rules that the output grammar is built from.
+_REUSED_RULES = ("helper", "block")
+
 
 def _rx(text: str) -> str:
     """``text`` escaped for a /regex/ literal (Rust regex syntax)."""
@@ -27,8 +34,6 @@ def header_rules(op: str | None = None, dtype: str | None = None, exclude=()) ->
     kernel signature (``contract.signature_c``). ``op``/``dtype`` pin the header to the
     prompt's operation and value type; the formats in ``exclude`` get no alternative (the
     matrix does not convert to them: ``sparserl_compile.formats.unfit_formats``)."""
-    from sparserl_compile.contract import DTYPES, FORMATS, OPS, signature_c
-
     unknown = set(exclude) - set(FORMATS)
     if unknown or not set(FORMATS) - set(exclude):
         raise ValueError(f"exclude={sorted(exclude)}: name formats of {tuple(FORMATS)}, and leave at least one")
@@ -59,56 +64,23 @@ def header_rules(op: str | None = None, dtype: str | None = None, exclude=()) ->
     return "kernel_file: " + " | ".join(alts) + "\n" + "".join(rules)
 
 
-FALLBACK_KERNEL = r'''
-helpers: helper*
-helper: DEVICE_HEAD IDENT "(" params? ")" block
-params: param ("," param)*
-param: ctoken+
-block: "{" item* "}"
-item: block | "(" item* ")" | ctoken | ";" | ","
-ctoken: IDENT | NUMBER | OP | "[" | "]"
-DEVICE_HEAD: /__device__ __forceinline__ [a-z_0-9 ]+ /
-IDENT: /[A-Za-z_][A-Za-z_0-9]*/
-NUMBER: /[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?[fuU]?/
-OP: /(<<=|>>=|&&|\|\||==|!=|<=|>=|\+\+|--|\+=|-=|\*=|\/=|&=|\|=|\^=|<<|>>|->|::|[-+*\/%<>=!&|^~?:.])/
-%ignore /[ \t\r\n]+/
-'''
+def _kernel_rules() -> str:
+    """``kernel.lark`` with its ``start`` rule renamed away (ours wraps it), after checking that
+    it defines the rules the output grammar refers to."""
+    text = language.grammar()
+    missing = [r for r in _REUSED_RULES if not re.search(rf"(?m)^\s*\??{r}\s*:", text)]
+    if missing:
+        raise RuntimeError(f"{language.GRAMMAR_PATH} defines no rule {', '.join(missing)}: the policy's "
+                           f"output grammar needs {', '.join(_REUSED_RULES)} (a __device__ helper and a "
+                           "braced kernel body); restore them or update policy/grammar.py")
+    return re.sub(r"(?m)^(\s*\??)start(\s*:)", r"\g<1>kernel_unit\2", text)
 
 
-def runtime_grammar_path() -> Path | None:
-    """``sparserl_compile/grammar/kernel.lark`` if the runtime ships it."""
-    try:
-        import sparserl_compile
-    except ImportError:  # pragma: no cover
-        return None
-    p = Path(sparserl_compile.__file__).parent / "grammar" / "kernel.lark"
-    return p if p.is_file() else None
-
-
-def grammar_source() -> str:
-    """``"runtime"`` or ``"fallback"``: which kernel grammar ``kernel_grammar()`` uses."""
-    return "runtime" if runtime_grammar_path() else "fallback"
-
-
-def _rename_start(lark: str, new: str) -> str:
-    """The runtime grammar's ``start`` rule renamed so that ours can wrap it."""
-    import re
-
-    return re.sub(r"(?m)^(\s*\??)start(\s*:)", rf"\g<1>{new}\2", lark)
-
-
-def kernel_grammar(op: str | None = None, dtype: str | None = None, use_fallback: bool = False,
-                   exclude=()) -> str:
+def kernel_grammar(op: str | None = None, dtype: str | None = None, exclude=()) -> str:
     """The full output grammar as Lark text for llguidance: for one of the formats, its header
     line 1, header line 2, optional helpers, the format's fixed signature, the kernel body.
     ``op``/``dtype`` (the prompt's) pin the header; None allows any. ``exclude``: formats left
     out (``header_rules``)."""
-    p = None if use_fallback else runtime_grammar_path()
     exclude = tuple(sorted(exclude))
-    if p is None:
-        return "start: kernel_file\n" + header_rules(op, dtype, exclude) + FALLBACK_KERNEL
-    # The runtime grammar is expected to define `helper` (a __device__ function) and `block`
-    # (a braced body); its own start rule is renamed away. TODO(lead): confirm these names
-    # once sparserl_compile/grammar/kernel.lark lands.
     return ("start: kernel_file\n" + header_rules(op, dtype, exclude) + "helpers: helper*\n"
-            + _rename_start(p.read_text(), "kernel_unit"))
+            + _kernel_rules())

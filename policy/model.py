@@ -59,8 +59,8 @@ class PolicyHParams:
 
     @classmethod
     def small(cls, vocab_size: int, n_features: int) -> "PolicyHParams":
-        """~1.1M parameters: the size the shipped default checkpoint was trained at on 2 CPU
-        cores (docs/training.md); the H200-trained checkpoint is meant to use the default."""
+        """~1.1M parameters: a size that trains on a few CPU cores; GPU training uses the
+        default."""
         return cls(vocab_size=vocab_size, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
                    d_ff=352, max_positions=1024, n_slots=8, n_freqs=8,
                    n_features=n_features, max_points=512)
@@ -189,9 +189,9 @@ class SparseRLPolicy(LlamaPreTrainedModel):
 
 
 class CountingPolicy(nn.Module):
-    """A policy that counts its forwards (``calls``), for benchmarks and tests of decoding: on
-    the H200 a forward of this small model costs about as much for one row as for several, so
-    the count is what speculative and batched decoding save there."""
+    """A policy that counts its forwards (``calls``), for benchmarks and tests of decoding: on a
+    GPU a forward of this small model costs about as much for one row as for several, so the
+    count is what speculative and batched decoding save there."""
 
     def __init__(self, model: SparseRLPolicy):
         super().__init__()

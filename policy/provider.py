@@ -9,9 +9,8 @@ that are cut off or whose header does not parse are dropped and counted in ``sta
 
 It does not compile, verify or time anything: the runtime does, and falls back to cuSPARSE
 if no candidate wins. The default checkpoint is package data under
-``policy/checkpoints/default/`` (version 5, the policy without hints, the paper's setting; its
-greedy kernel and three most likely departures are what the runtime was measured with end to
-end: docs/benchmarks.md). ``policy/checkpoints/retrieval/`` is the retrieval-hinted policy
+``policy/checkpoints/default/`` (the policy without hints, the paper's setting; by default its
+candidates are its greedy kernel and its most likely departures). ``policy/checkpoints/retrieval/`` is the retrieval-hinted policy
 (pass ``checkpoint=``); without a checkpoint, constructing the provider fails with a message
 saying how to get one.
 """
@@ -25,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sparserl_compile.policy.decode import (DEPARTURE_ROUNDS, DEPARTURE_STEPS, DecodeConfig, branch_diverse, check_samples,
-                           format_diverse, generate, hint_diverse)
+from sparserl_compile.policy.candidates import check_samples, format_diverse, hint_diverse
+from sparserl_compile.policy.decode import generate
+from sparserl_compile.policy.departures import DEPARTURE_ROUNDS, DEPARTURE_STEPS, branch_diverse
+from sparserl_compile.policy.sampling import DecodeConfig
 from sparserl_compile.policy.encoder import prepare_structure
 from sparserl_compile import contract
 
@@ -35,8 +36,8 @@ DEFAULT_K = 4
 
 #: hints mode: past the first k hints, further ones (filling the places of repeated kernels)
 #: are decoded only while the proposal has taken less than this many seconds, so filling up
-#: cannot push a first call past the cold-start budget (on the H200 the first four hints take
-#: 0.15-0.35 s; on a CPU they take longer and nothing is filled)
+#: cannot push a first call past the cold-start budget (on a GPU the first four hints take a few
+#: tenths of a second; on a CPU they take longer and nothing is filled)
 FILL_BUDGET_S = 0.4
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
@@ -51,7 +52,7 @@ class ProviderStats:
     unfinished: int = 0  # cut off by max_new_tokens
     unparseable: int = 0  # header rejected by contract.parse_header
     duplicates: int = 0  # the same kernel as an earlier sample of the request (dropped)
-    screened_out: int = 0  # departures left out (stale, ``decode.stale_departure``, or by the CPU screen), replaced by others
+    screened_out: int = 0  # departures left out (stale, ``departures.stale_departure``, or by the CPU screen), replaced by others
     returned: int = 0
 
 
@@ -163,7 +164,7 @@ class PolicyProvider:
             if not (path / "model.safetensors").is_file():
                 raise FileNotFoundError(
                     f"no policy checkpoint at {path}: the default checkpoint is installed with "
-                    "the package once trained (see docs/training.md); pass checkpoint=<folder> "
+                    "the package once trained (see docs/policy.md); pass checkpoint=<folder> "
                     "written by `sparserl train sft|rl`, or use the kernel-space provider"
                 )
             if device is None:
@@ -175,17 +176,17 @@ class PolicyProvider:
             raise ValueError("PolicyProvider(model=...) also needs tokenizer=")
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         if samples is None:  # a checkpoint trained to write the hinted kernel: one candidate per hint;
-            # else the greedy kernel and its most likely departures (version 4's greedy kernel and three
-            # departures beat its eight temperature samples on the held-out records: docs/training.md)
+            # else the greedy kernel and its most likely departures: after SFT the policy is nearly
+            # deterministic, so temperature samples are mostly copies of the greedy kernel
             samples = "hints" if getattr(model.config, "retrieval_hints", 1) > 1 else "branches"
         check_samples(samples, model)
         #: how the k candidates are drawn: "temperature" (k samples), "formats" (the model's k
-        #: most likely formats, each written greedily: ``decode.format_diverse``), "hints" (one
-        #: greedy sample per nearest measured winner as the hint: ``decode.hint_diverse``) or
+        #: most likely formats, each written greedily: ``candidates.format_diverse``), "hints" (one
+        #: greedy sample per nearest measured winner as the hint: ``candidates.hint_diverse``) or
         #: "branches" (the greedy kernel and its k - 1 most likely departures in the header:
-        #: ``decode.branch_diverse``)
+        #: ``departures.branch_diverse``)
         self.samples = samples
-        #: decode speculatively against the nearest measured winners (``decode.generate_speculative``:
+        #: decode speculatively against the nearest measured winners (``speculative.generate_speculative``:
         #: the same samples' distribution, a fraction of the model calls when the policy writes them)
         self.speculative = speculative
         #: leave out of the grammar the parameter-free padded formats (ELL, DIA) the matrix does
@@ -194,12 +195,12 @@ class PolicyProvider:
         #: hints mode: seconds of proposal after which no hint past the k-th is decoded
         self.fill_budget_s = fill_budget_s
         #: branches mode: a departure still unfinished after this many forwards is cut off and
-        #: replaced by the next most likely one (``decode.DEPARTURE_STEPS``; None: no limit). A
+        #: replaced by the next most likely one (``departures.DEPARTURE_STEPS``; None: no limit). A
         #: departure no draft predicts is written a token or two a forward and holds up the
         #: proposal's batch; those the held-out records gave failed verification
         self.departure_steps = _count_or_none("departure_steps", departure_steps, "forwards", " for no limit")
         #: branches mode: how many times departures are drawn to replace repeats, stale and cut
-        #: ones (``branch_diverse(rounds=)``; ``decode.DEPARTURE_ROUNDS``; None: its default, 4)
+        #: ones (``branch_diverse(rounds=)``; ``departures.DEPARTURE_ROUNDS``; None: its default, 4)
         self.departure_rounds = _count_or_none("departure_rounds", departure_rounds, "rounds")
         #: branches mode with ``screen_workers``: a ``policy.screen.Screen`` (that many sandboxed CPU
         #: workers) every departure passes before it is a candidate; one that fails (its format does
@@ -230,8 +231,8 @@ class PolicyProvider:
         """Pay a process's one-time decoding costs now (``miss.prewarm`` calls it): one proposal
         for a small SpMV and one for an SpMM, each op's first, build llguidance's view of the
         tokenizer and each grammar, load the numba structure statistics and, on a GPU, the model's
-        first kernels (together 2-3 s on an H100 in a fresh process: the first new structure's
-        proposal paid them before). ``stats`` is left as it was."""
+        first kernels (seconds in a fresh process, which the first new structure's proposal
+        would pay otherwise). ``stats`` is left as it was."""
         from sparserl_compile.policy.retrieval import problem_for
         from sparserl_compile import matrices
 

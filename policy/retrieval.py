@@ -76,17 +76,17 @@ def reference_sources(features, op: str, dtype: str, n: int, entries, structure,
     ``formats``: also, for each of these formats the first ``count`` left without, the next
     proposal of that format (among the first ``scan``); default: every contract format, ``()``:
     none. A sample in a format no draft is written in is decoded one token a forward: a
-    departure from the greedy kernel into another format (``decode.branch_diverse``), a format
-    forced on it (``decode.format_diverse``), or a greedy kernel or sample that leaves the
-    nearest winners' formats. On the 42 held-out records at k = 4 (2-core CPU, version 4) the
-    departures took 4518 forwards with the nearest proposals' drafts alone and 719 with a draft
-    of every format, the same kernels (``benchmarks/format_drafts.py``; rendering the extra
-    drafts costs a few milliseconds).
+    departure from the greedy kernel into another format (``departures.branch_diverse``), a format
+    forced on it (``candidates.format_diverse``), or a greedy kernel or sample that leaves the
+    nearest winners' formats. A draft of every format makes such samples several times cheaper
+    in forwards, the same kernels (``benchmarks/format_drafts.py`` measures it); rendering the
+    extra drafts costs a few milliseconds.
 
-    Returned as a ``decode.Drafts``: with these, the kernels of the whole space for this product
+    Returned as a ``speculative.Drafts``: with these, the kernels of the whole space for this product
     by their header lines, rendered when a sample first asks (60 points of an SpMM, about 3 ms),
     so that a sample whose header no draft has is drafted from the space's kernel of its header."""
-    from sparserl_compile.policy.decode import Drafts, format_key, format_of, header_of
+    from sparserl_compile.policy.sampling import format_of, header_of
+    from sparserl_compile.policy.speculative import Drafts, format_key
     from sparserl_compile import contract, kernels
     from sparserl_compile.nearest import proposals
 

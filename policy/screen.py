@@ -1,13 +1,12 @@
 """Screen a policy's candidates on the CPU before the GPU verifies them.
 
-A departure from the greedy kernel (``decode.branch_diverse``) changes one header token and lets
+A departure from the greedy kernel (``departures.branch_diverse``) changes one header token and lets
 the model write the rest. Often the body does not follow the new header: a merge kernel keeps
 the old ``items_per_part`` in its arithmetic, an SpMM kernel keeps the old ``tile_n``, a switch
 to another format keeps a body written for SpMV, or the header names BSR blocks the matrix
-does not convert to. Live on the H200, 39 % of version 4's departures failed (86.7 % compiled,
-61.2 % correct; twenty-ninth session). On the GPU each failure costs a sandbox worker (a
-fresh interpreter, torch and a CUDA context, about 4 s), and in RL it made the updates three
-times fewer.
+does not convert to. Such departures are common (well over a third of a trained policy's
+departures can fail), and on the GPU each failure costs a sandbox worker (a fresh interpreter,
+torch and a CUDA context, seconds), which in RL makes the updates several times fewer.
 
 ``Screen`` answers, per candidate, whether it is worth the GPU's time, in three steps, cheapest
 first:
@@ -117,7 +116,7 @@ class Screen:
 
     def checker(self, indptr, indices, shape, op: str, dtype: str, n: int):
         """``check`` bound to one problem: a callable from sources to verdicts, what
-        ``decode.branch_diverse(screen=)`` takes."""
+        ``departures.branch_diverse(screen=)`` takes."""
         return lambda sources: self.check(indptr, indices, shape, op, dtype, n, sources)
 
     def check(self, indptr, indices, shape, op: str, dtype: str, n: int, sources: list[str]) -> list[str | None]:

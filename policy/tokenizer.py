@@ -9,11 +9,12 @@ token embeddings and is not text)::
 ``<|pad|>`` fills batches. The tokenizer is byte-level, so every byte string -- including any
 kernel the grammar allows -- has an encoding; nothing maps to an unknown token.
 
-This module trains and loads tokenizers; it does not know about the model or the grammar.
+This module trains, loads and memoizes tokenizers; it does not know about the model or the grammar.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,3 +100,32 @@ def load_tokenizer(directory: str | Path):
             "model.safetensors; train one with `sparserl train pretrain`"
         )
     return wrap(Tokenizer.from_file(str(path)))
+
+
+def tokenizer_key(tokenizer) -> str:
+    """A content hash of the tokenizer, memoized on the object (ids can be reused after GC)."""
+    key = getattr(tokenizer, "_sparserl_key", None)
+    if key is None:
+        key = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+        tokenizer._sparserl_key = key
+    return key
+
+
+_ENCODED: dict[tuple, list[int]] = {}
+
+
+def encode_cached(tokenizer, text: str) -> list[int]:
+    """``tokenizer.encode(text)``, remembered per tokenizer: the drafts (rendered kernel-space
+    kernels) and prompts repeat across a proposal's decoding calls and across proposals, and
+    encoding each anew is a noticeable part of a proposal's host time.
+    A fresh list each call; at most 4096 texts are kept (then the memo starts over)."""
+    try:
+        key = (tokenizer_key(tokenizer), text)
+    except AttributeError:  # not a fast (Rust-backed) tokenizer: nothing to key it by
+        return tokenizer.encode(text)
+    ids = _ENCODED.get(key)
+    if ids is None:
+        if len(_ENCODED) >= 4096:
+            _ENCODED.clear()
+        ids = _ENCODED[key] = tokenizer.encode(text)
+    return list(ids)

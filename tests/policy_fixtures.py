@@ -46,6 +46,15 @@ def tiny_model(tiny_tok, n_features):
     return build_policy(PolicyHParams.tiny(len(tiny_tok), n_features), seed=0).eval()
 
 
+def banded_structure():
+    """A prepared structure of a small banded matrix: what the decoding tests prompt with."""
+    from sparserl_compile.matrices import banded
+    from sparserl_compile.policy.encoder import prepare_structure
+
+    m = banded(64, 2)
+    return prepare_structure(m.indptr, m.indices, m.shape)
+
+
 def structure_dependent_supervision() -> list[dict]:
     """Supervision lines (training/data.py schema) whose best csr_scalar block depends on the
     structure: 128 for banded matrices, 512 for uniform random ones (6 seeds each)."""

@@ -1,12 +1,28 @@
-"""``sparserl train pretrain|sft|rl|soup`` and ``sparserl eval``: every config field is a flag."""
+"""``sparserl train pretrain|sft|rl|soup`` and ``sparserl eval``: every config field is a flag.
+
+Each command needs the ``train`` extra (transformers, tokenizers, safetensors, llguidance);
+without it the command says so in one line and exits 2 before importing anything of it. A bad
+flag value (the config's own check) exits 2, an error the run reports (a missing file, a run
+that cannot resume) exits 1; both as one line on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
+
+#: the top-level modules the ``train`` extra installs (pyproject.toml's ``[project.optional-dependencies]``)
+TRAIN_EXTRA = ("transformers", "tokenizers", "safetensors", "llguidance")
+
+
+def missing_train_extra() -> list[str]:
+    """The modules of the ``train`` extra that are not installed."""
+    return [m for m in TRAIN_EXTRA if importlib.util.find_spec(m) is None]
 
 
 def add_cli(subparsers) -> None:
-    from sparserl_compile.training.config import add_dataclass_args, from_args
+    from sparserl_compile.training.config import add_dataclass_args
     from sparserl_compile.training.evaluate import EvalConfig
     from sparserl_compile.training.pretrain import PretrainConfig
     from sparserl_compile.training.rl import RLConfig
@@ -18,7 +34,7 @@ def add_cli(subparsers) -> None:
     def stage(name, cls, fn, help):
         p = stages.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_dataclass_args(p, cls)
-        p.set_defaults(func=lambda a: _run(fn, from_args(cls, a)))
+        p.set_defaults(func=_guarded(f"train {name}", lambda a: _run(fn, _config(cls, a), _report)))
 
     def _pretrain(c):
         from sparserl_compile.training.pretrain import pretrain
@@ -37,31 +53,65 @@ def add_cli(subparsers) -> None:
     stage("rl", RLConfig, _rl, "stage 3: PPO/GRPO on compile/correct/speed rewards")
     from sparserl_compile.training.soup import add_parser as add_soup
     add_soup(stages)
+    soup = stages.choices["soup"]
+    soup.set_defaults(func=_guarded("train soup", soup.get_default("func")))
 
     ev = subparsers.add_parser("eval", help="evaluate policy checkpoints on the held-out split")
     add_dataclass_args(ev, EvalConfig)
 
-    def _eval(a):
+    def _eval(c):
         from sparserl_compile.training.evaluate import run_eval
-        run_eval(from_args(EvalConfig, a))
-        return 0
+        return run_eval(c)
 
-    ev.set_defaults(func=_eval)
+    ev.set_defaults(func=_guarded("eval", lambda a: _run(_eval, _config(EvalConfig, a), None)))
 
 
-def _run(fn, cfg) -> int:
+class _UsageError(ValueError):
+    """A flag's value the config refused."""
+
+
+def _config(cls, args: argparse.Namespace):
+    from sparserl_compile.training.config import from_args
+
+    try:
+        return from_args(cls, args)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+
+
+def _guarded(command: str, func):
+    """``func`` behind the ``train`` extra's check, its errors one line on stderr."""
+
+    def run(args) -> int:
+        missing = missing_train_extra()
+        if missing:
+            print(f"sparserl {command} needs the train extra ({', '.join(missing)} not installed): "
+                  "pip install 'sparserl[train]'", file=sys.stderr)
+            return 2
+        try:
+            return func(args)
+        except _UsageError as e:
+            print(f"sparserl {command}: {e}", file=sys.stderr)
+            return 2
+        except (ValueError, FileNotFoundError) as e:
+            print(f"sparserl {command}: {e}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _run(fn, cfg, report) -> int:
     """Run a stage; under ``torchrun`` end the process group after it (``training/dist.py``)."""
     from sparserl_compile.training import dist as tdist
 
     try:
         result = fn(cfg)
-        if tdist.is_main():
-            _report(result)
+        if report is not None and tdist.is_main():
+            report(result)
     finally:
         tdist.cleanup()
     return 0
 
 
-def _report(result) -> int:
+def _report(result) -> None:
     print(f"done: step {result.step} (started at {result.start_step}), checkpoint in {result.out_dir}")
-    return 0

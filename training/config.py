@@ -61,8 +61,8 @@ RESUMABLE = frozenset({"steps", "time_budget_s", "log_every", "save_every", "wor
 
 def check_resume(cfg, directory: str | Path, name: str, may_change=RESUMABLE) -> None:
     """Refuse to resume the run in ``directory`` under other settings than it was started with
-    (its ``<name>_config.json``): a second run pointed at a left-over folder (a warm device
-    machine's ``/tmp``) would otherwise continue the first one silently, e.g. another seed or
+    (its ``<name>_config.json``): a second run pointed at a left-over folder (a reused machine's
+    ``/tmp``) would otherwise continue the first one silently, e.g. another seed or
     reward on top of the first run's updates. Call it only when resuming, before
     ``save_config`` overwrites the file."""
     p = Path(directory) / f"{name}_config.json"

@@ -72,7 +72,9 @@ class Corpus:
         return [d.text for d in self.docs]
 
 
-def _walk(root: Path) -> Iterator[Path]:
+def source_files(root: Path) -> Iterator[Path]:
+    """The CUDA and C++ sources under ``root`` (``SUFFIXES``), in a stable order; none where it
+    is not a folder."""
     if not root.is_dir():
         return
     for dirpath, _, names in os.walk(root):
@@ -186,7 +188,7 @@ def build_corpus(max_bytes: int = 64_000_000, max_file_bytes: int = 400_000,
         if source not in roots:
             raise ValueError(f"unknown corpus source {source!r}; choose from {sorted(roots) + ['kernel_space']}")
         for root in roots[source]():
-            for path in _walk(root):
+            for path in source_files(root):
                 rp = path.resolve()
                 if rp in seen_paths:
                     continue

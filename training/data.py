@@ -36,7 +36,7 @@ The held-out split (``is_held_out``) is deterministic and never trained on by an
 - shared matrices: the fixed list ``SHARED_HELD_OUT``, chosen once by the rule "within each
   ``kind`` of the full ``MANIFEST.json``, names sorted, every fourth one (positions 3, 7, 11,
   ...)" (``shared_held_out_by_rule`` recomputes it; a test checks they agree). The list is
-  frozen so that a partial copy of the matrices (a trimmed carry to the device, say) cannot
+  frozen so that a partial copy of the matrices (a trimmed copy for another machine, say) cannot
   move matrices between the splits;
 - generated matrices: held out when BLAKE2b of ``generator`` + sorted ``kwargs`` (seed
   included) is 0 mod 5, i.e. about one in five, independently of the order of the file.
@@ -223,7 +223,7 @@ def load_supervision(path: str | Path | Sequence[str | Path]) -> list[Supervisio
         return [r for p in parts for r in load_supervision(Path(str(p).strip()))]
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"supervision file {path} does not exist (see docs/training.md, 'Data')")
+        raise FileNotFoundError(f"supervision file {path} does not exist (the default files ship in training/data/; see docs/policy.md)")
     out, variant_lines = [], []
     for i, line in enumerate(_read_lines(path), 1):
         if not line.strip():

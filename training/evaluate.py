@@ -37,12 +37,12 @@ evaluator they come from the cost model and exist only for kernel-space points.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from sparserl_compile.training.config import opt, resolve_device
 from sparserl_compile.training.data import DEFAULT_SUPERVISION
-from sparserl_compile.training.rewards import normalized
+from sparserl_compile.training.space import default_render, measured_sources, normalized
+from sparserl_compile.training.stats import geomean
 
 
 @dataclass
@@ -63,17 +63,17 @@ class EvalConfig:
                              "'nearest' (the nearest provider, its table built from this file's training split)")
     samples: str = opt("temperature", "how the k candidates after the greedy one are drawn: 'temperature' "
                                       "(k samples at --temperature), 'formats' (the k most likely plausible "
-                                      "formats, each written greedily: policy.decode.format_diverse) or 'hints' "
+                                      "formats, each written greedily: policy.candidates.format_diverse) or 'hints' "
                                       "(one greedy sample per retrieval hint, the k nearest measured winners: "
-                                      "policy.decode.hint_diverse; policies trained with hints only) or "
+                                      "policy.candidates.hint_diverse; policies trained with hints only) or "
                                       "'branches' (the greedy kernel and its k - 1 most likely single-token "
-                                      "departures, each completed greedily: policy.decode.branch_diverse)")
+                                      "departures, each completed greedily: policy.departures.branch_diverse)")
     branch_scope: str = opt("header", "--samples branches: where the departures are looked for, 'header' (the "
                                       "two contract header lines) or 'all' (any position)")
     untraced_samples: bool = opt(False, "decode the temperature samples untraced (no masks or log-probabilities "
                                         "are scored here) and speculatively in one batch: the same distribution, "
                                         "other draws for a seed than the traced default's; faster where a model "
-                                        "call is dear (the H200), about 10 % slower in all on the 2-core CPU")
+                                        "call is dear (a GPU), about 10 % slower in all on a CPU")
     screen_workers: int = opt(0, "--samples branches: check each departure on the CPU before it is scored (its "
                                  "format fits the matrix; it passes verification on the CPU executor on the "
                                  "matrix's first rows: policy.screen) with this many CPU workers, and replace "
@@ -81,11 +81,6 @@ class EvalConfig:
     fit_formats: bool = opt(True, "leave out of the grammar the parameter-free padded formats (ELL, DIA) the "
                                   "matrix does not convert to, as the policy provider does "
                                   "(policy.provider.grammar_for); --no-fit-formats: the plain grammar")
-
-
-def geomean(xs) -> float | None:
-    """Geometric mean of positive numbers (None for none)."""
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 @dataclass
@@ -181,10 +176,12 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
     ``branch_scope``: ``EvalConfig.branch_scope``. ``screen``: a ``policy.screen.Screen`` the
     departures of ``samples="branches"`` pass before they are scored (``EvalConfig.screen_workers``);
     each record's row lists the departures left out and why (``screened_out``): the screen's,
-    and those ``decode.stale_departure`` leaves out with or without a screen."""
-    from sparserl_compile.policy.decode import DecodeConfig, check_samples, generate
+    and those ``departures.stale_departure`` leaves out with or without a screen."""
+    from sparserl_compile.policy.candidates import check_samples
+    from sparserl_compile.policy.decode import generate
     from sparserl_compile.policy.provider import problem_inputs
-    from sparserl_compile.training.sft import default_render
+    from sparserl_compile.policy.retrieval import hint_name
+    from sparserl_compile.policy.sampling import DecodeConfig
 
     check_samples(samples, model)
     if samples == "hints" and hint_entries is None:
@@ -198,41 +195,26 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         s, formats, refs, grammar = problem_inputs(model, m, pb.op, pb.dtype, pb.n, formats=samples == "formats",
                                                    entries=hint_entries, count=max(4, k) if samples == "hints" else 4,
                                                    fit_formats=fit_formats and constrained)
-        from sparserl_compile.policy.retrieval import hint_name, nearest_hint, nearest_points, problem_for
-
-        hint = points = None
-        if hint_entries is not None and getattr(model.config, "retrieval", False):
-            runnable = problem_for(pb.op, pb.dtype, pb.n, m)  # hints are points this matrix can run
-            if samples == "hints":  # one hint per sample; the greedy sample's is the first
-                points = nearest_points(s.features, pb.op, pb.dtype, pb.n, hint_entries, k, problem=runnable)
-                hint = hint_name(*points[0]) if points else None
-            else:
-                hint = nearest_hint(s.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable)
+        hint, points = _hints(model, s, pb, hint_entries, samples, k)
         # untraced: no logprobs or masks are scored here, so greedy skips the masks it can (same tokens)
         greedy_cfg = DecodeConfig(greedy=True, max_new_tokens=max_new_tokens, constrained=constrained, trace=False)
         greedy = generate(model, tok, s, pb.op, pb.dtype, pb.n, k=1, hint=hint, references=refs, config=greedy_cfg,
                           grammar_text=grammar)
         if samples == "hints":
-            from sparserl_compile.policy.decode import hint_diverse
+            from sparserl_compile.policy.candidates import hint_diverse
 
             # the first hint is the greedy sample's own: its sample is that one, not decoded twice
             sampled = greedy + (hint_diverse(model, tok, s, pb.op, pb.dtype, pb.n,
                                              [hint_name(*p) for p in points[1:]], config=greedy_cfg,
                                              references=refs, grammar_text=grammar) if len(points) > 1 else [])
-            for r, (family, params) in zip(sampled, points):
-                try:
-                    src = normalized(default_render(family, pb.op, pb.dtype, dict(params), m))
-                except Exception:  # noqa: BLE001 - a point the current families no longer render
-                    src = None
-                st.hint_samples += 1
-                st.hint_followed += normalized(r.text) == src
+            _count_followed(st, sampled, points, pb)
         elif samples == "formats":
-            from sparserl_compile.policy.decode import format_diverse
+            from sparserl_compile.policy.candidates import format_diverse
 
             sampled = format_diverse(model, tok, s, pb.op, pb.dtype, pb.n, k, formats, hint=hint,
                                      config=greedy_cfg, references=refs, grammar_text=grammar)
         elif samples == "branches":
-            from sparserl_compile.policy.decode import branch_diverse
+            from sparserl_compile.policy.departures import branch_diverse
 
             # the greedy kernel is the first of the k (as format_diverse's most likely format is)
             check = screen and screen.checker(m.indptr, m.indices, m.shape, pb.op, pb.dtype, pb.n)
@@ -254,6 +236,32 @@ def evaluate_policy(model, tok, problems, evaluator, *, k: int, temperature: flo
         if progress is not None:
             progress(stats)
     return stats
+
+
+def _hints(model, structure, pb, hint_entries, samples: str, k: int):
+    """``(hint, points)`` for one problem of a policy trained with retrieval hints: the greedy
+    prompt's hint and, for ``samples="hints"``, the k nearest runnable points (one per sample,
+    the greedy sample's first); ``(None, None)`` for a policy without hints."""
+    if hint_entries is None or not getattr(model.config, "retrieval", False):
+        return None, None
+    from sparserl_compile.policy.retrieval import hint_name, nearest_hint, nearest_points, problem_for
+
+    runnable = problem_for(pb.op, pb.dtype, pb.n, pb.matrix)  # hints are points this matrix can run
+    if samples == "hints":
+        points = nearest_points(structure.features, pb.op, pb.dtype, pb.n, hint_entries, k, problem=runnable)
+        return (hint_name(*points[0]) if points else None), points
+    return nearest_hint(structure.features, pb.op, pb.dtype, pb.n, hint_entries, problem=runnable), None
+
+
+def _count_followed(st: KindStats, sampled, points, pb) -> None:
+    """Count the hint samples and those that are exactly their hint's rendered point."""
+    for r, (family, params) in zip(sampled, points):
+        try:
+            src = normalized(default_render(family, pb.op, pb.dtype, dict(params), pb.matrix))
+        except Exception:  # noqa: BLE001 - a point the current families no longer render
+            src = None
+        st.hint_samples += 1
+        st.hint_followed += normalized(r.text) == src
 
 
 def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -> None:
@@ -335,13 +343,11 @@ def evaluate_nearest(table, problems, evaluator, *, k: int, space_sources=None, 
     return stats
 
 
-def run_eval(cfg: EvalConfig, log=print) -> dict:
-    from sparserl_compile.policy.model import load_policy
+def _held_out(cfg: EvalConfig):
+    """The supervision's split, the held-out records ``cfg`` asks for, their problems as (kind,
+    ``RLProblem``) pairs and each record's measured kernel-space sources."""
     from sparserl_compile.training.data import load_supervision, split
-    from sparserl_compile.training.soup import provenance
-    from sparserl_compile.training.rewards import measured_sources
-    from sparserl_compile.training.rl import make_evaluator, problems_from_records
-    from sparserl_compile.training.sft import default_render
+    from sparserl_compile.training.rewards import problems_from_records
 
     both = split(load_supervision(cfg.data))
     records = both.held_out
@@ -353,9 +359,21 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
         raise ValueError(f"{cfg.data}: no held-out records to evaluate on")
     problems = list(zip([r.matrix.kind for r in records], problems_from_records(records)))
     space = [measured_sources(r, pb.matrix, default_render) for r, (_, pb) in zip(records, problems)]
+    return both, records, problems, space
+
+
+def run_eval(cfg: EvalConfig, log=print) -> dict:
+    """``sparserl eval`` (module docstring): every checkpoint of ``cfg.checkpoints``, constrained
+    and unconstrained, then the baselines, on the held-out records; the report, also written to
+    ``cfg.out`` after every record."""
+    from sparserl_compile.policy.model import load_policy
+    from sparserl_compile.training.rewards import make_evaluator
+    from sparserl_compile.training.soup import provenance
+
     if cfg.screen_workers and cfg.samples != "branches":
         raise ValueError(f"--screen-workers checks departures from the greedy kernel: it needs --samples branches, "
                          f"not {cfg.samples!r}")
+    both, records, problems, space = _held_out(cfg)
     evaluator = make_evaluator(cfg.evaluator, cfg.workers, records=records)
     screen = None
     if cfg.screen_workers:
@@ -426,5 +444,3 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     save()
     return report
 
-
-_ = asdict

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 from sparserl_compile.fileio import write_json
 from sparserl_compile.training import data
-from sparserl_compile.training.evaluate import geomean
+from sparserl_compile.training.stats import geomean
 
 DEFAULT_DATA = data.DEFAULT_SUPERVISION
 KS = (1, 2, 4, 8)

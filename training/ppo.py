@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparserl_compile.policy.decode import Rollout, unpack_masks
+from sparserl_compile.policy.masks import unpack_masks
+from sparserl_compile.policy.sampling import Rollout
 from sparserl_compile.policy.encoder import PreparedStructure, StructureBatch
 
 

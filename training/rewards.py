@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sparserl_compile.training.space import measured_sources, normalized
+
 
 @dataclass(frozen=True)
 class KernelOutcome:
@@ -216,29 +218,6 @@ def reward_seconds(ev) -> dict[str, float]:
     return {"reference": ref, "compile": compile_s, "verify": verify, "time": timing, "other": max(0.0, rest)}
 
 
-def normalized(source: str) -> str:
-    """A source without whitespace: how samples are matched to rendered kernel-space points."""
-    import re
-
-    return re.sub(r"\s+", "", source)
-
-
-def measured_sources(record, matrix, render=None) -> dict[str, float | None]:
-    """Normalized rendered source -> measured H200 us (None: the variant failed there) for the
-    variants of one supervision record (the fastest where two variants render alike)."""
-    if render is None:
-        from sparserl_compile.training.sft import default_render as render
-    out: dict[str, float | None] = {}
-    for v in record.variants:
-        try:
-            key = normalized(render(v.family, record.op, record.dtype, dict(v.params), matrix))
-        except Exception:  # noqa: BLE001 - a variant the current families no longer render
-            continue
-        old = out.get(key)
-        out[key] = v.us if old is None else (old if v.us is None else min(old, v.us))
-    return out
-
-
 class MeasuredEvaluator:
     """Replays measured outcomes (module docstring). ``records``: the supervision records of
     the problems it will see (matched by label, op, dtype and n); ``inner``: the evaluator for
@@ -287,3 +266,43 @@ class MeasuredEvaluator:
                 for i, o in zip(rest, self.inner(problem, [sources[i] for i in rest])):
                     out[i] = o
         return out  # type: ignore[return-value]
+
+
+def problems_from_records(records, loaded: dict | None = None) -> list[RLProblem]:
+    """``RLProblem``s for supervision records (matrices loaded once each; ``loaded``,
+    MatrixRef -> CSR, is used and filled)."""
+    out, cache = [], ({} if loaded is None else loaded)
+    for r in records:
+        if r.matrix not in cache:
+            cache[r.matrix] = r.matrix.load()
+        best = r.best()
+        out.append(RLProblem(cache[r.matrix], r.op, r.dtype, r.n, r.matrix.label, r.reference_us,
+                             best.us if best else None))
+    return out
+
+
+#: the evaluators ``make_evaluator`` makes by name
+EVALUATORS = ("gpu", "cpu", "measured", "header")
+
+
+def make_evaluator(name: str, workers: int = 2, records=None, parallel_verify: bool = True,
+                   prestart: bool = True):
+    """``gpu``, ``cpu``, ``header``, or ``measured`` (replays the H200 outcomes of ``records``'
+    variants, the CPU evaluator for the rest). ``parallel_verify`` and ``prestart`` (start the
+    workers now, in the background): ``SandboxEvaluator``'s; the measured evaluator's CPU
+    evaluator, rarely asked, starts its workers on first use."""
+    if name == "header":
+        return HeaderEvaluator()
+    if name in ("cpu", "gpu"):
+        cm = None
+        if name == "cpu":
+            from sparserl_compile.training.cost_model import CostModel
+
+            cm = CostModel.load_default()
+        return SandboxEvaluator(name, workers=workers, cost_model=cm, parallel_verify=parallel_verify,
+                                prestart=prestart)
+    if name == "measured":
+        if records is None:
+            raise ValueError("evaluator='measured' needs the supervision records it replays")
+        return MeasuredEvaluator(records, inner=make_evaluator("cpu", workers, prestart=False))
+    raise ValueError(f"evaluator={name!r}: use " + ", ".join(map(repr, EVALUATORS)))

@@ -18,6 +18,7 @@ import torch
 
 from sparserl_compile.training.config import check_resume, opt, resolve_device, save_config
 from sparserl_compile.training.data import DEFAULT_SUPERVISION
+from sparserl_compile.training.space import default_render, ranked_variants
 
 
 @dataclass
@@ -58,24 +59,6 @@ class SFTConfig:
                    lr=3e-3, log_every=10, save_every=15)
 
 
-def default_render(family: str, op: str, dtype: str, params: dict, structure) -> str:
-    """The kernel families' renderer (``sparserl_compile.kernels.render``)."""
-    from sparserl_compile import kernels
-
-    render = getattr(kernels, "render", None)
-    if render is None:
-        raise RuntimeError("sparserl_compile.kernels.render is not available yet: the kernel "
-                           "families must expose render(family, op, dtype, params, structure)")
-    out = render(family, op, dtype, params, structure)
-    return out if isinstance(out, str) else out.source
-
-
-def ranked_variants(record, top: int):
-    """The record's verified variants, fastest first, at most ``top``."""
-    ok = sorted((v for v in record.variants if v.us is not None), key=lambda v: v.us)
-    return ok[:max(1, top)]
-
-
 def build_examples(records, tokenizer, max_points: int, render=default_render, log=print, top: int = 1,
                    hint_entries=None, loaded: dict | None = None, hints: int = 1, hint_tolerance: float = 0.0):
     """``LMExample``s for records (matrices loaded once each): one per distinct rendered source
@@ -90,10 +73,10 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
     hint and the record's fastest verified variant *of the hinted family* as the target (no
     example where the record has none of that family). The hint then says which kernel to
     write and the policy learns how to write it for this matrix (its parameters), so each of
-    k hints at inference gives a different candidate (``decode.hint_diverse``). With
+    k hints at inference gives a different candidate (``candidates.hint_diverse``). With
     ``hint_tolerance`` t > 0 the target is the hinted point itself where the record measured it
     at most (1 + t) times its family's best."""
-    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.sampling import completion_ids
     from sparserl_compile.policy.encoder import prepare_structure
     from sparserl_compile.policy.tokenizer import prompt_text
     from sparserl_compile.training.lm import LMExample
@@ -136,7 +119,7 @@ def build_examples(records, tokenizer, max_points: int, render=default_render, l
 
 def _family_hint_examples(r, m, s, tokenizer, render, log, hint_entries, hints: int, tolerance: float = 0.0) -> list:
     """``build_examples``' ``hints > 1`` examples of one record (see there)."""
-    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.sampling import completion_ids
     from sparserl_compile.policy.retrieval import hint_name, nearest_points, problem_for
     from sparserl_compile.policy.tokenizer import prompt_text
     from sparserl_compile.training.lm import LMExample
@@ -209,7 +192,7 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
                                    hint_entries=entries, loaded=loaded, hints=cfg.hints,
                                    hint_tolerance=cfg.hint_tolerance)
     loaded.clear()
-    # the held-out loss is a diagnostic: a trimmed copy of the shared folder (a device carry)
+    # the held-out loss is a diagnostic: a trimmed copy of the shared folder (on another machine)
     # may lack held-out matrices, and the loss is then over the records whose matrix is there
     present = {ref: ref.present() for ref in {r.matrix for r in parts.held_out}}
     held_records = [r for r in parts.held_out if present[r.matrix]]

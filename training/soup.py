@@ -1,7 +1,7 @@
 """Weight averaging of policy checkpoints ("model soup"): ``sparserl train soup``.
 
 RAFT runs from one SFT stage gain on some held-out records and lose on others, and the gains and
-losses differ from run to run (docs/training.md, "Where RL stands"). Averaging the weights of
+losses differ from run to run. Averaging the weights of
 several fine-tuned runs of one initialisation keeps what the runs share and averages out what
 each run learned alone (Wortsman et al., "Model soups", ICML 2022); averaging a fine-tuned run
 with its own initialisation interpolates between them (WiSE-FT, Wortsman et al., CVPR 2022).

@@ -1,13 +1,13 @@
 """Problems no supervision record covers, for stage 3 (``sparserl train rl --unlabelled N``).
 
 SFT imitates each training record's fastest measured kernel, so RL on the same records has
-little left to find (docs/training.md, "Known gaps"). What it can add is reward on structures
+little left to find. What it can add is reward on structures
 the supervision never measured. This module draws them: the training generators
 (``sparserl_compile.matrices.GENERATORS``) at seeds from 100 up (the supervision uses 0-2) and
 at sizes drawn from ranges like the supervision's. Each is SpMV or SpMM with N = 32 (the two
 products the supervision mostly holds), float32. ``spmm_widths`` (``--unlabelled-spmm-n``) gives
-the SpMM problems other widths, drawn equally: the held-out split holds SpMM with N = 8 and 128,
-which no RL problem had before (twentieth session).
+the SpMM problems other widths, drawn equally: the held-out split holds SpMM with N = 8 and 128
+too.
 
 Such a problem has no measured reference and no kernel-space best. The GPU evaluator times
 cuSPARSE itself, so the speed term of the reward is ``log2(cuSPARSE / kernel)`` alone
@@ -28,9 +28,8 @@ A held-out matrix is never a source. ``mix`` weights the sources (``parse_mix``:
 ``uniform_random_shapes`` (a mix source only, never drawn without a mix) is the uniform random
 generator at the shapes ``uniform_random``'s sampler never draws and the supervision grids
 hold: tall (4-40 times more rows than columns), wide (4-20 times more columns), and 1 or
-64-256 nonzeros per row. RL's gains on the held-out uniform random records came on such
-shapes too (docs/training-history.md, sixteenth session). Its matrices are labelled, split and
-skipped as ``uniform_random``'s.
+64-256 nonzeros per row, where the held-out uniform random records have room for RL to gain.
+Its matrices are labelled, split and skipped as ``uniform_random``'s.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Checkpoint selection for stage 3 on a validation set apart from the held-out split
 (``sparserl train rl --validate N``).
 
-Why: RL's held-out figures move by whole points between updates (docs/training-history.md: version 3's
-round 2 fell from 0.890 to 0.805), so which update to keep matters, and choosing it on the
+Why: RL's held-out figures move by whole points between updates, so which update to keep matters, and choosing it on the
 held-out records would make those records part of training. The validation problems are drawn
 as the unlabelled problems are (``training/unlabelled.py``), from the generators and from the
 shared folder's *training-side* matrices, at seeds from ``VALIDATION_FIRST_SEED`` (the
@@ -26,16 +25,14 @@ The stage validates before its first update (the starting checkpoint), every ``v
 updates and after the last one; a strictly better score saves the policy to ``<out>/best/``.
 The history is ``<out>/validation.json`` (read back when a run resumes).
 
-What it is worth (docs/training-history.md, "Checkpoint selection on a validation split"): in two H200
-runs of 17 RAFT updates it picked the checkpoint after 12 updates, which was worse on the
-held-out records than the run's end (0.848 vs 0.912, 0.824 vs 0.877). With 24 problems, one
-format decision moves the score about as much as the checkpoints differ, so it guards against
-a collapse (wrong kernels, a kind lost) more than it ranks close checkpoints.
+What it is worth: with a few dozen problems, one format decision moves the score about as much
+as close checkpoints differ, so it guards against a collapse (wrong kernels, a kind lost) more
+than it ranks close checkpoints; the checkpoint it picks can be worse on the held-out records
+than the run's end.
 
 A checkpoint chosen as the best of several validations is favoured on the problems it was
 chosen on. To compare it with another checkpoint, draw fresh problems: a ``--seed`` that no run
-used. In the fifteenth session a run's best beat version 3 on its own 24 problems (2.718 vs
-2.513 x cuSPARSE) and lost to it on 48 fresh ones (x0.980, paired).
+used: a run's best can beat another checkpoint on its own problems and lose to it on fresh ones.
 
 Several checkpoints on the same problems, in one process (so identical kernels score the same):
 
@@ -60,7 +57,7 @@ BEST_DIR = "best"
 def validation_problems(count: int, seed: int, max_nnz: int, exclude_labels=frozenset(), mix=None,
                         spmm_widths=(32,)) -> list:
     """``count`` validation ``RLProblem``s (module doc), deterministic in ``seed``; SpMM widths as
-    ``unlabelled_problems`` draws them (default N = 32, the draws of every earlier session)."""
+    ``unlabelled_problems`` draws them (default N = 32)."""
     from sparserl_compile.training.unlabelled import unlabelled_problems
 
     return unlabelled_problems(count, seed, max_nnz, exclude_labels=exclude_labels, mix=mix,
@@ -86,10 +83,11 @@ class Validator:
     def __call__(self, model, tok, step: int) -> dict:
         """One validation of ``model``: ``{"step", "score", "correct_rate", "timed", "problems",
         "rows"}`` (rows: label, op, n, compiled, correct, us, reference_us, value)."""
-        from sparserl_compile.policy.decode import DecodeConfig, generate
+        from sparserl_compile.policy.decode import generate
+        from sparserl_compile.policy.sampling import DecodeConfig
         from sparserl_compile.policy.encoder import prepare_structure
-        from sparserl_compile.training.evaluate import geomean
-        from sparserl_compile.training.rewards import normalized
+        from sparserl_compile.training.space import normalized
+        from sparserl_compile.training.stats import geomean
 
         cfg = DecodeConfig(greedy=True, max_new_tokens=self.max_new_tokens, constrained=self.constrained, trace=False)
         rows = []
@@ -168,7 +166,7 @@ def compare(checkpoints: str, count: int, seed: int = 0, max_nnz: int = 0, mix: 
     ``Validator`` -> ``{"problems": [labels], "checkpoints": {name: validation}}``."""
     from sparserl_compile.policy.model import load_policy
     from sparserl_compile.training.config import resolve_device
-    from sparserl_compile.training.rl import make_evaluator
+    from sparserl_compile.training.rewards import make_evaluator
     from sparserl_compile.training.soup import provenance
     from sparserl_compile.training.unlabelled import parse_mix
 

@@ -54,7 +54,7 @@ def test_spare_on_a_registered_provider_leaves_its_name():
 def test_steps_modifier():
     """``+stepsN`` sets the branch provider's forward budget per departure (``+steps0``: none);
     without it the provider's default stands."""
-    from sparserl_compile.policy.decode import DEPARTURE_STEPS
+    from sparserl_compile.policy.departures import DEPARTURE_STEPS
 
     assert cold_start._make_provider(f"policy+branches+steps0@{DEFAULT}").departure_steps is None
     assert cold_start._make_provider(f"policy+branches+steps12@{DEFAULT}").departure_steps == 12

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from sparserl_compile.policy.decode import DecodeConfig
+from sparserl_compile.policy.sampling import DecodeConfig
 from sparserl_compile.policy.provider import DEFAULT_CHECKPOINT, PolicyProvider
 from sparserl_compile import contract
 from sparserl_compile.matrices import banded
@@ -63,10 +63,10 @@ def test_the_grammar_leaves_out_the_formats_the_matrix_does_not_fit(tiny_model, 
 
 def test_branch_candidates_are_the_greedy_kernel_and_its_departures(tiny_model, tiny_tok, kernel_source,
                                                                    monkeypatch):
-    """samples="branches": the candidates are ``decode.branch_diverse``'s (greedy, untraced, under
+    """samples="branches": the candidates are ``departures.branch_diverse``'s (greedy, untraced, under
     the matrix's grammar), each kept once and only when it parses, like every other mode's."""
     from sparserl_compile.policy import provider as prov_mod
-    from sparserl_compile.policy.decode import Rollout
+    from sparserl_compile.policy.sampling import Rollout
 
     calls = []
     other = kernel_source.replace("block=256 work=rows per_block=256", "block=128 work=rows per_block=128")
@@ -88,7 +88,7 @@ def test_candidates_are_drafted_from_a_kernel_of_every_format(tiny_model, tiny_t
     nearest entries have a point of (a departure may switch format, a sample may leave the
     nearest winners'), in branch and temperature modes alike."""
     from sparserl_compile.policy import provider as prov_mod
-    from sparserl_compile.policy.decode import format_of
+    from sparserl_compile.policy.sampling import format_of
 
     drafts = {}
 
@@ -115,7 +115,7 @@ def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model,
     problem's pattern, op, dtype and width with its ``Screen``; what it left out is counted in
     ``stats.screened_out``. A screen for another sampling mode is refused."""
     from sparserl_compile.policy import provider as prov_mod
-    from sparserl_compile.policy.decode import Rollout
+    from sparserl_compile.policy.sampling import Rollout
     from sparserl_compile.policy.screen import Screen
 
     asked = []
@@ -151,10 +151,10 @@ def test_screened_branch_candidates_ask_the_screen_about_the_problem(tiny_model,
 
 def test_departures_are_cut_at_the_providers_budget_in_its_rounds(tiny_model, tiny_tok, monkeypatch):
     """Branches mode hands ``branch_diverse`` the provider's forward budget per departure
-    (``decode.DEPARTURE_STEPS`` by default; None: no limit) and its rounds of replacements
-    (``decode.DEPARTURE_ROUNDS``; None: branch_diverse's own); nonsense values are refused."""
+    (``departures.DEPARTURE_STEPS`` by default; None: no limit) and its rounds of replacements
+    (``departures.DEPARTURE_ROUNDS``; None: branch_diverse's own); nonsense values are refused."""
     from sparserl_compile.policy import provider as prov_mod
-    from sparserl_compile.policy.decode import DEPARTURE_ROUNDS, DEPARTURE_STEPS
+    from sparserl_compile.policy.departures import DEPARTURE_ROUNDS, DEPARTURE_STEPS
 
     asked = []
 
@@ -196,7 +196,7 @@ def test_a_kernel_written_twice_is_proposed_once(tiny_model, tiny_tok, kernel_so
     """Two samples (e.g. two hints) that give the same kernel are one candidate: selection
     would compile, verify and time it twice for nothing."""
     from sparserl_compile.policy import provider as prov_mod
-    from sparserl_compile.policy.decode import Rollout
+    from sparserl_compile.policy.sampling import Rollout
 
     other = kernel_source.rstrip() + "\n// another kernel"
     rolls = [Rollout([], [1], text, [0.0], True) for text in (kernel_source, kernel_source, other)]
@@ -214,7 +214,7 @@ def _hint_provider(tiny_model, tiny_tok, kernel_source, monkeypatch):
 
     from sparserl_compile.policy import provider as prov_mod
     from sparserl_compile.policy import retrieval
-    from sparserl_compile.policy.decode import Rollout
+    from sparserl_compile.policy.sampling import Rollout
 
     texts = {f"h{i}": kernel_source.rstrip() + f"\n// {'same' if i < 3 else i}" for i in range(10)}
     groups = []
@@ -249,7 +249,7 @@ def test_hint_fill_up_stops_at_its_time_budget(tiny_model, tiny_tok, kernel_sour
 
     from sparserl_compile.policy import provider as prov_mod
     from sparserl_compile.policy import retrieval
-    from sparserl_compile.policy.decode import Rollout
+    from sparserl_compile.policy.sampling import Rollout
 
     asked = []
 

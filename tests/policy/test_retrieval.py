@@ -108,7 +108,7 @@ def test_family_hint_examples_target_the_records_best_of_the_hinted_family(tiny_
 
 def test_provider_gives_a_retrieval_policy_its_hint(tiny_model, tiny_tok, monkeypatch):
     from sparserl_compile.policy import provider as prov_mod
-    from sparserl_compile.policy.decode import DecodeConfig
+    from sparserl_compile.policy.sampling import DecodeConfig
     from sparserl_compile.matrices import banded
 
     seen = []
@@ -175,7 +175,7 @@ def test_reference_sources_render_the_nearest_winners_hint_first():
 def test_reference_sources_add_a_draft_of_each_asked_format():
     """``formats``: after the first ``count``, the nearest proposal of each asked format the first
     ones lack (format_diverse's forced formats then have drafts of their own format)."""
-    from sparserl_compile.policy.decode import format_of
+    from sparserl_compile.policy.sampling import format_of
     from sparserl_compile.matrices import banded
 
     m = banded(64, 2)
@@ -197,7 +197,7 @@ def test_reference_sources_draft_every_format_by_default():
     """Without ``formats`` the drafts include the nearest proposal of every format the entries
     have (a departure or a sample may leave the nearest winners' format); ``formats=()``: the
     first ``count`` proposals alone."""
-    from sparserl_compile.policy.decode import format_of
+    from sparserl_compile.policy.sampling import format_of
     from sparserl_compile.matrices import banded
 
     m = banded(64, 2)
@@ -247,19 +247,19 @@ def test_hints_given_a_problem_are_points_its_pattern_can_run():
 
 def test_provider_hint_samples_condition_each_candidate_on_another_winner(tiny_model, tiny_tok, monkeypatch):
     """samples="hints": one greedy candidate per nearest winner, each with that winner as its hint."""
-    from sparserl_compile.policy import decode as decode_mod
+    from sparserl_compile.policy import candidates
     from sparserl_compile.policy import provider as prov_mod
-    from sparserl_compile.policy.decode import DecodeConfig
+    from sparserl_compile.policy.sampling import DecodeConfig
     from sparserl_compile.matrices import banded
 
     seen = []
-    real = decode_mod.generate
+    real = candidates.generate
 
     def spy(*a, hint=None, config=None, **kw):
         seen.append((hint, config.greedy))
         return real(*a, hint=hint, config=config, **kw)
 
-    monkeypatch.setattr(decode_mod, "generate", spy)
+    monkeypatch.setattr(candidates, "generate", spy)  # what hint_diverse decodes with
     m = banded(32, 1)
     feats = prov_mod.prepare_structure(m.indptr, m.indices, m.shape).features
     table = [entry("t", feats, "csr_scalar", {"block": 256}),

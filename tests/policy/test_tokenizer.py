@@ -23,3 +23,19 @@ def test_save_load(tiny_tok, tmp_path, kernel_source):
     save_tokenizer(tiny_tok, tmp_path)
     t2 = load_tokenizer(tmp_path)
     assert t2.encode(kernel_source) == tiny_tok.encode(kernel_source)
+
+
+def test_encode_cached_is_the_tokenizers_encoding_in_a_fresh_list(tiny_tok):
+    from sparserl_compile.policy.tokenizer import encode_cached
+
+    text = "// sparserl op=spmv format=csr dtype=f32 index=i32"
+    a = encode_cached(tiny_tok, text)
+    assert a == tiny_tok.encode(text)
+    a.append(-1)  # the caller's list is its own
+    assert encode_cached(tiny_tok, text) == tiny_tok.encode(text)
+
+    class Slow:  # no Rust backend to key the memo by: encoded every time
+        def encode(self, t):
+            return [len(t)]
+
+    assert encode_cached(Slow(), text) == [len(text)]

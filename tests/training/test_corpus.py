@@ -1,4 +1,4 @@
-from sparserl_compile.training.corpus import _walk, build_corpus, cuda_toolkit_roots, save_corpus
+from sparserl_compile.training.corpus import build_corpus, cuda_toolkit_roots, save_corpus, source_files
 
 
 def test_corpus_is_deduplicated_capped_and_counted(tmp_path, monkeypatch):
@@ -23,6 +23,6 @@ def test_real_toolkit_headers_when_installed():
         import pytest
 
         pytest.skip("no CUDA toolkit headers on this machine")
-    assert any(p.suffix in (".h", ".cuh", ".hpp") for _, p in zip(range(50), _walk(roots[0])))
+    assert any(p.suffix in (".h", ".cuh", ".hpp") for _, p in zip(range(50), source_files(roots[0])))
     c = build_corpus(max_bytes=2_000_000, sources=("cuda_toolkit",))
     assert c.stats.total_files > 10 and c.stats.total_bytes <= 2_000_000

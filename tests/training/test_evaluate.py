@@ -2,10 +2,11 @@
 
 import pytest
 
-from sparserl_compile.policy.decode import DecodeConfig, generate
+from sparserl_compile.policy.decode import generate
+from sparserl_compile.policy.sampling import DecodeConfig
 from sparserl_compile.policy.encoder import prepare_structure
 from sparserl_compile.training.evaluate import evaluate_policy
-from sparserl_compile.training.rewards import normalized as _norm
+from sparserl_compile.training.space import normalized as _norm
 from sparserl_compile.training.rewards import KernelOutcome, RLProblem
 from sparserl_compile.matrices import banded
 
@@ -110,7 +111,7 @@ def test_diverse_samples_are_distinct_formats(tiny_model, tiny_tok):
 
 def test_branch_samples_are_the_greedy_kernel_and_its_departures(tiny_model, tiny_tok):
     """samples="branches": the k candidates after the greedy sample are the greedy kernel and its
-    k - 1 most likely departures (``decode.branch_diverse``), distinct kernels."""
+    k - 1 most likely departures (``departures.branch_diverse``), distinct kernels."""
     st, seen = _sources_seen(tiny_model, tiny_tok, samples="branches", branch_scope="all")
     assert st.samples == 4 and seen[1] == seen[0] and len(set(seen[1:])) == 3
     # the departures alone: the greedy kernel, counted twice in the rates, is not among the others
@@ -144,7 +145,7 @@ def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tin
     import numpy as np
 
     from sparserl_compile.nearest import Entry
-    from sparserl_compile.training.sft import default_render
+    from sparserl_compile.training.space import default_render
 
     m = banded(32, 1)
     pb = RLProblem(m, "spmv", "f32", 1, "banded", reference_us=40.0, best_space_us=10.0)
@@ -174,15 +175,18 @@ def test_hint_samples_follow_the_nearest_winners_and_are_counted(tiny_model, tin
     assert st.summary()["hint_follow_rate"] == 0.0
 
     # a model that writes exactly its hint's point: every sample followed
-    import sparserl_compile.policy.decode as dec
+    import sparserl_compile.policy.candidates as candidates
+    import sparserl_compile.policy.decode as decode
+    from sparserl_compile.policy.sampling import Rollout
 
     def writes_the_hint(model, tok, s, op, dtype, n, k=1, config=None, hint=None, **kw):
         fam, _, rest = hint.partition("[")
         params = dict(kv.split("=") for kv in rest.rstrip("]").split("][") if kv)
         params = {k_: int(v) for k_, v in params.items()}
-        return [dec.Rollout([], [], default_render(fam, op, dtype, params, m), [], True) for _ in range(k)]
+        return [Rollout([], [], default_render(fam, op, dtype, params, m), [], True) for _ in range(k)]
 
-    monkeypatch.setattr(dec, "generate", writes_the_hint)
+    monkeypatch.setattr(decode, "generate", writes_the_hint)  # the greedy sample's
+    monkeypatch.setattr(candidates, "generate", writes_the_hint)  # what hint_diverse decodes with
     st = evaluate_policy(rag, tiny_tok, [("banded", pb)], _all_correct, k=3, temperature=1.0,
                          max_new_tokens=12, constrained=True, samples="hints", hint_entries=table)["banded"]
     assert st.hint_samples == 3 and st.hint_followed == 3

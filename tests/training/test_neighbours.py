@@ -42,7 +42,7 @@ def test_offline_eval_reads_fractions_off_the_measurements():
 
 
 def test_table_and_rl_problems_share_one_load_per_matrix(monkeypatch):
-    from sparserl_compile.training.rl import problems_from_records
+    from sparserl_compile.training.rewards import problems_from_records
 
     loads = []
     real = data.MatrixRef.load

@@ -115,7 +115,7 @@ def test_raft_run_distils_the_best_hint_into_the_first_prompt(tmp_path, tiny_tok
     first's and calls the third's wrong. After the run, the first hint's prompt is far likelier
     to write the kernel that the second hint's prompt wrote at the first update."""
     import sparserl_compile.policy.retrieval as retrieval
-    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.sampling import completion_ids
     from sparserl_compile.policy.encoder import prepare_structure
     from sparserl_compile.policy.tokenizer import prompt_text
 
@@ -143,7 +143,7 @@ def test_raft_without_hints_distils_the_best_sample_into_the_greedy_kernel(tmp_p
     """A policy trained without hints: the candidates are the greedy kernel and k - 1 samples of
     the same prompt (expert iteration); the evaluator times the first sample 5x faster than the
     greedy kernel, and after the run those samples are far likelier under the greedy prompt."""
-    from sparserl_compile.policy.decode import completion_ids
+    from sparserl_compile.policy.sampling import completion_ids
     from sparserl_compile.policy.encoder import prepare_structure
     from sparserl_compile.policy.tokenizer import prompt_text
 
@@ -184,31 +184,16 @@ def test_raft_correctness_only_control_never_switches_to_the_faster_kernel(tmp_p
     assert not any("switched: b48" in m for m in logs)
 
 
-def test_rl_rejects_an_unknown_algo(tmp_path, tiny_tok, n_features):
+def test_rl_refuses_format_exploration_for_a_policy_trained_with_hints(tmp_path, tiny_tok, n_features):
+    """Settings the config cannot check alone (test_config.py has those) are checked against
+    the starting checkpoint before any data is read."""
     init = tmp_path / "init"
-    save_policy(build_policy(PolicyHParams.tiny(len(tiny_tok), n_features)), tiny_tok, init)
-    data = tmp_path / "sup.jsonl"
-    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
-    cfg = RLConfig(init=str(init), data=str(data), out_dir=str(tmp_path / "raft"), steps=1, k=2, algo="dpo",
-                   evaluator="header", speculative=False)
-    with pytest.raises(ValueError, match="use 'ppo', 'grpo' or 'raft'"):
-        rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
-
-
-@pytest.mark.parametrize("setting, message", [
-    ({"reward": "speed"}, "--reward 'speed': use 'hierarchical' or 'correctness'"),
-    ({"raft_explore": "hints"}, "--raft-explore 'hints': use 'temperature', 'formats', 'mixed', 'branches'"),
-    ({"raft_explore": "formats", "retrieval": True}, "is for a policy without hints; .* was trained with hints"),
-])
-def test_rl_rejects_an_unknown_reward_or_exploration(tmp_path, tiny_tok, n_features, setting, message):
-    init = tmp_path / "init"
-    setting = dict(setting)
     model = build_policy(PolicyHParams.tiny(len(tiny_tok), n_features))
-    model.config.retrieval = setting.pop("retrieval", False)
+    model.config.retrieval = True
     save_policy(model, tiny_tok, init)
     cfg = RLConfig(init=str(init), data=str(tmp_path / "none.jsonl"), out_dir=str(tmp_path / "raft"), steps=1, k=2,
-                   algo="raft", evaluator="header", speculative=False, **setting)
-    with pytest.raises(ValueError, match=message):
+                   algo="raft", evaluator="header", speculative=False, raft_explore="formats")
+    with pytest.raises(ValueError, match="is for a policy without hints; .* was trained with hints"):
         rl(cfg, problems=[RLProblem(banded(16, 1), "spmv", "f32", 1)], log=QUIET)
 
 
@@ -243,8 +228,7 @@ def test_raft_samples_are_drafted_unless_sample_drafts_is_off(monkeypatch, sampl
     default (speculatively, one at a time), and in one undrafted batch with --no-sample-drafts."""
     from types import SimpleNamespace
 
-    import sparserl_compile.policy.decode as decode
-    from sparserl_compile.training.rl import _raft_candidates
+    from sparserl_compile.training import raft
 
     calls = []
 
@@ -252,11 +236,11 @@ def test_raft_samples_are_drafted_unless_sample_drafts_is_off(monkeypatch, sampl
         calls.append((k, config.greedy, references))
         return [SimpleNamespace(text=f"kernel {len(calls)} {i}", extra={}) for i in range(k)]
 
-    monkeypatch.setattr(decode, "generate", fake_generate)
+    monkeypatch.setattr(raft, "generate", fake_generate)
     cfg = RLConfig(init="", data="", out_dir="", k=4, raft_explore="temperature", sample_drafts=sample_drafts)
     pb = SimpleNamespace(op="spmv", dtype="f32", n=1)
     seconds = {}
-    rs = _raft_candidates(None, None, None, pb, None, ["draft"], cfg, seed=0, seconds=seconds)
+    rs = raft.raft_candidates(None, None, None, pb, None, ["draft"], cfg, seed=0, seconds=seconds)
     assert [r.extra["origin"] for r in rs] == ["greedy", "sample", "sample", "sample"]
     assert calls == [(1, True, ["draft"]), (3, False, ["draft"] if sample_drafts else None)]
     assert set(seconds) == {"greedy", "sample"}
@@ -268,8 +252,7 @@ def test_raft_batch_drafts_decodes_the_samples_and_format_candidates_together(mo
     DecodeConfig.batch_drafts (speculatively in one batch); the greedy kernel, one sample, is not."""
     from types import SimpleNamespace
 
-    import sparserl_compile.policy.decode as decode
-    from sparserl_compile.training.rl import _raft_candidates
+    from sparserl_compile.training import raft
 
     seen = []
 
@@ -281,23 +264,22 @@ def test_raft_batch_drafts_decodes_the_samples_and_format_candidates_together(mo
         seen.append(("format", config.batch_drafts))
         return [SimpleNamespace(text=f"format {i}", extra={}) for i in range(k)]
 
-    monkeypatch.setattr(decode, "generate", fake_generate)
-    monkeypatch.setattr(decode, "format_diverse", fake_formats)
+    monkeypatch.setattr(raft, "generate", fake_generate)
+    monkeypatch.setattr(raft, "format_diverse", fake_formats)
     cfg = RLConfig(init="", data="", out_dir="", k=5, raft_explore="mixed", batch_drafts=batch_drafts)
     pb = SimpleNamespace(op="spmv", dtype="f32", n=1)
-    rs = _raft_candidates(None, None, None, pb, None, ["draft"], cfg, seed=0, formats=["csr", "ell"])
+    rs = raft.raft_candidates(None, None, None, pb, None, ["draft"], cfg, seed=0, formats=["csr", "ell"])
     assert [r.extra["origin"] for r in rs] == ["greedy", "format", "format", "sample", "sample"]
     assert seen == [("greedy", False), ("format", batch_drafts), ("sample", batch_drafts)]
 
 
 def test_raft_branch_exploration_spends_the_candidates_on_the_greedy_kernels_departures(monkeypatch):
     """--raft-explore branches: after the greedy kernel, the k - 1 candidates are
-    ``decode.branch_diverse``'s departures from it (given the greedy rollout, not decoding it
+    ``departures.branch_diverse``'s departures from it (given the greedy rollout, not decoding it
     again), tagged "branch", with their decoding seconds under "branch"."""
     from types import SimpleNamespace
 
-    import sparserl_compile.policy.decode as decode
-    from sparserl_compile.training.rl import _raft_candidates
+    from sparserl_compile.training import raft
 
     seen = []
 
@@ -309,11 +291,11 @@ def test_raft_branch_exploration_spends_the_candidates_on_the_greedy_kernels_dep
         seen.append(("branches", k, greedy.text, config.greedy, config.batch_drafts))
         return [greedy] + [SimpleNamespace(text=f"branch {i}", extra={}) for i in range(k - 1)]
 
-    monkeypatch.setattr(decode, "generate", fake_generate)
-    monkeypatch.setattr(decode, "branch_diverse", fake_branches)
+    monkeypatch.setattr(raft, "generate", fake_generate)
+    monkeypatch.setattr(raft, "branch_diverse", fake_branches)
     cfg = RLConfig(init="", data="", out_dir="", k=4, raft_explore="branches", batch_drafts=True)
     seconds = {}
-    rs = _raft_candidates(None, None, None, SimpleNamespace(op="spmv", dtype="f32", n=1), None, ["draft"], cfg,
+    rs = raft.raft_candidates(None, None, None, SimpleNamespace(op="spmv", dtype="f32", n=1), None, ["draft"], cfg,
                           seed=0, seconds=seconds)
     assert [r.text for r in rs] == ["greedy kernel", "branch 0", "branch 1", "branch 2"]
     assert [r.extra["origin"] for r in rs] == ["greedy", "branch", "branch", "branch"]
@@ -338,9 +320,8 @@ def test_raft_screen_checks_the_departures_for_the_problems_matrix(monkeypatch):
     Without branch exploration the flag is refused before any data is read."""
     from types import SimpleNamespace
 
-    import sparserl_compile.policy.decode as decode
     from sparserl_compile.policy.screen import Screen
-    from sparserl_compile.training.rl import _raft_candidates
+    from sparserl_compile.training import raft
 
     asked = []
 
@@ -351,17 +332,17 @@ def test_raft_screen_checks_the_departures_for_the_problems_matrix(monkeypatch):
             asked.append((indptr, indices, shape, op, dtype, n, tuple(texts)))
             return [None, "no"]
 
-    monkeypatch.setattr(decode, "generate", lambda *a, **kw: [SimpleNamespace(text="greedy kernel", extra={})])
+    monkeypatch.setattr(raft, "generate", lambda *a, **kw: [SimpleNamespace(text="greedy kernel", extra={})])
 
     def fake_branches(model, tok, structure, op, dtype, n, k, greedy=None, screen=None, **kw):
         kept = [t for t, why in zip(["a", "b"], screen(["a", "b"])) if why is None]
         return [greedy] + [SimpleNamespace(text=t, extra={}) for t in kept]
 
-    monkeypatch.setattr(decode, "branch_diverse", fake_branches)
-    cfg = RLConfig(init="", data="", out_dir="", k=3, raft_explore="branches", raft_screen=1)
+    monkeypatch.setattr(raft, "branch_diverse", fake_branches)
+    cfg = RLConfig(init="", data="", out_dir="", k=3, algo="raft", raft_explore="branches", raft_screen=1)
     pb = SimpleNamespace(op="spmm", dtype="f32", n=32, matrix=SimpleNamespace(indptr="ip", indices="ix", shape=(4, 5)))
     seconds = {}
-    rs = _raft_candidates(None, None, None, pb, None, None, cfg, seed=0, seconds=seconds, screen=FakeScreen())
+    rs = raft.raft_candidates(None, None, None, pb, None, None, cfg, seed=0, seconds=seconds, screen=FakeScreen())
     assert [r.text for r in rs] == ["greedy kernel", "a"]
     assert asked == [("ip", "ix", (4, 5), "spmm", "f32", 32, ("a", "b"))]
     assert set(seconds) == {"greedy", "branch", "screen"} and seconds["branch"] >= 0

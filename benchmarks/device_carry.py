@@ -1,6 +1,6 @@
-"""Build ``.device_carry/`` for a training call on the device: ``python -m sparserl_compile.training.device_carry``.
+"""Build ``.device_carry/`` for a training call on a remote GPU machine: ``python benchmarks/device_carry.py``.
 
-The device cannot read ``../shared`` and a call carries at most 64 MiB, the tracked tree
+That machine cannot read ``../shared`` and a call carries at most 64 MiB, the tracked tree
 (about 45 MB on disk, two 15.6 MB checkpoints among it) included. The whole shared folder (35 MB) does
 not fit beside a carried checkpoint, so this copies a trimmed one:
 
@@ -9,10 +9,9 @@ not fit beside a carried checkpoint, so this copies a trimmed one:
 - every training-side matrix the supervision files name (SFT and RAFT's replayed examples
   read them);
 - the training-side matrices of the kinds RL's ``shared:KIND`` sources draw
-  (``SHARED_MIX_KINDS``: the fourteenth session's ``--unlabelled-mix`` and ``--validate-mix``)
-  whose file is under ``--max-bytes``; with the default 1 MB these are the sixteen matrices
-  the fifteenth to seventeenth sessions carried, so ``training.validation --count 48 --seed 7``
-  draws the same problems it drew then;
+  (``SHARED_MIX_KINDS``: the ``--unlabelled-mix`` and ``--validate-mix`` of the shipped runs)
+  whose file is under ``--max-bytes``; with the default 1 MB these are sixteen matrices, the
+  ones ``training.validation --count 48 --seed 7`` drew its recorded problems from;
 - the held-out matrices, unless ``--no-held-out`` (SFT's held-out loss reads them; without them
   it skips those records and says so).
 
@@ -20,12 +19,11 @@ not fit beside a carried checkpoint, so this copies a trimmed one:
 ``.device_carry/NAME`` (``v1=b78a58b``: version 1, where version 2's SFT stage started); with
 ``--pack`` as ``.device_carry/NAME.tgz`` instead, 1.1 MB smaller, which ``device_train.sh`` unpacks
 when ``SFT_INIT`` or ``RL_INIT`` names it (carry the ``.tgz`` by its own path). ``--wheel``
-downloads llguidance's wheel for the device's Python into ``.whl`` (the device has no network).
+downloads llguidance's wheel for that machine's Python into ``.whl`` (it has no network).
 
-The last line says how much of the 64 MiB the call will carry, counted as the device counts it:
-the blocks the files take on disk (``du``), not their bytes. The tree's 500 files take about 1 MB
-more that way. On 2026-12-05 a carry of 66.8 MB in bytes (67.9 MB on disk) was refused and one of
-65.5 MB (66.7 MB on disk) was taken.
+The last line says how much of the 64 MiB the call will carry, counted as the machine counts it:
+the blocks the files take on disk (``du``), not their bytes, which for the tree's 500 files is
+about 1 MB more.
 """
 
 from __future__ import annotations
@@ -39,11 +37,11 @@ from pathlib import Path
 
 from sparserl_compile.training.data import SHARED_HELD_OUT
 
-#: the ``shared:KIND`` sources of RL's problem mixes (docs/training-history.md, the fourteenth session's command)
+#: the ``shared:KIND`` sources of the shipped RL runs' problem mixes
 SHARED_MIX_KINDS = ("social_powerlaw", "gnn_citation", "road_planar", "mesh", "circuit")
 CARRY_LIMIT = 64 * 2**20
 CHECKPOINT_FILES = ("README.md", "config.json", "model.safetensors", "tokenizer.json", "training_log.json")
-#: llguidance for the device's Python 3.12 (x86_64); pip matches the manylinux tag exactly
+#: llguidance for the GPU machine's Python 3.12 (x86_64); pip matches the manylinux tag exactly
 WHEEL_COMMAND = ("download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation",
                  "cp", "--platform", "manylinux_2_31_x86_64", "--platform", "manylinux_2_28_x86_64",
                  "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")
@@ -111,7 +109,7 @@ def write_checkpoint(name: str, rev: str, dest: Path, repo: Path = REPO, pack: b
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparserl_compile.training.device_carry", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/device_carry.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dest", default=str(REPO / ".device_carry"), help="the folder to fill (default .device_carry)")
     ap.add_argument("--max-bytes", type=int, default=1_000_000,
                     help="largest file of the mix kinds' matrices to copy (default 1 MB)")

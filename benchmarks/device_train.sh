@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The three training stages on the device (one H200) in one call, each under a time budget:
-#   bash training/device_train.sh            (carry .whl with the llguidance wheel)
+#   bash benchmarks/device_train.sh            (carry .whl with the llguidance wheel)
 # Stage budgets in seconds: PT_S, SFT_S, RL_S (defaults below); SIZE=default|small|tiny.
 # The supervision records name matrices of ../shared/matrices: carry .device_carry too and set
 # SPARSERL_SHARED_MATRICES (benchmarks/NOTES.md). Writes under "$OUT" after each stage:
@@ -14,7 +14,7 @@
 # runs `sparserl eval $EVAL` on what was trained (JSON in $OUT/eval.json), and on EVAL_CHECKPOINTS
 # ("name=folder,...") beside them. RL_S=0 skips RL, the ablation's too (the eval then covers the SFT checkpoints).
 # SFT_S=0 (with PT_S=0) skips SFT as well: RL then starts from RL_INIT (e.g. policy/checkpoints/retrieval).
-# SFT_INIT and RL_INIT may name a checkpoint packed as .tgz (python -m sparserl_compile.training.device_carry --pack; 1.1 MB less to carry).
+# SFT_INIT and RL_INIT may name a checkpoint packed as .tgz (python benchmarks/device_carry.py --pack; 1.1 MB less to carry).
 # RL_ARGS="--validate N ..." keeps RL's best checkpoint on validation problems: ckpt_rl_best.tgz;
 # RL_ARGS="--average-from N ..." the run's weights averaged from update N on: ckpt_rl_average.tgz.
 # FRESH="--count 48 --seed 7 --max-nnz 1000000 --mix ..." then scores what was trained on fresh validation
@@ -66,7 +66,7 @@ timeout $((PT_S + 120)) $SR train pretrain --out-dir "$RUNS/pretrain" --size "$S
   --time-budget-s "$PT_S" >"$LOGS/pretrain.log" 2>&1
 echo "rc=$?"; grep -E "parameters|budget|step .*loss" "$LOGS/pretrain.log" | tail -4; keep pretrain
 fi
-unpacked() {  # a checkpoint folder as is; a .tgz of one (python -m sparserl_compile.training.device_carry --pack), unpacked once into $RUNS
+unpacked() {  # a checkpoint folder as is; a .tgz of one (python benchmarks/device_carry.py --pack), unpacked once into $RUNS
   case "$1" in
     *.tgz) local d="$RUNS/init_$(basename "$1" .tgz)"
            [ -f "$d/model.safetensors" ] || { mkdir -p "$d" && tar -xzf "$1" -C "$d"; } || { echo "cannot unpack $1" >&2; exit 2; }
@@ -107,7 +107,7 @@ elif [ -z "${RL_INIT:-}" ] && [ "$RL_S" != 0 ]; then
   echo "SFT_S=0 skips SFT: set RL_INIT to the checkpoint RL starts from"; exit 2
 fi
 if [ "$RL_S" != 0 ] && [ -n "${SEEDS:-}" ]; then
-  # one RL run per seed from the same start, then their weight average (docs/training-history.md, "Weight averaging")
+  # one RL run per seed from the same start, then their weight average (sparserl train soup)
   NGPU="${NGPU:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")}"  # NGPU=2 on a CPU tests the parallel path
   # at most 8 files, 64 MiB in all, come back from a call: the soup, logs.tgz, fresh.json and
   # eval.json are reserved; the first KEEP_MEMBERS new runs' checkpoints (and their

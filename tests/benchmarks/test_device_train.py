@@ -1,4 +1,4 @@
-"""training/device_train.sh with SEEDS: which checkpoints come back under $OUT, and when.
+"""benchmarks/device_train.sh with SEEDS: which checkpoints come back under $OUT, and when.
 
 The training commands are replaced by a stand-in ``python3`` on PATH that makes each stage's
 folder at once (or hangs for one seed, as a run cut by the device call's limit), so these tests
@@ -51,7 +51,7 @@ def _run(tmp_path, *, seeds="1 2 3", keep=None, hang=None, ngpu=1, cut_after_s=N
            "NGPU": str(ngpu), "HANG_SEED": hang or "", "DATA": "unused.jsonl", "STUB_MB": str(stub_mb or "")}
     if keep is not None:
         env["KEEP_MEMBERS"] = str(keep)
-    proc = subprocess.Popen(["bash", "training/device_train.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", "benchmarks/device_train.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=cut_after_s or 120)
@@ -96,7 +96,7 @@ def test_the_runs_never_take_the_64_mib_a_call_returns(tmp_path):
 
 
 def test_a_packed_start_checkpoint_is_unpacked_once_and_trained_from(tmp_path):
-    """RL_INIT may name a .tgz (python -m sparserl_compile.training.device_carry --pack): every seed starts from
+    """RL_INIT may name a .tgz (python benchmarks/device_carry.py --pack): every seed starts from
     its weights, unpacked into RUNS."""
     src = tmp_path / "v1"
     src.mkdir()

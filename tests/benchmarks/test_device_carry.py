@@ -4,20 +4,20 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from sparserl_compile.training import device_carry
+import device_carry
 from sparserl_compile.training.data import SHARED_HELD_OUT
 
 REC = {"matrix": {"source": "generated", "generator": "banded", "kwargs": {"n": 64, "half_bandwidth": 2, "seed": 0}},
        "op": "spmv", "dtype": "f32", "n": 1, "reference_us": 30.0,
        "variants": [{"family": "csr_scalar", "params": {"block": 256}, "us": 12.0}]}
 
-# what the fifteenth to seventeenth sessions carried: training.validation --count 48 --seed 7 drew
-# the recorded problems (benchmarks/results/h200_validation_fresh48_*.json) from exactly these
+# the selection with the defaults: training.validation --count 48 --seed 7 drew the recorded
+# problems (benchmarks/results/h200_validation_fresh48_*.json) from exactly these
 CARRIED = {"ISPD98_ibm01", "PGPgiantcompo", "add32", "airfoil1", "bcspwr10", "bcsstk13", "citeseer_adj", "cora_adj",
            "crack", "dnn_n1024_l1", "dnn_n1024_l2", "polblogs", "power", "wiki-Vote", "citeseer_features", "4elt"}
 
 
-def test_the_selection_is_what_earlier_device_runs_carried(shared_matrices):
+def test_the_selection_is_the_recorded_one(shared_matrices):
     names = {i.name for i in device_carry.carry_selection()}
     assert names == CARRIED | SHARED_HELD_OUT
     assert {i.name for i in device_carry.carry_selection(held_out=False)} == CARRIED
