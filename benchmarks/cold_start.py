@@ -22,8 +22,8 @@ worker against cuSPARSE, times them and keeps the winner or cuSPARSE. Measured p
 One-time process costs (sandbox worker start, CUDA context in the worker, loading the policy,
 the numba format converters) are paid first by ``sparserl_compile.prewarm()`` (what a serving
 process calls at start-up) and a warm-up product on a small unrelated matrix, so the figures
-are what a serving process pays per new structure, the quantity of the policy issue's "cold
-start" target.
+are what a serving process pays per new structure (the cold-start target: a new structure
+of <= 10^6 nonzeros served in under 1 s).
 
     python benchmarks/cold_start.py [--providers nearest:4,policy:4,search:0] [--json out.json]
     (policy+hints+one@policy/checkpoints/retrieval:4: the hint candidates decoded one at a time,
@@ -84,7 +84,7 @@ def _make_provider(spec: str):
     ``+one`` decodes them one at a time, ``+batch`` names the default, e.g.
     ``policy+hints+one@policy/checkpoints/retrieval``; ``+screenN`` screens branch departures
     on N CPU workers (``PolicyProvider(screen_workers=N)``); ``+stepsN`` cuts a departure after
-    N forwards (``departure_steps``; ``+steps0``: never, as before the thirty-seventh session).
+    N forwards (``departure_steps``; ``+steps0``: never).
     ``+spareN`` (any provider) keeps N
     spare sandbox workers (``configure(sandbox_spare=N)``; see ``_spare``) and leaves the
     provider alone."""

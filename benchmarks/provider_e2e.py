@@ -17,7 +17,7 @@ process, and keeps the fastest verified one or cuSPARSE. Per product:
   output and the fallback path included, free of the selection's own timing noise;
 * ``reference_leak``: torch.sparse's product timed with the L2 flush alone and with its host
   path hidden, in turn: how much of its host path the flush alone lets into a timing (the
-  selection hides it since the ninth session, ``bench.HIDE_HOST_US``);
+  selection hides it, ``bench.HIDE_HOST_US``);
 * ``rel_err``: the product against torch.sparse on the same tensors (max abs difference over
   max abs value), ``first_call_s`` and ``plan`` (the format kept, or the reference);
 * ``first_use``: that first call's split from the runtime's ``first_uses()`` log (proposal,
@@ -160,7 +160,7 @@ def summarize(rows: list[dict]) -> dict:
                   "reference_kept": sum(r["chosen"] is None for r in rs),
                   "wrong": sum(r["wrong"] for r in rs), "max_rel_err": max(r["rel_err"] for r in rs),
                   "first_call_median_s": _median(firsts), "first_call_max_s": firsts[-1],
-                  # the policy issue's cold-start target: a new structure of <= 10^6 nonzeros in under 1 s
+                  # the cold-start target: a new structure of <= 10^6 nonzeros served in under 1 s
                   "first_calls_upto_1e6_nnz": sum(r.get("nnz", 0) <= COLD_NNZ for r in rs),
                   "first_calls_over_1s_upto_1e6_nnz": sum(r.get("nnz", 0) <= COLD_NNZ and r["first_call_s"] > 1.0
                                                           for r in rs),

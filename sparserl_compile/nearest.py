@@ -17,11 +17,10 @@ checked only for the points taken. If that yields fewer than ``k``, the search's
 fills the rest.
 
 Why it exists: it is retrieval over measured winners, the simplest learned policy there is.
-On the held-out split its best-of-1 reaches 0.82 of the kernel-space best by the measured H200
-times, against 0.48 for the language-model policy's greedy sample and 0.62 for the cost
-model's top pick (``docs/training-history.md``, "Baselines"). It costs ``k`` timed candidates per miss
-instead of the whole space (27-60), so it is the cheap cold-start option:
-``configure(provider="nearest", k=4)``. Like every provider it only proposes: each candidate
+On the held-out split its best of four is level with the language-model policy's, at half
+the policy's first-call time and without the ``train`` extra (``docs/policy.md``,
+"Evaluation"); that is why it is the runtime's default. It costs ``k`` timed candidates per miss
+(``configure(provider="nearest", k=4)``) instead of the whole space. Like every provider it only proposes: each candidate
 is still compiled, verified in the sandbox and timed against cuSPARSE, and cuSPARSE is kept
 when none wins.
 """

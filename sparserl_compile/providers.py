@@ -11,7 +11,7 @@ Providers, by name for ``set_provider``:
 * ``"reference"`` (``ReferenceProvider``): proposes nothing, so every call uses the reference
   (torch.sparse / cuSPARSE).
 * ``"search"``: ``sparserl_compile.search.SearchProvider``, the hand-written kernel families
-  searched by heuristics: every pruned point (27-60) is compiled, verified and timed.
+  searched by heuristics: every point the structure rules keep is compiled, verified and timed.
 * ``"nearest"``: ``sparserl_compile.nearest.NearestProvider``, the winners of the most alike
   matrices measured on the H200 (a few candidates instead of the whole space; the search's own
   order fills in where the table has nothing alike).
@@ -63,8 +63,7 @@ class ReferenceProvider(Provider):
 
 _lock = threading.Lock()
 #: the provider the runtime asks until one is set, by name: ``"default"``, a ``DefaultProvider``
-#: (the trained policy, falling back to the nearest-neighbour proposals and then to the
-#: reference where it cannot load)
+#: over ``DEFAULT_CHAIN``
 DEFAULT_PROVIDER = "default"
 #: what the runtime's ``DefaultProvider`` tries, in order: the lookup of measured winners. The
 #: policy is not the default: through the runtime at the same k it is level with the lookup

@@ -142,7 +142,7 @@ GRID: tuple[MatrixSpec, ...] = (
 )
 
 
-#: a second grid (eighth session): more of the kinds where the nearest lookup
+#: a second grid: more of the kinds where the nearest lookup
 #: and the policy missed most on the held-out split (uniform random of every shape and density,
 #: R-MAT, circuit-like), plus one more of each other generator; 1e4 to ~1e6 nonzeros so that one
 #: device call measures all of it. Held out as GRID is (one in five by hash).

@@ -4,9 +4,9 @@ For a handful of generated matrices (a 2D stencil, a band, block-diagonal, unifo
 an R-MAT power-law graph) and both products (SpMV, SpMM), it does what the runtime does on a
 miss and shows every step in one table:
 
-1. the provider proposes candidate kernels (the runtime's default: the bundled policy, or the
-   nearest-neighbour proposals where the ``train`` extra is missing; ``--provider nearest`` asks
-   the lookup);
+1. the provider proposes candidate kernels (the runtime's default: the nearest-neighbour
+   lookup over measured winners; ``--provider policy`` asks the bundled language-model policy,
+   which needs the ``train`` extra; ``--provider search`` times the whole kernel space);
 2. ``select.choose`` compiles each with NVRTC and verifies it in a killable sandbox worker --
    on a GPU against cuSPARSE and float64 and timed side by side with cuSPARSE; without a GPU
    with the CPU executor (``simt``) against float64, untimed;
@@ -52,10 +52,10 @@ class DemoRow:
 
 
 def _provider(name: str | None):
-    """The named provider, else the runtime's default (``providers.DefaultProvider``: the policy).
+    """The named provider, else the runtime's default (``providers.DefaultProvider``: the lookup).
 
-    ``--provider policy`` uses the policy provider's default checkpoint (version 5,
-    ``policy/checkpoints/default``; its held-out figures are in docs/training.md).
+    ``--provider policy`` uses the policy provider's default checkpoint
+    (``policy/checkpoints/default``; its held-out figures are in docs/policy.md, "Evaluation").
     """
     from sparserl_compile import providers
 
@@ -157,7 +157,7 @@ def _cmd(args) -> int:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("demo", help="the main job on generated matrices (works without a GPU)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's, i.e. the policy)")
+    p.add_argument("--provider", default=None, help="search | nearest | policy (default: the runtime's, i.e. the nearest lookup)")
     p.add_argument("--n", type=int, default=16, help="SpMM dense width")
     p.add_argument("--k", type=int, default=4, help="policy samples per product")
     p.add_argument("--quick", action="store_true", help="two matrices only")
