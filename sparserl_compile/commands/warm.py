@@ -24,13 +24,15 @@ from pathlib import Path
 
 
 def numba_functions() -> list:
-    """sparserl's disk-cached numba dispatchers (``formats``, ``structure``), by module order."""
+    """sparserl's disk-cached numba dispatchers of the runtime (``formats``, ``graphformats``,
+    ``structure``), by module order. ``graphs`` (the graph generators of the benchmarks and
+    examples) compiles on its first use instead: no product needs it."""
     from numba.core.registry import CPUDispatcher
 
-    from sparserl_compile import formats, structure
+    from sparserl_compile import formats, graphformats, structure
 
     out = []
-    for mod in (formats, structure):
+    for mod in (formats, graphformats, structure):
         for name in sorted(vars(mod)):
             f = getattr(mod, name)
             if isinstance(f, CPUDispatcher) and getattr(f, "_cache", None) is not None \
