@@ -139,9 +139,35 @@ def format_table(rows: list[DemoRow], executor: str) -> str:
     return "\n".join(out)
 
 
+def preflight(executor: str) -> list[str]:
+    """What this machine lacks to compile and verify kernels, each as a sentence that names the
+    fix (empty: nothing). Without it every candidate fails and the demo shows only the reference."""
+    problems = []
+    try:
+        from sparserl_compile import compiler
+
+        compiler.nvrtc_version()
+    except Exception as e:  # noqa: BLE001 - any failure to reach NVRTC is reported the same way
+        problems.append(f"NVRTC is unavailable ({str(e).splitlines()[0][:160]}): install the gpu extra, "
+                        "pip install -e '.[gpu]' (or '.[dev]')")
+    if executor == "cpu":
+        from sparserl_compile.simt import build
+
+        try:
+            build.compiler()
+        except Exception as e:  # noqa: BLE001 - SimtUnavailable names the compiler it looked for
+            problems.append(str(e))
+    return problems
+
+
 def _cmd(args) -> int:
     from sparserl_compile import select
 
+    missing = preflight(select.default_executor())
+    for why in missing:
+        print(f"sparserl demo: {why}", file=sys.stderr)
+    if missing:
+        print("sparserl demo: every product will run the reference until that is fixed", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="sparserl-demo-") as d:
         os.chmod(d, 0o700)
         os.environ["SPARSERL_CACHE_DIR"] = d
