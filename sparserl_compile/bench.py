@@ -396,7 +396,9 @@ def dense_matrix(indptr, indices, shape, values):
             torch.as_tensor(np.asarray(a, np.int64), device=dev)
 
     n_rows, n_cols = int(shape[0]), int(shape[1])
-    flat = torch.repeat_interleave(torch.arange(n_rows, device=dev), long(indptr).diff())
+    nnz = int(indices.numel() if isinstance(indices, torch.Tensor) else np.asarray(indices).size)
+    # output_size: no device-to-host read of the row lengths' sum (nothing stalls a CUDA stream)
+    flat = torch.repeat_interleave(torch.arange(n_rows, device=dev), long(indptr).diff(), output_size=nnz)
     flat.mul_(n_cols).add_(long(indices))  # row * n_cols + column, in place: one index array of nnz
     w = torch.zeros(n_rows * n_cols, dtype=values.dtype, device=dev)
     w[flat] = values

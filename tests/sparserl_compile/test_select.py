@@ -411,3 +411,14 @@ def test_choose_times_the_dense_product_only_where_it_is_a_candidate(monkeypatch
 def test_untimed_selection_never_keeps_the_dense_product():
     c = choose(_weight_problem(), [], executor="cpu")
     assert not c.dense and c.candidate is None and c.record["outcome"] == "reference"
+
+
+@pytest.mark.gpu
+def test_choose_on_gpu_times_the_dense_product_in_the_reference_jobs():
+    p = _weight_problem(density=0.5, rows=1024, cols=1024, dtype="f32", op="spmv", n=1)
+    c = choose(p, [candidate(GOOD)], executor="gpu", timeout_s=120)
+    rec = c.record
+    assert rec["dense_us"] > 0 and rec["dense_hot_us"] > 0 and "dense_error" not in rec
+    assert rec["outcome"] == c.outcome and (c.outcome == "dense") == c.dense
+    print(f"\n1024 x 1024 half full, SpMV f32: {rec['outcome']} ({rec['rule']}); reference {c.reference_us:.1f} us, "
+          f"dense {rec['dense_us']:.1f} us")
