@@ -15,7 +15,8 @@ entry (the file name is the key's digest, so entries of different keys never col
 * a key the destination already holds: identical entries are left alone; different ones keep
   the existing entry, unless ``prefer_faster`` and both entries carry a time, in which case
   the faster one stays (``entry_time_us``: a kernel entry's ``kernel_us``; an entry where the
-  reference won, its ``reference_us``; where the dense product won, its ``dense_us``). Untimed entries (built by a CPU-only machine) never replace anything.
+  reference won, its ``reference_us``; where the dense product won, its ``dense_us``).
+  Untimed entries (built by a CPU-only machine) never replace anything.
 
 Sources are processed in the order given, so among sources, the first one's entry wins a
 conflict (without ``prefer_faster``). A source folder is only read, never created or

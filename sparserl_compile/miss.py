@@ -213,8 +213,9 @@ def search_entry(problem: Problem, key, *, candidates=None, executor: str | None
     """Ask the active provider (or take ``candidates``), select, and return the cache entry.
 
     The entry holds the winning kernel (cubin, source, header, times) or, with ``cubin=None``,
-    the verdict that the reference wins or (``outcome="dense"``) that the dense product does. ``select.choose`` does all compiling, sandboxed
-    verification and timing; nothing is launched in this process.
+    the verdict that the reference wins or (``outcome="dense"``) that the dense product does.
+    ``select.choose`` does all compiling, sandboxed verification and timing; nothing is launched
+    in this process.
     """
     from sparserl_compile import select
 
@@ -233,10 +234,14 @@ def search_entry(problem: Problem, key, *, candidates=None, executor: str | None
         provider, proposer = None, "given"
     config.counts["searches"] += 1
     record: dict = {"provider": proposer, "candidates": len(candidates), "propose_s": time.perf_counter() - t0}
-    if not candidates and (isinstance(provider, providers.ReferenceProvider)
-                           or (executor or select.default_executor()) != "gpu" or select.dense_unsuitable(problem)):
-        # (with none, the dense product may still beat the reference: timed where it can be)
+    reference_only = isinstance(provider, providers.ReferenceProvider)
+    if not candidates and (reference_only or (executor or select.default_executor()) != "gpu"
+                           or select.dense_unsuitable(problem)):
+        # (with none, the dense product may still beat the reference: timed where it can be,
+        # except under the reference provider, whose verdict is the reference by choice)
         record["why"] = f"provider {record['provider']!r} proposed no candidates"
+        if reference_only:
+            record.update(dense_us=None, dense_not_timed="the reference provider keeps the reference")
         return cache.CacheEntry(key=key, cubin=None, times={}, verification=record)
     choice = select.choose(problem, candidates, executor=executor, pool=sandbox_pool(provider))
     record.update(dict(choice.record or {}))

@@ -300,7 +300,8 @@ def test_a_dense_verdict_round_trips_and_outcomes_must_match_the_cubin(tmp_path)
     got = KernelCache(tmp_path / "c").get(e.key)
     assert got == e and got.dense_wins and not got.reference_wins and got.outcome == "dense"
     assert _entry(_key()).outcome == "kernel" and _entry(_key(), cubin=None).outcome == "reference"
-    for bad in (dict(cubin=None, outcome="kernel"), dict(cubin=b"x", outcome="dense"), dict(cubin=None, outcome="fast")):
+    for bad in (dict(cubin=None, outcome="kernel"), dict(cubin=b"x", outcome="dense"),
+                dict(cubin=None, outcome="fast")):
         with pytest.raises(ValueError, match="outcome"):
             CacheEntry(_key(), **bad)
 

@@ -815,3 +815,13 @@ def test_cuda_sparsify_of_a_half_pruned_bf16_linear_at_batch_16_keeps_the_dense_
     assert plan.nbytes == 4096 * 4096 * 2 and config.stats().dense_calls == 1
     torch.testing.assert_close(lin(x), y, rtol=0, atol=0)  # a hit: the same dense copy, not built again
     assert plan.nbytes == 4096 * 4096 * 2 and config.stats().dense_calls == 2
+
+
+def test_a_reference_provider_verdict_stands_beside_the_dense_product():
+    """The reference provider's "reference" is a choice, not a verdict reached without the dense
+    product: its entry says so, and is not searched again on a GPU."""
+    a = S.sparsify(matrix())
+    prob = miss.problem_of("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
+    entry = miss.search_entry(prob, None)  # the fixture's provider: "reference"
+    assert entry.reference_wins and "reference provider" in entry.verification["dense_not_timed"]
+    assert miss.dense_stale(entry, prob, torch.device("cuda", 0)) is None
