@@ -96,8 +96,7 @@ class Routes:
     """One sparse tensor's shortcuts past the plan table: dense width (SpMM) or ``SPMV`` ->
     what serves it, the torch CSR tensor to multiply by (a reference plan, float32/64, a
     non-empty matrix), the ``KernelPlan`` (once its first-use check passed) or the
-    ``DensePlan``, valid while the
-    plan table's ``generation`` is the one they were made in. ``tensor.SparseRLTensor`` keeps
+    ``DensePlan``, valid while the plan table's ``generation`` is the one they were made in. ``tensor.SparseRLTensor`` keeps
     one (its ``_routes``); ``product(routes=)`` fills it on a hit and ``routed_product`` serves
     the next such product without building the plan key. Never copied (a copy would alias the
     original's values): ``copy``/``deepcopy`` give an empty one."""
@@ -450,10 +449,10 @@ def _dense_product(plan: DensePlan, key, generation, routes, op, crow, col, val,
 def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
     """``product`` for a sparse tensor holding ``routes``: where it has a route for this op and
     width (a plan found earlier in this generation of the table: torch's CSR tensor for the
-    reference, a checked ``KernelPlan`` or a ``DensePlan``), that at once, counted as the table hit it stands
-    for; else ``product``, which stores one on a hit. A routed kernel that cannot run this call
-    (a launch error, a width its vector loads do not suit) goes back through ``product``,
-    which falls back and logs as always."""
+    reference, a checked ``KernelPlan`` or a ``DensePlan``), that at once, counted as the table
+    hit it stands for; else ``product``, which stores one on a hit. A routed kernel that cannot
+    run this call (a launch error, a width its vector loads do not suit) or a dense plan that
+    cannot build its matrix goes back through ``product``, which falls back and logs as always."""
     r = routes.get(Routes.SPMV if op == "spmv" else x.shape[1])
     if r is None:
         return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
