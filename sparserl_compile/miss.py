@@ -203,7 +203,8 @@ def dense_stale(entry, problem: Problem, device) -> str | None:
         return None if why_not is None else f"its dense verdict is no longer allowed: {why_not}"
     if why_not is not None or device.type != "cuda" or "dense_us" in entry.verification:
         return None
-    return "it was reached without timing the dense product, which is now a candidate"
+    how = "by selection version 1" if entry.verification.get("selection_version", 1) < 2 else "untimed"
+    return f"it was reached without timing the dense product ({how}), which is now a candidate"
 
 
 # ------------------------------------------------------------------------- the search

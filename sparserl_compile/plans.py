@@ -294,13 +294,13 @@ class DensePlan:
         """The matrix of (crow, col, val) stored dense, built once per values tensor and version."""
         k = id(val)
         m = self._dense.get(k)
-        if m is not None and m[0]() is val and m[1] == val._version:
+        if m is not None and m[0]() is val and m[1] == _version(val):
             return m[2]
         from sparserl_compile.bench import dense_matrix
 
         w = dense_matrix(crow, col, (n_rows, n_cols), val)
         ref = weakref.ref(val, lambda r, k=k, d=self._dense: d.pop(k) if k in d and d[k][0] is r else None)
-        self._dense[k] = (ref, val._version, w)
+        self._dense[k] = (ref, _version(val), w)
         return w
 
     @property
@@ -314,6 +314,15 @@ class DensePlan:
 
     def __repr__(self) -> str:
         return f"DensePlan(copies={len(self._dense)}, nbytes={self.nbytes})"
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor (made under ``torch.inference_mode``),
+    which has none: outside inference mode its values cannot change in place."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def entry_plan(entry, problem, device, key) -> "Plan":

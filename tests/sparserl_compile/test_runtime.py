@@ -827,3 +827,15 @@ def test_a_reference_provider_verdict_stands_beside_the_dense_product():
     entry = miss.search_entry(prob, None)  # the fixture's provider: "reference"
     assert entry.reference_wins and "reference provider" in entry.verification["dense_not_timed"]
     assert miss.dense_stale(entry, prob, torch.device("cuda", 0)) is None
+
+
+def test_a_dense_plan_serves_values_made_under_inference_mode():
+    m = matrix()
+    with torch.inference_mode():
+        a = S.sparsify(torch.from_numpy(m.toarray()))
+        x = torch.randn(20, 3)
+    plan = plans.DensePlan()
+    for _ in range(2):
+        y = plan.run("spmm", a.crow, a.col, a.val, x, 30, 20)
+        np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert plan.nbytes == 30 * 20 * 4
