@@ -103,7 +103,7 @@ def verdict(op, crow, col, val, x, n_rows, n_cols, fp) -> Verdict:
             store = None
     t_cache = time.perf_counter()
     times = (t0, t_problem, t_cache)
-    stale = None if entry is None else dense_stale(entry, problem, x.device)
+    stale = None if entry is None else dense_stale(entry, problem, timed=x.device.type == "cuda")
     if entry is not None and stale is not None and not entry.outcome == "kernel":
         log_once("cached verdict decided again", fp, stale)
         entry = None  # a reference or dense verdict: searched again as on a miss
@@ -190,18 +190,18 @@ def timed_before_hot_rule(entry) -> bool:
     return us is not None and us < GRAPH_BELOW_US and "reference_graph_us" not in entry.verification
 
 
-def dense_stale(entry, problem: Problem, device) -> str | None:
+def dense_stale(entry, problem: Problem, *, timed: bool) -> str | None:
     """Why a cached verdict must be decided again for the dense product, or None where it
     stands: a dense verdict the current settings no longer allow (``select.dense_unsuitable``),
-    or, on a GPU (where it can be timed), a verdict reached without timing the dense product
-    (its record has no ``dense_us``: an entry of selection version 1, or pre-generated without
-    a GPU) where the dense product is now a candidate."""
+    or, where the decision would be timed (``timed``: on a GPU), a verdict reached without
+    timing the dense product (its record has no ``dense_us``: an entry of selection version 1,
+    or pre-generated without a GPU) where the dense product is now a candidate."""
     from sparserl_compile import select
 
     why_not = select.dense_unsuitable(problem)
     if entry.dense_wins:
         return None if why_not is None else f"its dense verdict is no longer allowed: {why_not}"
-    if why_not is not None or device.type != "cuda" or "dense_us" in entry.verification:
+    if why_not is not None or not timed or "dense_us" in entry.verification:
         return None
     how = "by selection version 1" if entry.verification.get("selection_version", 1) < 2 else "untimed"
     return f"it was reached without timing the dense product ({how}), which is now a candidate"

@@ -9,8 +9,10 @@ as stored).
 For every matrix and every requested product (SpMV; SpMM at each ``--widths`` value) it does
 what the runtime does on a miss -- the active provider proposes candidates, ``select.choose``
 compiles, verifies in the sandbox and (on a GPU) times them against cuSPARSE -- and writes the
-verdict (a verified kernel, or "the reference wins") into the cache at ``--out``. A key
-already in the cache is skipped, so an interrupted run resumes where it stopped. Another
+verdict (a verified kernel, "the reference wins" or "the dense product wins") into the cache at
+``--out``. A key already in the cache is skipped, so an interrupted run resumes where it
+stopped, unless a timed run finds its verdict reached without timing the dense product where
+that is now a candidate (``miss.dense_stale``): that product is searched again. Another
 machine of the same GPU kind, driver and NVRTC loads the entries without searching again
 (point ``SPARSERL_CACHE_DIR`` at the folder).
 
@@ -184,12 +186,13 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
     ``share=K > 0``: explore once per group of alike products (module doc, ``--share``)."""
     from tqdm import tqdm
 
-    from sparserl_compile import cache, config, miss, providers, structure
+    from sparserl_compile import cache, config, miss, providers, select, structure
 
     store = cache.KernelCache(cache_dir)
     if not store.on_disk:
         raise SystemExit(f"cannot write the kernel cache at {cache_dir}: {store.disabled_reason}")
     target = target or cache.local_target()
+    timed = (executor or select.default_executor()) == "gpu"
     jobs = [(it, op, n) for it in items for op in ops for n in ((1,) if op == "spmv" else widths)]
     rows: list[Row] = []
     bar = tqdm(jobs, disable=not progress, unit="product", file=sys.stderr)
@@ -204,7 +207,7 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
         problem = make_problem(op, dtype, n, m.indptr, m.indices, m.shape, fp, target.arch)
         key = miss.key_for(problem, target)
         hit = store.get(key)
-        if hit is not None:
+        if hit is not None and miss.dense_stale(hit, problem, timed=timed) is None:
             rows.append(Row(it.name, op, n, m.nnz, "cached", f"already in the cache ({hit.outcome})",
                             hit.times.get("kernel_us"), hit.times.get("reference_us"), 0.0,
                             hit.times.get("dense_us")))

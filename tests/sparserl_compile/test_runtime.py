@@ -766,17 +766,19 @@ def test_a_dense_copy_goes_with_its_values():
 def test_verdicts_reached_without_the_dense_product_are_decided_again_on_a_gpu():
     a = S.sparsify(matrix())
     prob = miss.problem_of("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     old_ref = cache.CacheEntry(key=None, cubin=None, verification={"why": "reference wins"})
     old_kernel = cache.CacheEntry(key=None, cubin=b"x", times={"kernel_us": 5.0})
-    assert "without timing the dense product" in miss.dense_stale(old_ref, prob, gpu)
-    assert "without timing the dense product" in miss.dense_stale(old_kernel, prob, gpu)
-    assert miss.dense_stale(old_ref, prob, cpu) is None  # nothing can be timed there
-    timed = cache.CacheEntry(key=None, cubin=None, verification={"dense_us": 3.0})
-    assert miss.dense_stale(timed, prob, gpu) is None and miss.dense_stale(_dense_entry(None), prob, gpu) is None
+    assert "by selection version 1" in miss.dense_stale(old_ref, prob, timed=True)
+    assert "without timing the dense product" in miss.dense_stale(old_kernel, prob, timed=True)
+    untimed = cache.CacheEntry(key=None, cubin=None, verification={"selection_version": 2})  # built on a CPU
+    assert "(untimed)" in miss.dense_stale(untimed, prob, timed=True)
+    assert miss.dense_stale(old_ref, prob, timed=False) is None  # nothing can be timed there
+    considered = cache.CacheEntry(key=None, cubin=None, verification={"dense_us": 3.0})
+    assert miss.dense_stale(considered, prob, timed=True) is None
+    assert miss.dense_stale(_dense_entry(None), prob, timed=True) is None
     plans.configure(dense_max_bytes=100)  # the 30 x 20 float32 matrix takes 2400 bytes dense
-    assert miss.dense_stale(old_ref, prob, gpu) is None  # not a candidate now: the old verdict stands
-    assert "no longer allowed" in miss.dense_stale(_dense_entry(None), prob, cpu)
+    assert miss.dense_stale(old_ref, prob, timed=True) is None  # not a candidate now: the old verdict stands
+    assert "no longer allowed" in miss.dense_stale(_dense_entry(None), prob, timed=False)
 
 
 def test_a_dense_verdict_the_settings_no_longer_allow_is_searched_again(kernels_on_cpu, monkeypatch, caplog):
@@ -826,7 +828,7 @@ def test_a_reference_provider_verdict_stands_beside_the_dense_product():
     prob = miss.problem_of("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
     entry = miss.search_entry(prob, None)  # the fixture's provider: "reference"
     assert entry.reference_wins and "reference provider" in entry.verification["dense_not_timed"]
-    assert miss.dense_stale(entry, prob, torch.device("cuda", 0)) is None
+    assert miss.dense_stale(entry, prob, timed=True) is None
 
 
 def test_a_dense_plan_serves_values_made_under_inference_mode():
