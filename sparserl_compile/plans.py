@@ -96,10 +96,10 @@ class Routes:
     """One sparse tensor's shortcuts past the plan table: dense width (SpMM) or ``SPMV`` ->
     what serves it, the torch CSR tensor to multiply by (a reference plan, float32/64, a
     non-empty matrix), the ``KernelPlan`` (once its first-use check passed) or the
-    ``DensePlan``, valid while the plan table's ``generation`` is the one they were made in. ``tensor.SparseRLTensor`` keeps
-    one (its ``_routes``); ``product(routes=)`` fills it on a hit and ``routed_product`` serves
-    the next such product without building the plan key. Never copied (a copy would alias the
-    original's values): ``copy``/``deepcopy`` give an empty one."""
+    ``DensePlan``, valid while the plan table's ``generation`` is the one they were made in.
+    ``tensor.SparseRLTensor`` keeps one (its ``_routes``); ``product(routes=)`` fills it on a hit
+    and ``routed_product`` serves the next such product without building the plan key. Never
+    copied (a copy would alias the original's values): ``copy``/``deepcopy`` give an empty one."""
 
     __slots__ = ("generation", "native")
     MAX = 8  # widths kept per tensor (a model calling one weight at many widths starts again)
