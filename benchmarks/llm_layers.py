@@ -182,7 +182,8 @@ def selection_summary(first_use: dict | None) -> dict:
     cands = rec.get("candidates") if isinstance(rec.get("candidates"), list) else []
     return {
         "plan": row.get("plan"), "chosen": rec.get("chosen"), "rule": rec.get("rule"),
-        "reference_us": rec.get("reference_us"), "select_s": row.get("select_s"),
+        "reference_us": rec.get("reference_us"), "dense_sandbox_us": rec.get("dense_us"),
+        "select_s": row.get("select_s"),
         "candidates": [{"name": c.get("name"), "family": c.get("family"), "kind": c.get("kind"),
                         "kernel_us": c.get("kernel_us"), "hot_us": c.get("hot_us"),
                         "error": (c.get("error") or "")[:200]}
@@ -290,14 +291,16 @@ def run_batch(w: _Weight, case: Case, batch: int, args, dev) -> dict:
     b2b = {k: bench.stream_us(f, dev) for k, f in fns.items()}
     row = {
         "weight": case.label, "n_rows": case.n_rows, "n_cols": case.n_cols, "sparsity": case.sparsity,
-        "batch": batch, "kept": sel["chosen"] or "cusparse", "first_call_s": first_s,
+        "batch": batch, "kept": sel["chosen"] or ("dense" if sel["plan"] == "dense" else "cusparse"),
+        "first_call_s": first_s,
         "rel_err": _rel_err(y, ref),
         "sparse_us": flushed["sparse"], "dense_us": flushed["dense"], "cusparse_us": flushed["cusparse"],
         "b2b_sparse_us": b2b["sparse"], "b2b_dense_us": b2b["dense"], "b2b_cusparse_us": b2b["cusparse"],
         "speedup_vs_dense": speedup(flushed["dense"], flushed["sparse"]),
         "speedup_vs_cusparse": speedup(flushed["cusparse"], flushed["sparse"]),
         "b2b_speedup_vs_dense": speedup(b2b["dense"], b2b["sparse"]),
-        "bytes_vs_dense": layout_bytes(chosen, w.pattern, converted=converted) / dense_bytes,
+        "bytes_vs_dense": (1.0 if sel["plan"] == "dense"  # the dense product kept: the weight stored dense
+                           else layout_bytes(chosen, w.pattern, converted=converted) / dense_bytes),
         "selection": sel, "direct": [],
     }
     if not args.no_direct:

@@ -240,7 +240,7 @@ def pregenerate_weights(model: nn.Module, widths: list[int], share: int, *, targ
     rows = pregen.pregenerate(items, cache_dir=cache.default_dir(), ops=("spmm",), widths=tuple(widths),
                               dtype=dtypes.pop() if dtypes else "f32", progress=False, share=share,
                               target=target, executor=executor)
-    out = {k: sum(r.outcome == k for r in rows) for k in ("kernel", "reference", "cached", "failed")}
+    out = {k: sum(r.outcome == k for r in rows) for k in ("kernel", "reference", "dense", "cached", "failed")}
     shared = [r for r in rows if r.detail.startswith("shared")]
     full = [r for r in rows if r.outcome != "cached" and not r.detail.startswith("shared")]
     out.update(products=len(rows), matrices=len(items), widths=list(widths), share=share, shared=len(shared),

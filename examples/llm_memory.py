@@ -7,11 +7,13 @@ Two figures, per model:
 * **read** at each decoding width: the bytes of the weights as the plan chosen for that width
   stores them, i.e. what one product reads. A generated kernel: its format's structure arrays
   plus its value array (padding included) in the weight's dtype; cuSPARSE (the reference plan):
-  the CSR arrays (int32 row pointers and columns, values). Any other kind of plan (a dense
-  weight kept where sparse loses, say): the device tensors the plan holds.
+  the CSR arrays (int32 row pointers and columns, values); the dense product (a ``DensePlan``,
+  kept where it beat the sparse ones): the weight stored dense in its dtype. Any other kind of
+  plan: the device tensors the plan holds.
 * **held**: every distinct device buffer reachable from the sparse weights and all their plans
   (every width): the ``SparseRLTensor``'s own CSR arrays, which it keeps whatever the plans
-  are, plus each plan's converted arrays, gathered values and gather maps. This is what the
+  are, plus each plan's converted arrays, gathered values and gather maps, and the dense copies
+  of the weights whose plans are dense (``DensePlan.nbytes``; none where no plan is). This is what the
   model costs in device memory today, and it is more than what any one product reads.
 
 Both are compared with the same weights stored dense in their dtype.
@@ -67,6 +69,8 @@ def plan_read_bytes(plan, w: sr.SparseRLTensor) -> tuple[str, int]:
         return plan.header.format, sum(_nbytes(t) for t in plan.arrays.values()) + values
     if plan.kind in ("reference", "pending"):  # a pending plan runs the reference until its search ends
         return CUSPARSE, _nbytes(w.crow) + _nbytes(w.col) + _nbytes(w.val)
+    if plan.kind == "dense":
+        return "dense", w.n_rows * w.n_cols * w.val.element_size()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _held_tensors(plan)
                 if t.device == w.val.device}
     return plan.kind, sum(storages.values())

@@ -275,7 +275,8 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                 after = config.stats()
                 found = after.cache_hits > before.cache_hits
                 verdict = ("missing" if not found else
-                           "kernel" if after.kernel_calls > before.kernel_calls else "reference wins")
+                           "kernel" if after.kernel_calls > before.kernel_calls else
+                           "dense wins" if after.dense_calls > before.dense_calls else "reference wins")
             else:
                 key = miss.key_for(
                     make_problem(op, "f32", n, A.crow, A.col, tuple(A.shape), A.fingerprint,
@@ -283,6 +284,7 @@ def serve(paths: list[str], cache_dir: str | os.PathLike, *, ops=("spmv", "spmm"
                 entry = miss.lookup(store, key)  # as the GPU runtime looks it up
                 found = entry is not None
                 verdict = ("missing" if entry is None else "reference wins" if entry.reference_wins else
+                           "dense wins" if entry.dense_wins else
                            "kernel" if "kernel_us" in entry.times else "untimed kernel")
             served_us = torch_us = None
             if timed and on_gpu:

@@ -27,6 +27,9 @@
   ``is_impossible`` flags it (the "impossible speed" check of verification).
 * ``torch_sparse_fn(...)``: the reference users have: ``torch.mv``/``torch.mm`` on a CSR
   tensor (cuSPARSE) with int32 or int64 indices.
+* ``time_dense(...)``: the other alternative users have, the dense product
+  (``torch.mv``/``torch.mm`` with the matrix stored dense in its value dtype: cuBLAS), timed
+  as ``time_reference`` times cuSPARSE (L2 flushed, then hot).
 
 * ``wall_median_us(fn, device)`` / ``stream_us(fn, device)``: wall-clock time per call,
   synchronized after each call or once after many back-to-back calls (host cost included);
@@ -377,4 +380,52 @@ def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = 
             out_bytes = int(shape[0]) * (1 if op == "spmv" else n) * x.element_size()
             launches = hot_launches(out[it].median_us, out_bytes)
             out[f"{it}_graph"] = time_hot(lambda k, fn=fn: fn(), launches, hide_host_us=hide_host_us or HIDE_HOST_US)
+    return out
+
+
+def dense_matrix(indptr, indices, shape, values):
+    """The CSR matrix stored dense in ``values``' dtype on its device (CPU or GPU). The pattern
+    is torch tensors or host arrays, rows sorted or not, without duplicate entries (the
+    runtime's CSR: ``inputs.py`` checks it)."""
+    import torch  # not _torch(): the runtime's dense plans also run on the CPU
+
+    dev = values.device
+
+    def long(a):
+        return a.to(dev, torch.int64) if isinstance(a, torch.Tensor) else \
+            torch.as_tensor(np.asarray(a, np.int64), device=dev)
+
+    n_rows, n_cols = int(shape[0]), int(shape[1])
+    nnz = int(indices.numel() if isinstance(indices, torch.Tensor) else np.asarray(indices).size)
+    # output_size: no device-to-host read of the row lengths' sum (nothing stalls a CUDA stream)
+    flat = torch.repeat_interleave(torch.arange(n_rows, device=dev), long(indptr).diff(), output_size=nnz)
+    flat.mul_(n_cols).add_(long(indices))  # row * n_cols + column, in place: one index array of nnz
+    w = torch.zeros(n_rows * n_cols, dtype=values.dtype, device=dev)
+    w[flat] = values
+    return w.view(n_rows, n_cols)
+
+
+def time_dense(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = "f32", warmup: int = 5,
+               reps: int = 30, seed: int = 0, hide_host_us: float = 0.0) -> dict[str, BenchResult]:
+    """The dense product's timings: ``torch.mv(W, x)`` (SpMV) or ``torch.mm(W, X)`` (SpMM, ``X``
+    of ``n`` columns, row-major) with ``W`` the matrix stored dense in ``dtype``, built once here
+    from the pattern and random values drawn as ``time_reference`` draws them. ``"dense"``: L2
+    flushed (``time_fn``); ``"dense_graph"``: back to back with a hot L2 (``time_hot``), as
+    ``time_reference`` times cuSPARSE for the selection."""
+    torch = _torch()
+    from sparserl_compile.contract import TORCH_NAMES
+
+    tdt = getattr(torch, TORCH_NAMES[dtype])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nnz = int(np.asarray(indices).size)
+    vals = (torch.rand(nnz, generator=g, device="cuda") + 0.5).to(tdt)
+    xs = (int(shape[1]),) if op == "spmv" else (int(shape[1]), n)
+    x = (torch.rand(*xs, generator=g, device="cuda") + 0.5).to(tdt)
+    w = dense_matrix(indptr, indices, shape, vals)
+    del vals
+    fn = (lambda: torch.mv(w, x)) if op == "spmv" else (lambda: torch.mm(w, x))
+    out = {"dense": time_fn(fn, warmup=warmup, reps=reps, hide_host_us=hide_host_us)}
+    out_bytes = int(shape[0]) * (1 if op == "spmv" else n) * x.element_size()
+    launches = hot_launches(out["dense"].median_us, out_bytes)
+    out["dense_graph"] = time_hot(lambda k: fn(), launches, hide_host_us=hide_host_us or HIDE_HOST_US)
     return out

@@ -4,16 +4,19 @@ A ``CacheKey`` (``cache_keys.py``, re-exported here with ``Target``, ``cache_key
 ``local_target`` and ``width_bucket``) holds everything that changes which kernel is right for
 a call: the structure fingerprint, op, value dtype, dense width bucket, GPU arch and name,
 driver and NVRTC versions, package and kernel-space versions and the policy checkpoint hash. A
-``CacheEntry`` is what a search found for that key: the cubin bytes with the source and
-launch header, or ``cubin=None`` when no candidate beat the reference (cached too, so the
-search is not repeated), plus measured times and the verification record.
+``CacheEntry`` is what a search found for that key, its ``outcome``: ``"kernel"``, the cubin
+bytes with the source and launch header; ``"reference"``, no candidate beat the reference
+(cached too, so the search is not repeated); ``"dense"``, the dense product beat both (no
+cubin: the runtime keeps the matrix stored dense); plus measured times and the verification
+record. Entries written before the dense outcome existed have no ``outcome`` field and read
+as "kernel" or "reference" by their cubin.
 
 Layout, one self-contained JSON file per entry (one file, so one atomic rename publishes it
 and no half-written pair can exist), and the folder's key::
 
     <dir>/.key                           32 random bytes, mode 0600 (see "Trust" below)
     <dir>/<digest[:2]>/<digest>.json     {"format": 2, "key": {...}, "cubin_b64": ...,
-                                          "source": ..., "header": ..., "times": {...},
+                                          "outcome": ..., "source": ..., "header": ..., "times": {...},
                                           "verification": {...}, "created": ...,
                                           "sha256": ..., "hmac_sha256": ...}
 
@@ -108,9 +111,14 @@ class CacheWarning(UserWarning):
     """The kernel cache cannot be used as configured and runs memory-only."""
 
 
+#: what a selection kept: a generated kernel, the reference (cuSPARSE) or the dense product
+OUTCOMES = ("kernel", "reference", "dense")
+
+
 @dataclass(frozen=True)
 class CacheEntry:
-    """One search result. ``cubin is None`` records that the reference (cuSPARSE) won."""
+    """One search result: a kernel (``cubin``), or with ``cubin=None`` the verdict that the
+    reference (cuSPARSE) or, with ``outcome="dense"``, the dense product won."""
 
     key: CacheKey
     cubin: bytes | None
@@ -119,16 +127,33 @@ class CacheEntry:
     times: dict = field(default_factory=dict)  # measured medians, e.g. {"kernel_us":..., "reference_us":...}
     verification: dict = field(default_factory=dict)  # verify.py's record, JSON-able
     created: float = field(default_factory=time.time)  # unix time of the search
+    #: one of ``OUTCOMES``; None: "kernel" where there is a cubin, else "reference" (as entries
+    #: written before the dense outcome are read)
+    outcome: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome is None:
+            object.__setattr__(self, "outcome", "reference" if self.cubin is None else "kernel")
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"cache entry outcome {self.outcome!r}: expected one of {OUTCOMES}")
+        if (self.outcome == "kernel") != (self.cubin is not None):
+            raise ValueError(f"a cache entry of outcome {self.outcome!r} "
+                             + ("needs a cubin" if self.outcome == "kernel" else "holds no cubin"))
 
     @property
     def reference_wins(self) -> bool:
-        return self.cubin is None
+        return self.outcome == "reference"
+
+    @property
+    def dense_wins(self) -> bool:
+        return self.outcome == "dense"
 
     def to_json_dict(self) -> dict:
         d = {
             "format": ENTRY_FORMAT,
             "key": dataclasses.asdict(self.key),
             "cubin_b64": None if self.cubin is None else base64.b64encode(self.cubin).decode("ascii"),
+            "outcome": self.outcome,
             "source": self.source,
             "header": self.header,
             "times": self.times,
@@ -153,8 +178,11 @@ class CacheEntry:
             cubin = None if b64 is None else base64.b64decode(b64, validate=True)
         except (binascii.Error, TypeError) as e:
             raise ValueError(f"cubin is not valid base64: {e}") from None
+        outcome = body.get("outcome")  # absent from entries written before the dense outcome
+        if outcome is not None and outcome not in OUTCOMES:
+            raise ValueError(f"outcome {outcome!r} is none of {OUTCOMES}")
         return cls(CacheKey.from_dict(body["key"]), cubin, str(body["source"]), str(body["header"]),
-                   dict(body["times"]), dict(body["verification"]), float(body["created"]))
+                   dict(body["times"]), dict(body["verification"]), float(body["created"]), outcome)
 
 
 _HMAC = "hmac_sha256"

@@ -1,13 +1,17 @@
 """How the runtime serves products: ``RuntimeConfig`` and the counters behind ``stats()``.
 
 The settings live here; ``plans.configure`` changes them (and clears the plan table, so every
-structure is planned again under the new settings). The counters are plain ints bumped on
-the hot path by ``plans`` and ``miss``; ``stats()`` copies them into a ``RuntimeStats``.
+structure is planned again under the new settings). A few have an environment variable that
+sets their default when the package is imported (``SPARSERL_DENSE_MIN_DENSITY``,
+``SPARSERL_DENSE_MAX_BYTES``): for processes that cannot call ``configure`` first, such as
+``sparserl pregen``. The counters are plain ints bumped on the hot path by ``plans`` and
+``miss``; ``stats()`` copies them into a ``RuntimeStats``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 
 #: what a CUDA product whose structure is in neither the plan table nor the disk cache does
 ON_MISS = {
@@ -15,6 +19,28 @@ ON_MISS = {
     "reference": "run the reference and keep it (serving from a pre-generated cache, never a stall)",
     "background": "run the reference now, search in the background, switch when verified",
 }
+
+
+def _env_number(name: str, default, kind):
+    """The default of a setting from the environment variable ``name`` (``kind``: int or float),
+    or ``default`` where it is unset or empty; a value that is not a number is an error naming it."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)  # "1e9" bytes reads as well as "1000000000"
+        if kind is int and not value.is_integer():
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}; "
+                         f"unset it for the default ({default})") from None
+    return kind(value)
+
+
+#: the dense product is a selection candidate only where at least this fraction of the matrix is stored
+DENSE_MIN_DENSITY = 0.01
+#: ... and where the matrix stored dense in its value dtype takes at most this many bytes
+DENSE_MAX_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -33,6 +59,15 @@ class RuntimeConfig:
     #: start, seconds on a GPU. Each spare is a process with its own CUDA context. None
     #: (default): what the active provider asks for (``Provider.sandbox_spare``)
     sandbox_spare: int | None = None
+    #: the dense product (the matrix stored dense in its value dtype, ``torch.mm``/``torch.mv``)
+    #: is timed beside the reference and the candidates, and kept where it is faster, only for
+    #: matrices at least this dense (``select.dense_unsuitable``). Default ``DENSE_MIN_DENSITY``,
+    #: or ``$SPARSERL_DENSE_MIN_DENSITY``
+    dense_min_density: float = field(
+        default_factory=lambda: _env_number("SPARSERL_DENSE_MIN_DENSITY", DENSE_MIN_DENSITY, float))
+    #: ... and whose dense copy takes at most this many bytes of device memory (0: never dense).
+    #: Default ``DENSE_MAX_BYTES`` (1 GiB), or ``$SPARSERL_DENSE_MAX_BYTES``
+    dense_max_bytes: int = field(default_factory=lambda: _env_number("SPARSERL_DENSE_MAX_BYTES", DENSE_MAX_BYTES, int))
 
     def __post_init__(self) -> None:
         if self.on_miss not in ON_MISS:
@@ -45,6 +80,14 @@ class RuntimeConfig:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
             raise ValueError(f"RuntimeConfig.k={self.k!r}: the number of candidates must be an int >= 0 "
                              "(0 = the provider's default)")
+        d = self.dense_min_density
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0:
+            raise ValueError(f"RuntimeConfig.dense_min_density={d!r}: the least stored fraction of a matrix "
+                             "for which the dense product is a candidate must be a number in [0, 1]")
+        b = self.dense_max_bytes
+        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+            raise ValueError(f"RuntimeConfig.dense_max_bytes={b!r}: the largest dense copy of a matrix the "
+                             "runtime may keep must be an int >= 0 (bytes; 0: never the dense product)")
         for name in ("cache", "kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RuntimeConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -58,6 +101,7 @@ class RuntimeStats:
     hits: int = 0  # plan-table hits
     misses: int = 0  # plan-table misses (each builds a plan)
     kernel_calls: int = 0  # products run by a generated kernel
+    dense_calls: int = 0  # products run by the dense matmul (where the dense product won the selection)
     reference_calls: int = 0  # products run by the reference
     fallbacks: int = 0  # kernel-path failures that fell back to the reference
     cache_hits: int = 0  # misses served by the disk cache

@@ -14,8 +14,9 @@ entry (the file name is the key's digest, so entries of different keys never col
   (another machine's ``pregen --out``, copied whole with its ``.key``) become this folder's;
 * a key the destination already holds: identical entries are left alone; different ones keep
   the existing entry, unless ``prefer_faster`` and both entries carry a time, in which case
-  the faster one stays (a kernel entry's ``kernel_us``; an entry where the reference won, its
-  ``reference_us``). Untimed entries (built by a CPU-only machine) never replace anything.
+  the faster one stays (``entry_time_us``: a kernel entry's ``kernel_us``; an entry where the
+  reference won, its ``reference_us``; where the dense product won, its ``dense_us``).
+  Untimed entries (built by a CPU-only machine) never replace anything.
 
 Sources are processed in the order given, so among sources, the first one's entry wins a
 conflict (without ``prefer_faster``). A source folder is only read, never created or
@@ -63,8 +64,9 @@ class MergeReport:
 
 
 def entry_time_us(entry: CacheEntry) -> float | None:
-    """The time a call takes with this entry: the kernel's, or the reference's when it won."""
-    v = entry.times.get("reference_us" if entry.reference_wins else "kernel_us")
+    """The time a call takes with this entry: the time of what its outcome keeps (the kernel,
+    the reference or the dense product)."""
+    v = entry.times.get({"kernel": "kernel_us", "reference": "reference_us", "dense": "dense_us"}[entry.outcome])
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         return None
     return float(v)

@@ -2,9 +2,13 @@
 
 ``verdict(...)`` decides, for one product on a CUDA device, where its kernel comes from:
 
-1. the disk cache (``cache.KernelCache.default()``; a cached "reference wins" verdict counts);
-   a cached kernel never timed on this GPU (pre-generated on a CPU) is timed once against
-   cuSPARSE in the sandbox before it is trusted;
+1. the disk cache (``cache.KernelCache.default()``; a cached "reference wins" or "dense wins"
+   verdict counts); a cached kernel never timed on this GPU (pre-generated on a CPU) is timed
+   once against cuSPARSE in the sandbox before it is trusted. A verdict reached without timing
+   the dense product, where the dense product is now a candidate (``dense_stale``), is decided
+   again: a kernel is timed again (one candidate, beside cuSPARSE and the dense product), a
+   reference verdict is searched again as on a miss. A dense verdict the current settings no
+   longer allow (a smaller ``dense_max_bytes``) is searched again too;
 2. else, by ``RuntimeConfig.on_miss``: ``"search"`` asks the active provider for ``k``
    candidates and ``select.choose`` compiles, verifies (in a killable sandbox worker) and
    times them against the reference, and the product waits; ``"reference"`` keeps the
@@ -99,18 +103,24 @@ def verdict(op, crow, col, val, x, n_rows, n_cols, fp) -> Verdict:
             store = None
     t_cache = time.perf_counter()
     times = (t0, t_problem, t_cache)
+    stale = None if entry is None else dense_stale(entry, problem, timed=x.device.type == "cuda")
+    if entry is not None and stale is not None and not entry.outcome == "kernel":
+        log_once("cached verdict decided again", fp, stale)
+        entry = None  # a reference or dense verdict: searched again as on a miss
     if entry is not None:
         config.counts["cache_hits"] += 1
         if entry.reference_wins:
             return Verdict(problem, key, reason="cached verdict: " + entry.verification.get("why", "the reference wins"))
-        if "kernel_us" in entry.times and not timed_before_hot_rule(entry):
+        if entry.dense_wins or ("kernel_us" in entry.times and not timed_before_hot_rule(entry) and stale is None):
             return Verdict(problem, entry.key, entry=entry, record=_row(problem, "cache", None, *times, t_cache))
-        # pre-generated without a GPU (verified on the CPU, never timed on this GPU), or timed
-        # before the selection compared short products with a hot L2: timed against cuSPARSE in
-        # the sandbox (one candidate) before it is trusted
+        # pre-generated without a GPU (verified on the CPU, never timed on this GPU), timed
+        # before the selection compared short products with a hot L2, or before it timed the
+        # dense product: timed against cuSPARSE (and the dense product) in the sandbox (one
+        # candidate) before it is trusted
         candidates = [contract.Candidate(entry.source, contract.parse_header(entry.header or entry.source))]
     elif config.current.on_miss == "reference":
-        return Verdict(problem, key, reason="not in the kernel cache (on_miss='reference')")
+        why = "not in the kernel cache" if stale is None else f"the cached verdict is decided again ({stale})"
+        return Verdict(problem, key, reason=f"{why} (on_miss='reference')")
     if config.current.on_miss == "background":
         fut = _background_search(problem, key, store, fp, candidates, x.device)
         return Verdict(problem, key, future=fut, asked_provider=candidates is None)
@@ -155,7 +165,7 @@ def first_uses() -> list[dict]:
       ``propose_s`` (the provider's ``propose``), ``select_s`` (compile, sandboxed
       verification and timing, ``select.choose``, and the disk-cache write), ``plan_s``
       (format conversion, upload and loading the winner), ``total_s``;
-    * ``plan``: ``"kernel"`` or ``"reference"``; ``verification``: the selection record
+    * ``plan``: ``"kernel"``, ``"reference"`` or ``"dense"``; ``verification``: the selection record
       (per-candidate worker phases, the reference's time, why the reference won), when one ran.
 
     Background searches (``on_miss="background"``) and products served straight from the
@@ -180,6 +190,23 @@ def timed_before_hot_rule(entry) -> bool:
     return us is not None and us < GRAPH_BELOW_US and "reference_graph_us" not in entry.verification
 
 
+def dense_stale(entry, problem: Problem, *, timed: bool) -> str | None:
+    """Why a cached verdict must be decided again for the dense product, or None where it
+    stands: a dense verdict the current settings no longer allow (``select.dense_unsuitable``),
+    or, where the decision would be timed (``timed``: on a GPU), a verdict reached without
+    timing the dense product (its record has no ``dense_us``: an entry of selection version 1,
+    or pre-generated without a GPU) where the dense product is now a candidate."""
+    from sparserl_compile import select
+
+    why_not = select.dense_unsuitable(problem)
+    if entry.dense_wins:
+        return None if why_not is None else f"its dense verdict is no longer allowed: {why_not}"
+    if why_not is not None or not timed or "dense_us" in entry.verification:
+        return None
+    how = "by selection version 1" if entry.verification.get("selection_version", 1) < 2 else "untimed"
+    return f"it was reached without timing the dense product ({how}), which is now a candidate"
+
+
 # ------------------------------------------------------------------------- the search
 
 
@@ -187,8 +214,9 @@ def search_entry(problem: Problem, key, *, candidates=None, executor: str | None
     """Ask the active provider (or take ``candidates``), select, and return the cache entry.
 
     The entry holds the winning kernel (cubin, source, header, times) or, with ``cubin=None``,
-    the verdict that the reference wins. ``select.choose`` does all compiling, sandboxed
-    verification and timing; nothing is launched in this process.
+    the verdict that the reference wins or (``outcome="dense"``) that the dense product does.
+    ``select.choose`` does all compiling, sandboxed verification and timing; nothing is launched
+    in this process.
     """
     from sparserl_compile import select
 
@@ -207,14 +235,23 @@ def search_entry(problem: Problem, key, *, candidates=None, executor: str | None
         provider, proposer = None, "given"
     config.counts["searches"] += 1
     record: dict = {"provider": proposer, "candidates": len(candidates), "propose_s": time.perf_counter() - t0}
-    if not candidates:
+    reference_only = isinstance(provider, providers.ReferenceProvider)
+    if not candidates and (reference_only or (executor or select.default_executor()) != "gpu"
+                           or select.dense_unsuitable(problem)):
+        # (with none, the dense product may still beat the reference: timed where it can be,
+        # except under the reference provider, whose verdict is the reference by choice)
         record["why"] = f"provider {record['provider']!r} proposed no candidates"
+        if reference_only:
+            record.update(dense_us=None, dense_not_timed="the reference provider keeps the reference")
         return cache.CacheEntry(key=key, cubin=None, times={}, verification=record)
     choice = select.choose(problem, candidates, executor=executor, pool=sandbox_pool(provider))
     record.update(dict(choice.record or {}))
     cand = choice.candidate
-    times = {k: v for k, v in (("kernel_us", choice.kernel_us), ("reference_us", choice.reference_us))
-             if v is not None}
+    times = {k: v for k, v in (("kernel_us", choice.kernel_us), ("reference_us", choice.reference_us),
+                               ("dense_us", choice.dense_us)) if v is not None}
+    if choice.dense:
+        record["why"] = record.get("rule") or "the dense product beat the reference and the candidates"
+        return cache.CacheEntry(key=key, cubin=None, times=times, verification=record, outcome="dense")
     if cand is None:
         record.setdefault("why", record.get("rule") or "no verified candidate beat the reference")
         return cache.CacheEntry(key=key, cubin=None, times=times, verification=record)

@@ -9,7 +9,9 @@ in-memory table keyed by
 
 * hit: run the plan: a ``KernelPlan`` launches its verified cubin on torch's current stream; a
   ``ReferencePlan`` calls torch.sparse (cuSPARSE on CUDA, torch's CPU CSR kernels on the CPU);
-  a ``PendingPlan`` (a background search still running) runs the reference;
+  a ``DensePlan`` (where the selection found the dense product fastest) multiplies by the
+  matrix stored dense (``torch.mm``/``torch.mv``: cuBLAS); a ``PendingPlan`` (a background
+  search still running) runs the reference;
 * miss: CPU tensors, float64 values, empty matrices and ``configure(kernels=False)`` get a
   ``ReferencePlan``; a CUDA product asks the miss path (``miss.verdict``: the disk cache, then
   the provider and the sandboxed selection) and turns its verdict into a plan here.
@@ -93,11 +95,11 @@ class _PlanTable(dict):
 class Routes:
     """One sparse tensor's shortcuts past the plan table: dense width (SpMM) or ``SPMV`` ->
     what serves it, the torch CSR tensor to multiply by (a reference plan, float32/64, a
-    non-empty matrix) or the ``KernelPlan`` (once its first-use check passed), valid while the
-    plan table's ``generation`` is the one they were made in. ``tensor.SparseRLTensor`` keeps
-    one (its ``_routes``); ``product(routes=)`` fills it on a hit and ``routed_product`` serves
-    the next such product without building the plan key. Never copied (a copy would alias the
-    original's values): ``copy``/``deepcopy`` give an empty one."""
+    non-empty matrix), the ``KernelPlan`` (once its first-use check passed) or the
+    ``DensePlan``, valid while the plan table's ``generation`` is the one they were made in.
+    ``tensor.SparseRLTensor`` keeps one (its ``_routes``); ``product(routes=)`` fills it on a hit
+    and ``routed_product`` serves the next such product without building the plan key. Never
+    copied (a copy would alias the original's values): ``copy``/``deepcopy`` give an empty one."""
 
     __slots__ = ("generation", "native")
     MAX = 8  # widths kept per tensor (a model calling one weight at many widths starts again)
@@ -105,7 +107,7 @@ class Routes:
 
     def __init__(self):
         self.generation = -1
-        self.native: dict[int, "torch.Tensor | KernelPlan"] = {}
+        self.native: dict[int, "torch.Tensor | KernelPlan | DensePlan"] = {}
 
     def get(self, n: int):
         return self.native.get(n) if self.generation == _table.generation else None
@@ -269,10 +271,66 @@ def kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) ->
     return KernelPlan(header, kernel, fd, arrays, source, cache_key=key)
 
 
+class DensePlan:
+    """The dense product, where the selection found it faster than the reference and every
+    candidate: ``torch.mv``/``torch.mm`` with the matrix stored dense in its value dtype.
+
+    The dense matrix is built from the CSR values on their device on the first product and
+    kept, memoized on the identity and version counter of the values tensor (as ``KernelPlan``
+    memoizes its value gather): an in-place update of the values builds it again, an unchanged
+    weight never. The plan key is the structure, so weights that share a pattern share the plan:
+    each keeps its own dense copy, dropped when its values tensor is freed. No dense copy exists
+    where this plan was not chosen. ``nbytes``: the device memory the copies take.
+    """
+
+    kind = "dense"
+
+    def __init__(self, reason: str = ""):
+        self.reason = reason
+        #: id(values) -> (weakref to them, their version, the dense matrix)
+        self._dense: dict[int, tuple] = {}
+
+    def weight(self, crow, col, val, n_rows: int, n_cols: int) -> torch.Tensor:
+        """The matrix of (crow, col, val) stored dense, built once per values tensor and version."""
+        k = id(val)
+        m = self._dense.get(k)
+        if m is not None and m[0]() is val and m[1] == _version(val):
+            return m[2]
+        from sparserl_compile.bench import dense_matrix
+
+        w = dense_matrix(crow, col, (n_rows, n_cols), val)
+        ref = weakref.ref(val, lambda r, k=k, d=self._dense: d.pop(k) if k in d and d[k][0] is r else None)
+        self._dense[k] = (ref, _version(val), w)
+        return w
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dense matrices this plan holds (0 before its first product)."""
+        return sum(m[2].numel() * m[2].element_size() for m in list(self._dense.values()))
+
+    def run(self, op, crow, col, val, x, n_rows, n_cols):
+        w = self.weight(crow, col, val, n_rows, n_cols)
+        return torch.mv(w, x) if x.dim() == 1 else torch.mm(w, x)
+
+    def __repr__(self) -> str:
+        return f"DensePlan(copies={len(self._dense)}, nbytes={self.nbytes})"
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor (made under ``torch.inference_mode``),
+    which has none: outside inference mode its values cannot change in place."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def entry_plan(entry, problem, device, key) -> "Plan":
-    """The plan of a cache entry: its kernel, or the reference where the entry says it wins."""
+    """The plan of a cache entry: its kernel, the reference or the dense product, as the entry says."""
     if entry.reference_wins:
         return ReferencePlan(entry.verification.get("why", "the reference wins"))
+    if entry.dense_wins:
+        return DensePlan(entry.verification.get("why", "the dense product wins"))
     return kernel_plan(problem, device, entry.cubin, entry.header or entry.source, entry.source, key)
 
 
@@ -303,7 +361,7 @@ class PendingPlan:
         return f"PendingPlan(done={self.future.done()})"
 
 
-Plan = "ReferencePlan | KernelPlan | PendingPlan"
+Plan = "ReferencePlan | KernelPlan | DensePlan | PendingPlan"
 
 
 # ------------------------------------------------------------------------- one product
@@ -351,6 +409,8 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
                 cur = _table[key] = plan.resolve()
             if cur is not None:  # (None: the table was cleared meanwhile; this call runs the reference)
                 plan = cur
+    if plan.kind == "dense":
+        return _dense_product(plan, key, generation, routes, op, crow, col, val, x, n_rows, n_cols, fp)
     if plan.kind == "kernel":
         try:
             y = plan.run(op, crow, col, val, x, n_rows, n_cols)
@@ -377,16 +437,44 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
     return reference_product(crow, col, val, x, n_rows, n_cols)
 
 
+def _dense_product(plan: DensePlan, key, generation, routes, op, crow, col, val, x, n_rows, n_cols, fp):
+    """``product`` under a ``DensePlan``; where the dense matrix cannot be built (out of
+    memory, say) the reference serves from then on, logged once, like a failed kernel."""
+    try:
+        y = plan.run(op, crow, col, val, x, n_rows, n_cols)
+    except Exception as e:  # noqa: BLE001 - never the user's problem: the reference computes it
+        config.counts["fallbacks"] += 1
+        miss.log_once("dense product failed, using the reference from now on", fp, repr(e))
+        with _lock:
+            _table[key] = ReferencePlan(f"dense product failed: {e!r}")
+        config.counts["reference_calls"] += 1
+        return reference_product(crow, col, val, x, n_rows, n_cols)
+    config.counts["dense_calls"] += 1
+    if routes is not None:
+        routes.store(generation, x.shape[1] if op == "spmm" else Routes.SPMV, plan)
+    return y
+
+
 def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
     """``product`` for a sparse tensor holding ``routes``: where it has a route for this op and
     width (a plan found earlier in this generation of the table: torch's CSR tensor for the
-    reference, or a checked ``KernelPlan``), that at once, counted as the table hit it stands
-    for; else ``product``, which stores one on a hit. A routed kernel that cannot run this call
-    (a launch error, a width its vector loads do not suit) goes back through ``product``,
-    which falls back and logs as always."""
+    reference, a checked ``KernelPlan`` or a ``DensePlan``), that at once, counted as the table
+    hit it stands for; else ``product``, which stores one on a hit. A routed kernel that cannot
+    run this call (a launch error, a width its vector loads do not suit) or a dense plan that
+    cannot build its matrix goes back through ``product``, which falls back and logs as always."""
     r = routes.get(Routes.SPMV if op == "spmv" else x.shape[1])
     if r is None:
         return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
+    if type(r) is DensePlan:
+        try:
+            y = r.run(op, crow, col, val, x, n_rows, n_cols)
+        except Exception:  # noqa: BLE001 - product() runs it again, falls back and logs why
+            return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
+        counts = config.counts
+        counts["calls"] += 1
+        counts["hits"] += 1
+        counts["dense_calls"] += 1
+        return y
     if type(r) is KernelPlan:
         try:
             y = r.run(op, crow, col, val, x, n_rows, n_cols)

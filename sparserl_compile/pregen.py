@@ -9,8 +9,10 @@ as stored).
 For every matrix and every requested product (SpMV; SpMM at each ``--widths`` value) it does
 what the runtime does on a miss -- the active provider proposes candidates, ``select.choose``
 compiles, verifies in the sandbox and (on a GPU) times them against cuSPARSE -- and writes the
-verdict (a verified kernel, or "the reference wins") into the cache at ``--out``. A key
-already in the cache is skipped, so an interrupted run resumes where it stopped. Another
+verdict (a verified kernel, "the reference wins" or "the dense product wins") into the cache at
+``--out``. A key already in the cache is skipped, so an interrupted run resumes where it
+stopped, unless a timed run finds its verdict reached without timing the dense product where
+that is now a candidate (``miss.dense_stale``): that product is searched again. Another
 machine of the same GPU kind, driver and NVRTC loads the entries without searching again
 (point ``SPARSERL_CACHE_DIR`` at the folder).
 
@@ -69,11 +71,12 @@ class Row:
     op: str
     n: int
     nnz: int
-    outcome: str  # "kernel", "reference", "cached", "failed"
-    detail: str  # family of the kernel, or why the reference / the failure
+    outcome: str  # "kernel", "reference", "dense", "cached", "failed"
+    detail: str  # family of the kernel, or why the reference / the dense product / the failure
     kernel_us: float | None
     reference_us: float | None
     seconds: float
+    dense_us: float | None = None  # the dense product's time, where it was timed
 
 
 def onnx_matrices(path: Path, min_sparsity: float = 0.5) -> list[Item]:
@@ -183,12 +186,13 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
     ``share=K > 0``: explore once per group of alike products (module doc, ``--share``)."""
     from tqdm import tqdm
 
-    from sparserl_compile import cache, config, miss, providers, structure
+    from sparserl_compile import cache, config, miss, providers, select, structure
 
     store = cache.KernelCache(cache_dir)
     if not store.on_disk:
         raise SystemExit(f"cannot write the kernel cache at {cache_dir}: {store.disabled_reason}")
     target = target or cache.local_target()
+    timed = (executor or select.default_executor()) == "gpu"
     jobs = [(it, op, n) for it in items for op in ops for n in ((1,) if op == "spmv" else widths)]
     rows: list[Row] = []
     bar = tqdm(jobs, disable=not progress, unit="product", file=sys.stderr)
@@ -203,9 +207,10 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
         problem = make_problem(op, dtype, n, m.indptr, m.indices, m.shape, fp, target.arch)
         key = miss.key_for(problem, target)
         hit = store.get(key)
-        if hit is not None:
-            rows.append(Row(it.name, op, n, m.nnz, "cached", "already in the cache",
-                            hit.times.get("kernel_us"), hit.times.get("reference_us"), 0.0))
+        if hit is not None and miss.dense_stale(hit, problem, timed=timed) is None:
+            rows.append(Row(it.name, op, n, m.nnz, "cached", f"already in the cache ({hit.outcome})",
+                            hit.times.get("kernel_us"), hit.times.get("reference_us"), 0.0,
+                            hit.times.get("dense_us")))
             continue
         gkey = share_key(m, op, n, dtype) if share else None
         shared = groups.get(gkey) if share else None
@@ -232,9 +237,8 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
         detail = entry.verification.get("winner_family") or entry.verification.get("why", "")
         if shared:
             detail = f"shared {len(shared)}: {detail}"
-        rows.append(Row(it.name, op, n, m.nnz, "reference" if entry.reference_wins else "kernel", str(detail),
-                        entry.times.get("kernel_us"), entry.times.get("reference_us"),
-                        time.perf_counter() - t0))
+        rows.append(Row(it.name, op, n, m.nnz, entry.outcome, str(detail), entry.times.get("kernel_us"),
+                        entry.times.get("reference_us"), time.perf_counter() - t0, entry.times.get("dense_us")))
     return rows
 
 
@@ -242,11 +246,12 @@ def format_table(rows: list[Row]) -> str:
     def f(v):
         return "-" if v is None else f"{v:.1f}"
 
-    head = f"{'matrix':34s} {'op':5s} {'n':>4s} {'nnz':>9s} {'outcome':9s} {'kernel_us':>9s} {'ref_us':>8s} {'s':>6s}  detail"
+    head = (f"{'matrix':34s} {'op':5s} {'n':>4s} {'nnz':>9s} {'outcome':9s} {'kernel_us':>9s} {'ref_us':>8s} "
+            f"{'dense_us':>8s} {'s':>6s}  detail")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.name[:34]:34s} {r.op:5s} {r.n:>4d} {r.nnz:>9d} {r.outcome:9s} {f(r.kernel_us):>9s} "
-                     f"{f(r.reference_us):>8s} {r.seconds:>6.1f}  {r.detail[:60]}")
-    counts = {k: sum(r.outcome == k for r in rows) for k in ("kernel", "reference", "cached", "failed")}
+                     f"{f(r.reference_us):>8s} {f(r.dense_us):>8s} {r.seconds:>6.1f}  {r.detail[:60]}")
+    counts = {k: sum(r.outcome == k for r in rows) for k in ("kernel", "reference", "dense", "cached", "failed")}
     lines.append(" ".join(f"{k}={v}" for k, v in counts.items()))
     return "\n".join(lines)

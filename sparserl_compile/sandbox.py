@@ -82,6 +82,8 @@ class SandboxJob:
     #: GPU sleep (us) before each timed call, so no host path enters a timing (bench.time_fn);
     #: None: ``bench.HIDE_HOST_US``
     hide_host_us: float | None = None
+    #: a reference job also times the dense product (``bench.time_dense``) on the same worker
+    dense: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class SandboxResult:
     #: worker) and "outside" (the rest of the parent's round trip: the messages, a worker still
     #: warming up). Where a first call's time goes when the jobs' own walls do not add up to it
     overhead: dict = field(default_factory=dict)
+    #: a reference job with ``dense``: ``bench.time_dense``'s results ("dense", "dense_graph"), or
+    #: {"error": why} where the dense product could not be timed (its matrix did not fit, say)
+    dense: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -125,7 +130,7 @@ class SandboxResult:
                 "verify": self.verify.to_dict() if self.verify else None,
                 "bench": self.bench, "graph_bench": self.graph_bench, "reference": self.reference,
                 "floor_us": self.floor_us, "wall_s": self.wall_s, "phases": dict(self.phases),
-                "overhead": dict(self.overhead)}
+                "overhead": dict(self.overhead), "dense": self.dense}
 
 
 # ------------------------------------------------------------------ worker side
@@ -140,7 +145,8 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
                                    dtype=job.dtype, warmup=job.warmup, reps=job.reps, seed=job.seed,
                                    hide_host_us=_hide(job), graph_below_us=math.inf)
         return SandboxResult("ok", reference={k: v.to_dict() for k, v in ref.items()},
-                             floor_us=_floor(job, pattern), wall_s=time.perf_counter() - t0, worker_pid=os.getpid())
+                             floor_us=_floor(job, pattern), wall_s=time.perf_counter() - t0, worker_pid=os.getpid(),
+                             dense=_time_dense(job, pattern) if job.dense else None)
     from sparserl_compile import verify as V
 
     runners: list = []
@@ -152,6 +158,25 @@ def run_job(job: SandboxJob, pattern: Pattern) -> SandboxResult:
     finally:
         for r in runners:
             r.close()
+
+
+def _time_dense(job: SandboxJob, pattern: Pattern) -> dict:
+    """The dense product's timings beside the reference's (``SandboxResult.dense``). A failure
+    (the dense matrix does not fit beside the worker's buffers, say) is reported, not raised:
+    the reference's timings stand and the dense product is then no candidate."""
+    from sparserl_compile import bench
+
+    try:
+        out = bench.time_dense(pattern.indptr, pattern.indices, pattern.shape, op=job.op, n=job.n,
+                               dtype=job.dtype, warmup=job.warmup, reps=job.reps, seed=job.seed,
+                               hide_host_us=_hide(job))
+        return {k: v.to_dict() for k, v in out.items()}
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        import torch
+
+        torch.cuda.empty_cache()  # the dense matrix's memory back before the candidates are timed
 
 
 def _after_verify(job: SandboxJob, pattern: Pattern, vr: VerifyResult, runner, t0: float) -> SandboxResult:

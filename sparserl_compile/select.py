@@ -23,11 +23,23 @@ returns a ``Choice``:
   two medians (each way) counts. A reference timed while the GPU was slow (its clocks still
   rising, another process busy) would otherwise let a kernel through that only beat a bad
   measurement: the rule errs towards cuSPARSE.
+* The dense product: where ``dense_unsuitable(problem)`` finds nothing against it (the matrix
+  is at least ``RuntimeConfig.dense_min_density`` stored and its dense copy in the value dtype
+  takes at most ``RuntimeConfig.dense_max_bytes``: decided from the structure and dtype alone,
+  so the cache key needs nothing more), ``choose`` has the worker time ``torch.mv``/``torch.mm``
+  with the matrix stored dense (cuBLAS) in each reference job, both ways, as it times the
+  reference (``bench.time_dense``); the faster of its two timings counts each way. The dense
+  product wins where it beats, by ``margin``, flushed and hot, the reference and the kept
+  kernel if there is one: the user's own alternative for a pruned ``nn.Linear`` is the dense
+  layer, and a model must never be made slower than that. ``Choice.dense`` is then True and
+  ``candidate`` None; the runtime keeps the dense matrix (``plans.DensePlan``).
 * CPU executor (or ``time=False``): nothing can be timed, so the rule is "the first verified
-  candidate in the provider's order" (providers list their best guess first); all times None.
+  candidate in the provider's order" (providers list their best guess first); all times None,
+  and the dense product never wins.
 
-``Choice.record`` holds every candidate's outcome (kind, reason, times, errors) as plain JSON
-for the cache entry and for debugging. Nothing is cached or launched here.
+``Choice.record`` holds every candidate's outcome (kind, reason, times, errors), the outcome
+("kernel", "reference" or "dense") and ``selection_version`` as plain JSON for the cache entry
+and for debugging. Nothing is cached or launched here.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ from sparserl_compile.verify import Pattern
 
 #: a candidate must beat the reference by this fraction to be kept
 DEFAULT_MARGIN = 0.03
+#: the rules ``decide`` applies, in every record: 2 also times the dense product (records
+#: without the field are of version 1: kernel against reference only)
+SELECTION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,14 @@ class Choice:
     kernel_us: float | None = None
     reference_us: float | None = None
     record: dict = field(default_factory=dict, repr=False)
+    #: the dense product's flushed median (None: not timed) and whether it won (``candidate`` is then None)
+    dense_us: float | None = None
+    dense: bool = False
+
+    @property
+    def outcome(self) -> str:
+        """"kernel", "reference" or "dense": what serves the product."""
+        return "dense" if self.dense else "reference" if self.candidate is None else "kernel"
 
     @property
     def speedup(self) -> float | None:
@@ -94,6 +117,24 @@ class Evaluation:
         runs = [self.reference] + ([self.reference_again] if self.reference_again is not None else [])
         return [_reference_median(r) for r in runs]
 
+    def dense_us(self, *, hot: bool = False) -> float | None:
+        """The dense product's flushed median (``hot``: its hot-L2 one), the faster of its timings
+        in the reference jobs; None where it was not timed (or failed)."""
+        times = []
+        for r in (self.reference, self.reference_again):
+            d = r.dense if r is not None and r.ok and r.dense else {}
+            t = d.get("dense_graph" if hot else "dense")
+            if t is not None:
+                times.append(float(t["median_us"]))
+        return min(times) if times else None
+
+    def dense_error(self) -> str | None:
+        """Why the dense product was asked for and not timed, where it was not."""
+        for r in (self.reference, self.reference_again):
+            if r is not None and r.ok and r.dense and "error" in r.dense:
+                return str(r.dense["error"])
+        return None
+
 
 def _reference_median(r: SandboxResult | None, *, graph: bool = False) -> float | None:
     """The flushed median of the first index type timed (int32, else int64), or with ``graph``
@@ -124,8 +165,12 @@ def _pattern(problem) -> Pattern:
 
 def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executor: str, time: bool = True,
              value_sets: int = 3, seed: int = 0, timeout_s: float | None = None, reps: int = 30,
-             first_verified: bool = False, precompile: bool = False, parallel_verify: bool = False) -> Evaluation:
+             first_verified: bool = False, precompile: bool = False, parallel_verify: bool = False,
+             dense: bool = False) -> Evaluation:
     """Sandbox every candidate (and, when timing on the GPU, the reference) for ``problem``.
+
+    ``dense=True`` (what ``choose`` asks for where ``dense_unsuitable`` allows it): every
+    reference job also times the dense product.
 
     ``first_verified=True`` (what ``choose`` asks for when nothing is timed) stops at the first
     verified candidate, the one ``decide`` would take; ``Evaluation.results`` then covers only
@@ -166,7 +211,7 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     ref = None
     if timed:
         t1 = _time.perf_counter()
-        ref = run(SandboxJob(None, **common))
+        ref = run(SandboxJob(None, **common, dense=dense))
         parts["reference"] = _time.perf_counter() - t1
     t1 = _time.perf_counter()
     results = []
@@ -188,7 +233,7 @@ def evaluate(problem, candidates: list[Candidate], *, pool: SandboxPool, executo
     again = None
     if ref is not None and any(r.ok and r.kernel_us is not None for r in results):
         t1 = _time.perf_counter()
-        again = run(SandboxJob(None, **common))
+        again = run(SandboxJob(None, **common, dense=dense))
         parts["reference"] += _time.perf_counter() - t1
     return Evaluation(tuple(results), ref, _time.perf_counter() - t0, again, parts)
 
@@ -236,7 +281,13 @@ def _jsonable(x):
 
 
 def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAULT_MARGIN) -> Choice:
-    """Apply the selection rule of the module docstring to an ``Evaluation``."""
+    """Apply the selection rule of the module docstring to an ``Evaluation``: a kernel against
+    the reference, then the dense product (where it was timed) against what that kept."""
+    return _with_dense(_kernel_or_reference(candidates, ev, margin), ev, margin)
+
+
+def _kernel_or_reference(candidates: list[Candidate], ev: Evaluation, margin: float) -> Choice:
+    """The rule between the candidates and the reference (the dense product aside)."""
     ref_us, ref_hot = ev.reference_us(), ev.reference_graph_us()
     record = {"candidates": [outcome_record(c, r) for c, r in zip(candidates, ev.results)],
               "reference": ev.reference.reference if ev.reference else None,
@@ -275,6 +326,69 @@ def decide(candidates: list[Candidate], ev: Evaluation, *, margin: float = DEFAU
     return Choice(c, r.cubin, r.kernel_us, ref_us, record)
 
 
+def _with_dense(choice: Choice, ev: Evaluation, margin: float) -> Choice:
+    """``choice`` with the dense product's timings and verdict: it wins where it beats the
+    reference and the kept kernel (if any) by ``margin``, flushed and hot (module doc)."""
+    rec = choice.record
+    rec.update(selection_version=SELECTION_VERSION, outcome=choice.outcome)
+    if ev.reference is None or ev.reference.dense is None:  # not asked for (or nothing timed)
+        return choice
+    d, d_hot = ev.dense_us(), ev.dense_us(hot=True)
+    rec.update(dense_us=d, dense_hot_us=d_hot)
+    if ev.dense_error() is not None:
+        rec["dense_error"] = ev.dense_error()
+    rivals = [("the reference", choice.reference_us, rec.get("reference_hot_us"))]
+    if choice.candidate is not None:
+        rivals.append((f"kernel {choice.candidate.name}", choice.kernel_us, rec.get("chosen_hot_us")))
+    why = _dense_loses(d, d_hot, rivals, margin)
+    if why is not None:
+        rec["dense_rule"] = why
+        return replace(choice, dense_us=d)
+    beaten = " and ".join(f"{name} ({_us(us)} flushed, {_us(hot)} hot)" for name, us, hot in rivals)
+    rec.update(outcome="dense", chosen=None, kept_kernel=choice.candidate.name if choice.candidate else None,
+               rule_without_dense=rec.get("rule"),
+               rule=f"the dense product wins: {_us(d)} flushed and {_us(d_hot)} hot beat {beaten} by {margin}")
+    return Choice(None, None, choice.kernel_us, choice.reference_us, rec, dense_us=d, dense=True)
+
+
+def _dense_loses(d: float | None, d_hot: float | None, rivals, margin: float) -> str | None:
+    """Why the dense product (``d`` flushed, ``d_hot`` hot) is not kept against ``rivals``
+    ((name, flushed, hot) each), or None where it beats every one by ``margin`` both ways. A
+    figure missing on either side keeps the rival, as for a kernel against the reference."""
+    if d is None or d_hot is None:
+        return "the dense product was not timed both ways"
+    for name, us, hot in rivals:
+        if us is None or hot is None:
+            return f"{name} has no {'flushed' if us is None else 'hot'} figure to compare with"
+        if not d < (1.0 - margin) * us:
+            return f"{name} is kept: dense {_us(d)} not below (1-{margin}) x {_us(us)} flushed"
+        if not d_hot < (1.0 - margin) * hot:
+            return f"{name} is kept: dense {_us(d_hot)} not below (1-{margin}) x {_us(hot)} hot"
+    return None
+
+
+def dense_unsuitable(problem, cfg=None) -> str | None:
+    """Why the dense product is no selection candidate for ``problem``, or None where it is:
+    its matrix must be at least ``dense_min_density`` stored and fit ``dense_max_bytes`` stored
+    dense in its value dtype (``RuntimeConfig``; ``cfg``: the runtime's current settings).
+    From the structure and dtype alone, as the cache key is. The one place that decides it:
+    ``choose`` asks it before timing, the runtime before it trusts a cached verdict."""
+    from sparserl_compile import config
+    from sparserl_compile.contract import TORCH_NAMES
+
+    cfg = cfg or config.current
+    cells = int(problem.n_rows) * int(problem.n_cols)
+    if cells == 0:
+        return "an empty matrix"
+    density = int(problem.nnz) / cells
+    if density < cfg.dense_min_density:
+        return f"density {density:.4g} is below dense_min_density {cfg.dense_min_density:g}"
+    nbytes = cells * {"float32": 4, "float16": 2, "bfloat16": 2}[TORCH_NAMES[problem.dtype]]
+    if nbytes > cfg.dense_max_bytes:
+        return f"stored dense it takes {nbytes} bytes, over dense_max_bytes {cfg.dense_max_bytes}"
+    return None
+
+
 def _hot(r: SandboxResult) -> float | None:
     return None if r.graph_bench is None else float(r.graph_bench["median_us"])
 
@@ -306,26 +420,35 @@ def outdated(record: dict) -> str | None:
 
 def choose(problem, candidates: list[Candidate], *, executor: str | None = None, time: bool = True,
            timeout_s: float = 60.0, margin: float = DEFAULT_MARGIN, pool: SandboxPool | None = None,
-           value_sets: int = 3, seed: int = 0) -> Choice:
-    """Verify (and time) ``candidates`` for ``problem`` in sandboxes and pick one (or None).
+           value_sets: int = 3, seed: int = 0, dense: bool | None = None) -> Choice:
+    """Verify (and time) ``candidates`` for ``problem`` in sandboxes and pick one (or None, or
+    the dense product).
 
     ``pool``: reuse an existing ``SandboxPool`` (the runtime keeps one); otherwise a
-    one-worker pool is started and closed here.
+    one-worker pool is started and closed here. ``dense``: time the dense product too (None:
+    where ``dense_unsuitable`` allows it); only a timed selection can keep it, and with it
+    ``candidates`` may be empty (the dense product against the reference alone).
     """
     executor = executor or default_executor()
     if executor not in ("gpu", "cpu"):
         raise ValueError(f"executor={executor!r}; use 'gpu', 'cpu' or None (auto)")
-    if not candidates:
-        return Choice(None, record={"candidates": [], "chosen": None, "rule": "no candidates proposed"})
+    timed = time and executor == "gpu"
+    why_not = dense_unsuitable(problem) if dense is None else (None if dense else "not asked for")
+    dense = timed and why_not is None
+    if not candidates and not dense:
+        return Choice(None, record={"candidates": [], "chosen": None, "rule": "no candidates proposed",
+                                    "selection_version": SELECTION_VERSION, "outcome": "reference"})
     own = pool is None
     pool = pool or SandboxPool(1, timeout_s=timeout_s)
     try:
-        timed = time and executor == "gpu"
         ev = evaluate(problem, list(candidates), pool=pool, executor=executor, time=time,
-                      value_sets=value_sets, seed=seed, timeout_s=timeout_s, first_verified=not timed)
+                      value_sets=value_sets, seed=seed, timeout_s=timeout_s, first_verified=not timed,
+                      dense=dense)
     finally:
         if own:
             pool.close()
     choice = decide(list(candidates), ev, margin=margin)
     choice.record["executor"] = executor
+    if not dense:
+        choice.record["dense_not_timed"] = why_not or "the selection was not timed"
     return choice

@@ -56,16 +56,16 @@ def _cmd_ls(args) -> int:
     if not items:
         print(f"{c.directory}: no kernel entries" + (f" ({cubins})" if cubins else ""))
         return 0
-    rows = [["DIGEST", "OP", "DTYPE", "WIDTH", "ARCH", "VERDICT", "KERNEL_US", "REF_US", "SIZE", "AGE"]]
+    rows = [["DIGEST", "OP", "DTYPE", "WIDTH", "ARCH", "VERDICT", "KERNEL_US", "REF_US", "DENSE_US", "SIZE", "AGE"]]
     for x in items:
         if x.entry is None:
-            rows.append([x.digest[:12], "?", "?", "?", "?", "CORRUPT", "-", "-", str(x.size), "-"])
+            rows.append([x.digest[:12], "?", "?", "?", "?", "CORRUPT", "-", "-", "-", str(x.size), "-"])
             continue
         e, k = x.entry, x.entry.key
         fmt = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
         rows.append([x.digest[:12], k.op, k.dtype, str(k.width), k.arch,
-                     "reference" if e.reference_wins else "kernel",
-                     fmt(e.times.get("kernel_us")), fmt(e.times.get("reference_us")),
+                     e.outcome, fmt(e.times.get("kernel_us")), fmt(e.times.get("reference_us")),
+                     fmt(e.times.get("dense_us")),
                      str(x.size), _age(e.created)])
     print(_table(rows))
     print(f"{len(items)} entries in {c.directory}" + (f" ({cubins})" if cubins else ""))
@@ -102,6 +102,7 @@ def _cmd_show(args) -> int:
     for k, v in dataclasses.asdict(e.key).items():
         print(f"key.{k:<22} {v}")
     print("verdict " + ("reference wins (no kernel)" if e.reference_wins else
+                        "dense product wins (no kernel; the matrix is kept stored dense)" if e.dense_wins else
                         f"kernel, cubin {len(e.cubin)} bytes sha256 {hashlib.sha256(e.cubin).hexdigest()[:16]}"))
     print(f"times   {json.dumps(e.times, sort_keys=True)}")
     print(f"verify  {json.dumps(e.verification, sort_keys=True)}")

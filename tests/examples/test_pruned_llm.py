@@ -178,6 +178,9 @@ def test_plan_read_bytes_of_a_kernel_and_of_another_kind_of_plan():
     dense_plan = types.SimpleNamespace(kind="dense", weight=torch.zeros(8, 8, dtype=torch.bfloat16))
     dense_plan.alias = dense_plan.weight[:4]  # a view of the same buffer counts once
     assert llm.plan_read_bytes(dense_plan, w) == ("dense", 128)
+    from sparserl_compile.plans import DensePlan
+
+    assert llm.plan_read_bytes(DensePlan(), w) == ("dense", 128)  # the runtime's: the weight stored dense
     assert llm.plan_read_bytes(types.SimpleNamespace(kind="reference"), w) == \
         (llm.CUSPARSE, 9 * 4 + 8 * 4 + 8 * 2)
 

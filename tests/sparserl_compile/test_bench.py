@@ -138,3 +138,31 @@ def test_before_runs_ahead_of_every_timed_call_outside_the_events():
     count.clear()
     h = bench.time_hot(lambda k: small.fill_(float(k)), 5, reps=3, before=before)
     assert len(count) == 4 and h.method == "graph" and not h.l2_flushed  # once before the first replay, then per rep
+
+
+def test_dense_matrix_from_host_or_torch_patterns():
+    import numpy as np
+    import scipy.sparse as sp
+    import torch
+
+    m = sp.random(13, 7, density=0.4, format="csr", random_state=3, dtype=np.float32)
+    vals = torch.from_numpy(m.data)
+    want = torch.from_numpy(m.toarray())
+    assert torch.equal(bench.dense_matrix(m.indptr, m.indices, m.shape, vals), want)
+    ip, ix = torch.from_numpy(m.indptr.astype(np.int32)), torch.from_numpy(m.indices.astype(np.int32))
+    half = bench.dense_matrix(ip, ix, m.shape, vals.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and torch.equal(half, want.to(torch.bfloat16))
+    empty = sp.csr_matrix((4, 5), dtype=np.float32)
+    assert torch.equal(bench.dense_matrix(empty.indptr, empty.indices, (4, 5), torch.zeros(0)), torch.zeros(4, 5))
+
+
+@pytest.mark.gpu
+def test_dense_timing_both_ways_beside_the_reference():
+    """``time_dense``: the dense product timed as the reference is (flushed, then hot)."""
+    from sparserl_compile import matrices
+
+    m = matrices.stencil2d(40)  # 1600 x 1600, 5 per row: 10 MB dense in float32
+    for op, n in (("spmv", 1), ("spmm", 16)):
+        d = bench.time_dense(m.indptr, m.indices, m.shape, op=op, n=n, dtype="bf16", reps=5)
+        assert set(d) == {"dense", "dense_graph"} and d["dense"].l2_flushed and not d["dense_graph"].l2_flushed
+        assert d["dense"].median_us > 0 and d["dense_graph"].median_us > 0

@@ -291,3 +291,42 @@ def test_entries_on_disk_are_signed_with_the_folders_private_key(tmp_path):
     body = {k: v for k, v in doc.items() if k != "hmac_sha256"}
     signed = b"sparserl kernel cache entry\0" + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     assert doc["format"] == 2 and doc["hmac_sha256"] == hmac.new(key.read_bytes(), signed, hashlib.sha256).hexdigest()
+
+
+def test_a_dense_verdict_round_trips_and_outcomes_must_match_the_cubin(tmp_path):
+    e = CacheEntry(_key(op="spmm", width=16), None, times={"reference_us": 90.0, "dense_us": 12.5},
+                   verification={"dense_us": 12.5}, outcome="dense")
+    KernelCache(tmp_path / "c").put(e)
+    got = KernelCache(tmp_path / "c").get(e.key)
+    assert got == e and got.dense_wins and not got.reference_wins and got.outcome == "dense"
+    assert _entry(_key()).outcome == "kernel" and _entry(_key(), cubin=None).outcome == "reference"
+    for bad in (dict(cubin=None, outcome="kernel"), dict(cubin=b"x", outcome="dense"),
+                dict(cubin=None, outcome="fast")):
+        with pytest.raises(ValueError, match="outcome"):
+            CacheEntry(_key(), **bad)
+
+
+def test_entries_written_before_the_outcome_field_still_load(tmp_path):
+    """An entry file without ``outcome`` (written before the dense product was a candidate), signed
+    as such a writer signed it, reads as a kernel or a reference verdict by its cubin."""
+    import hashlib
+    import hmac
+
+    from sparserl_compile.cache_keys import _canonical
+
+    d = tmp_path / "c"
+    store = KernelCache(d)
+    store.put(_entry(_key(fp="01" * 16)))  # creates the folder's key
+    for cubin, outcome in ((b"\x7fELF", "kernel"), (None, "reference")):
+        k = _key(fp=("cd" if cubin else "ef") * 16)
+        doc = _entry(k, cubin=cubin).to_json_dict()
+        del doc["outcome"], doc["sha256"]
+        doc["sha256"] = hashlib.sha256(_canonical(doc)).hexdigest()
+        signed = b"sparserl kernel cache entry\0" + _canonical(doc)
+        doc["hmac_sha256"] = hmac.new((d / ".key").read_bytes(), signed, hashlib.sha256).hexdigest()
+        path = store.path_of(k.digest())
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        path.write_text(json.dumps(doc))
+        got = KernelCache(d).get(k)
+        assert got is not None and got.outcome == outcome and got.cubin == cubin
+        assert got.reference_wins == (cubin is None) and not got.dense_wins

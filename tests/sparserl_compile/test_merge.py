@@ -81,6 +81,8 @@ def test_entry_time_is_the_reference_time_when_the_reference_won():
     assert entry_time_us(CacheEntry(k, None, times={"reference_us": 7.0, "kernel_us": 9.0})) == 7.0
     assert entry_time_us(_entry(k, kernel_us=3.0)) == 3.0
     assert entry_time_us(CacheEntry(k, b"x", times={"kernel_us": float("nan")})) is None
+    dense = CacheEntry(k, None, times={"reference_us": 7.0, "kernel_us": 9.0, "dense_us": 2.0}, outcome="dense")
+    assert entry_time_us(dense) == 2.0  # the dense product's time where it won
 
 
 def test_merge_errors_and_a_corrupt_destination_entry(tmp_path):

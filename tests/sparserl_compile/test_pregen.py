@@ -199,3 +199,29 @@ def test_share_searches_a_group_once_and_verifies_every_member(tmp_path, monkeyp
     # every member's entry was verified on its own pattern (in the sandbox, CPU executor)
     store = cache.KernelCache(tmp_path / "k")
     assert len(store.ls()) == 4
+
+
+def test_a_timed_run_decides_again_a_verdict_reached_without_the_dense_product(tmp_path, monkeypatch):
+    """A cached "reference wins" of an older selection (no dense timing) is kept by an untimed run
+    and searched again by a timed one, whose dense verdict the report shows with its time."""
+    from sparserl_compile import plans, structure
+
+    plans.configure(provider="reference")  # proposes nothing: only the stubbed search below decides
+    m = matrices.stencil2d(8)  # 64 x 64, 5 per row: dense enough for the dense product
+    items = [pregen.Item("s", m)]
+    problem = make_problem("spmv", "f32", 1, m.indptr, m.indices, m.shape,
+                           structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+    key = miss.key_for(problem, TARGET)
+    cache.KernelCache(tmp_path / "k").put(cache.CacheEntry(key, None, verification={"why": "reference wins"}))
+
+    def search_entry(problem, key, *, candidates=None, executor=None):
+        return cache.CacheEntry(key, None, times={"reference_us": 9.0, "dense_us": 3.0}, outcome="dense",
+                                verification={"why": "the dense product wins: ...", "dense_us": 3.0})
+
+    monkeypatch.setattr(miss, "search_entry", search_entry)
+    run = dict(cache_dir=tmp_path / "k", ops=("spmv",), target=TARGET, progress=False)
+    assert [r.outcome for r in pregen.pregenerate(items, executor="cpu", **run)] == ["cached"]
+    (row,) = pregen.pregenerate(items, executor="gpu", **run)
+    assert row.outcome == "dense" and row.dense_us == 3.0 and "dense" in pregen.format_table([row])
+    assert cache.KernelCache(tmp_path / "k").get(key).dense_wins
+

@@ -616,9 +616,11 @@ def test_cuda_background_search_then_kernel_and_nearest_provider():
     for _ in range(2):
         np.testing.assert_allclose((a @ x).cpu().numpy(), want, rtol=1e-4, atol=1e-4)
     (plan,) = plans.plans().values()
-    assert plan.kind in ("kernel", "reference") and config.stats().fallbacks == 0
+    assert plan.kind in ("kernel", "reference", "dense") and config.stats().fallbacks == 0
     if plan.kind == "kernel":
         assert plan.checked and config.stats().kernel_calls == 2
+    if plan.kind == "dense":  # a 20 %-full matrix at width 16: the dense product may be fastest
+        assert config.stats().dense_calls == 2
     plans.clear()
     plans.reset_stats()
     a @ x
@@ -701,3 +703,141 @@ def test_prewarm_starts_the_sandbox_worker_in_the_background():
     assert not t.is_alive()
     pool = miss.sandbox_pool()
     assert pool._free and pool._free[0].alive()
+
+
+# ------------------------------------------------------------- the dense product
+
+
+def _dense_entry(key, **verification):
+    return cache.CacheEntry(key=key, cubin=None, times={"reference_us": 9.0, "dense_us": 2.0}, outcome="dense",
+                            verification={"why": "the dense product wins: ...", "dense_us": 2.0, **verification})
+
+
+def test_a_cached_dense_verdict_runs_the_dense_product_and_keeps_one_copy(kernels_on_cpu, monkeypatch):
+    a, key = _cached_problem(monkeypatch)
+    cache.KernelCache.default().put(_dense_entry(key))
+    rec = RecordingProvider([a_candidate()])
+    plans.configure(provider=rec)
+    m = matrix()
+    x = torch.randn(20, 4)
+    y = a @ x
+    (plan,) = plans.plans().values()
+    assert isinstance(plan, plans.DensePlan) and "dense product wins" in plan.reason
+    assert rec.problems == [] and config.stats().cache_hits == 1 and config.stats().dense_calls == 1
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert plan.nbytes == 30 * 20 * 4  # one float32 copy of the matrix
+    a @ x  # a hit: the route is stored
+    monkeypatch.setattr(plans, "product", lambda *args, **kw: pytest.fail("the route was not taken"))
+    y = F.linear(x.t(), a).t()  # F.linear's eager path, y^T = A x^T: the same plan, by the route
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    a.val.mul_(2)  # an in-place update of the values: the dense copy is built again
+    np.testing.assert_allclose((a @ x).numpy(), 2 * (m @ x.numpy()), rtol=1e-5, atol=1e-5)
+    assert plan.nbytes == 30 * 20 * 4 and config.stats().dense_calls == 4
+
+
+def test_entry_plan_builds_a_dense_plan_that_multiplies_right_including_the_transposed_pattern():
+    m = matrix()
+    a = S.sparsify(m).to(torch.bfloat16)
+    entry = _dense_entry(None)
+    plan = plans.entry_plan(entry, None, torch.device("cpu"), None)
+    assert plan.kind == "dense" and plan.nbytes == 0  # nothing built before the first product
+    x, x1 = torch.randn(20, 3, dtype=torch.bfloat16), torch.randn(20, dtype=torch.bfloat16)
+    want = torch.from_numpy(m.toarray()).to(torch.bfloat16)
+    torch.testing.assert_close(plan.run("spmm", a.crow, a.col, a.val, x, 30, 20), want @ x)
+    torch.testing.assert_close(plan.run("spmv", a.crow, a.col, a.val, x1, 30, 20), want @ x1)
+    assert plan.nbytes == 30 * 20 * 2  # one bfloat16 copy, shared by both ops
+    tp = transpose.transpose_pattern(a.crow, a.col, 30, 20, a.fingerprint)  # what x @ A and autograd multiply by
+    xt = torch.randn(30, 2, dtype=torch.bfloat16)
+    torch.testing.assert_close(plan.run("spmm", tp.crow, tp.col, tp.values(a.val), xt, 20, 30), want.t() @ xt)
+
+
+def test_a_dense_copy_goes_with_its_values():
+    m = matrix()
+    a, b = S.sparsify(m), S.sparsify(2 * m)  # one structure, so one plan key: a copy each
+    plan = plans.DensePlan()
+    x = torch.randn(20, 2)
+    plan.run("spmm", a.crow, a.col, a.val, x, 30, 20)
+    plan.run("spmm", b.crow, b.col, b.val, x, 30, 20)
+    assert plan.nbytes == 2 * 30 * 20 * 4
+    del b  # its values freed: its copy with them
+    assert plan.nbytes == 30 * 20 * 4
+
+
+def test_verdicts_reached_without_the_dense_product_are_decided_again_on_a_gpu():
+    a = S.sparsify(matrix())
+    prob = miss.problem_of("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
+    old_ref = cache.CacheEntry(key=None, cubin=None, verification={"why": "reference wins"})
+    old_kernel = cache.CacheEntry(key=None, cubin=b"x", times={"kernel_us": 5.0})
+    assert "by selection version 1" in miss.dense_stale(old_ref, prob, timed=True)
+    assert "without timing the dense product" in miss.dense_stale(old_kernel, prob, timed=True)
+    untimed = cache.CacheEntry(key=None, cubin=None, verification={"selection_version": 2})  # built on a CPU
+    assert "(untimed)" in miss.dense_stale(untimed, prob, timed=True)
+    assert miss.dense_stale(old_ref, prob, timed=False) is None  # nothing can be timed there
+    considered = cache.CacheEntry(key=None, cubin=None, verification={"dense_us": 3.0})
+    assert miss.dense_stale(considered, prob, timed=True) is None
+    assert miss.dense_stale(_dense_entry(None), prob, timed=True) is None
+    plans.configure(dense_max_bytes=100)  # the 30 x 20 float32 matrix takes 2400 bytes dense
+    assert miss.dense_stale(old_ref, prob, timed=True) is None  # not a candidate now: the old verdict stands
+    assert "no longer allowed" in miss.dense_stale(_dense_entry(None), prob, timed=False)
+
+
+def test_a_dense_verdict_the_settings_no_longer_allow_is_searched_again(kernels_on_cpu, monkeypatch, caplog):
+    a, key = _cached_problem(monkeypatch)
+    cache.KernelCache.default().put(_dense_entry(key))
+    rec = RecordingProvider([])
+    plans.configure(provider=rec, dense_max_bytes=1000)
+    with caplog.at_level(logging.WARNING, logger="sparserl_compile.miss"):
+        a @ torch.randn(20, 4)
+    (plan,) = plans.plans().values()
+    assert plan.kind == "reference" and len(rec.problems) == 1 and config.stats().dense_calls == 0
+    assert any("dense verdict is no longer allowed" in r.getMessage() for r in caplog.records)
+    assert cache.KernelCache.default().get(key).reference_wins  # the new verdict replaced it
+
+
+@pytest.mark.gpu
+def test_cuda_sparsify_of_a_half_pruned_bf16_linear_at_batch_16_keeps_the_dense_product():
+    """The behaviour, not a speed: a 4096 x 4096 bfloat16 ``nn.Linear`` pruned to 50 % and run
+    at batch 16 is served by the dense product, the layer the user had, rather than cuSPARSE or
+    a kernel that is slower than it (the search, two candidates, times all of them)."""
+    plans.configure(provider="search", k=2)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        w = lin.weight.view(-1)
+        w[w.abs().argsort()[: w.numel() // 2]] = 0  # magnitude pruning: the smaller half
+    dense_w = lin.weight.detach().clone()
+    S.sparsify_(lin, min_sparsity=0.5)
+    assert isinstance(lin.weight, S.SparseRLTensor)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    y = lin(x)
+    (plan,) = plans.plans().values()
+    rec = miss.first_uses()[-1]["verification"]
+    print(f"\n4096 x 4096 bf16, 50 %, batch 16: {rec.get('rule')}; reference {rec.get('reference_us')} us, "
+          f"dense {rec.get('dense_us')} us")
+    assert plan.kind == "dense", rec
+    torch.testing.assert_close(y, x @ dense_w.t(), rtol=2e-2, atol=2e-2)
+    assert plan.nbytes == 4096 * 4096 * 2 and config.stats().dense_calls == 1
+    torch.testing.assert_close(lin(x), y)  # a hit (by the weight's route): the same dense copy, not built again
+    assert plan.nbytes == 4096 * 4096 * 2 and config.stats().dense_calls == 2
+
+
+def test_a_reference_provider_verdict_stands_beside_the_dense_product():
+    """The reference provider's "reference" is a choice, not a verdict reached without the dense
+    product: its entry says so, and is not searched again on a GPU."""
+    a = S.sparsify(matrix())
+    prob = miss.problem_of("spmm", a.crow, a.col, a.val, torch.empty(20, 4), 30, 20, a.fingerprint)
+    entry = miss.search_entry(prob, None)  # the fixture's provider: "reference"
+    assert entry.reference_wins and "reference provider" in entry.verification["dense_not_timed"]
+    assert miss.dense_stale(entry, prob, timed=True) is None
+
+
+def test_a_dense_plan_serves_values_made_under_inference_mode():
+    m = matrix()
+    with torch.inference_mode():
+        a = S.sparsify(torch.from_numpy(m.toarray()))
+        x = torch.randn(20, 3)
+    plan = plans.DensePlan()
+    for _ in range(2):
+        y = plan.run("spmm", a.crow, a.col, a.val, x, 30, 20)
+        np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert plan.nbytes == 30 * 20 * 4

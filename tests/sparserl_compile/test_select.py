@@ -285,3 +285,140 @@ def test_records_of_older_rules_are_told_apart():
     assert outdated({"chosen": None, "candidates": [{}], "rule": "reference wins"}) is None
     untimed = decide(CANDS, Evaluation((SandboxResult("ok"),), None, 1.0))
     assert outdated(untimed.record) is None and untimed.record["widths_verified"] == []
+
+
+# ---------------------------------------------------------------- the dense product
+
+
+def _ref_dense(ref_us, ref_hot, dense_us, dense_hot):
+    """A reference job that also timed the dense product."""
+    return replace(_ref_graphed(ref_us, ref_hot),
+                   dense={"dense": {"median_us": dense_us}, "dense_graph": {"median_us": dense_hot}})
+
+
+def test_dense_wins_where_it_beats_the_reference_and_no_kernel_is_kept():
+    ev = Evaluation((_graphed(12.0, 6.0),), _ref_dense(10.0, 5.0, 2.0, 1.0), 1.0)
+    c = decide(CANDS[:1], ev)
+    assert c.dense and c.outcome == "dense" and c.candidate is None and c.cubin is None
+    assert c.dense_us == 2.0 and c.reference_us == 10.0
+    rec = c.record
+    assert rec["outcome"] == "dense" and rec["chosen"] is None and rec["dense_us"] == 2.0 and rec["dense_hot_us"] == 1.0
+    assert "dense product wins" in rec["rule"] and "reference wins" in rec["rule_without_dense"]
+    assert rec["selection_version"] == 2
+    # no candidate verified at all: the dense product against the reference alone
+    c = decide(CANDS[:1], Evaluation((SandboxResult("wrong", "error_bound"),), _ref_dense(10.0, 5.0, 2.0, 1.0), 1.0))
+    assert c.dense and c.record["kept_kernel"] is None
+
+
+def test_dense_must_beat_the_kept_kernel_too_by_the_margin_both_ways():
+    kernel = _graphed(4.0, 2.0)  # beats the reference (10 / 5) both ways: kept without dense
+    assert decide(CANDS[:1], Evaluation((kernel,), _ref_graphed(10.0, 5.0), 1.0)).candidate is CANDS[0]
+    faster = decide(CANDS[:1], Evaluation((kernel,), _ref_dense(10.0, 5.0, 3.0, 1.5), 1.0))
+    assert faster.dense and faster.record["kept_kernel"] == CANDS[0].name and faster.kernel_us == 4.0
+    for dense_us, dense_hot, why in [(3.95, 1.5, "flushed"), (3.0, 1.99, "hot")]:  # within the 3 % margin
+        c = decide(CANDS[:1], Evaluation((kernel,), _ref_dense(10.0, 5.0, dense_us, dense_hot), 1.0))
+        assert not c.dense and c.candidate is CANDS[0] and c.outcome == "kernel" and c.dense_us == dense_us
+        assert c.record["outcome"] == "kernel" and why in c.record["dense_rule"] and "kernel" in c.record["dense_rule"]
+
+
+def test_dense_loses_to_the_reference_within_the_margin_or_without_a_hot_figure():
+    c = decide(CANDS[:1], Evaluation((_timed(20.0),), _ref_dense(10.0, 5.0, 9.8, 1.0), 1.0))
+    assert not c.dense and c.outcome == "reference" and "the reference is kept" in c.record["dense_rule"]
+    no_hot = replace(_ref_graphed(10.0, 5.0), dense={"dense": {"median_us": 1.0}})
+    c = decide(CANDS[:1], Evaluation((_timed(20.0),), no_hot, 1.0))
+    assert not c.dense and "both ways" in c.record["dense_rule"]
+    failed = replace(_ref_graphed(10.0, 5.0), dense={"error": "OutOfMemoryError: CUDA out of memory"})
+    c = decide(CANDS[:1], Evaluation((_timed(20.0),), failed, 1.0))
+    assert not c.dense and c.record["dense_us"] is None and "out of memory" in c.record["dense_error"]
+
+
+def test_the_faster_of_the_two_dense_timings_counts_and_untimed_records_say_nothing_of_dense():
+    ev = Evaluation((_graphed(4.0, 2.0),), _ref_dense(10.0, 5.0, 5.0, 2.5), 1.0,
+                    reference_again=_ref_dense(10.0, 5.0, 3.0, 1.5))
+    assert ev.dense_us() == 3.0 and ev.dense_us(hot=True) == 1.5 and decide(CANDS[:1], ev).dense
+    plain = decide(CANDS[:1], Evaluation((_graphed(4.0, 2.0),), _ref_graphed(10.0, 5.0), 1.0))
+    assert "dense_us" not in plain.record and plain.dense_us is None and plain.record["outcome"] == "kernel"
+
+
+def _weight_problem(density=0.5, rows=64, cols=32, dtype="bf16", op="spmm", n=16):
+    import numpy as np
+    import scipy.sparse as sp
+
+    m = sp.random(rows, cols, density=density, format="csr", random_state=0, dtype=np.float32)
+    m.sort_indices()
+    return Problem(op, dtype, n, rows, cols, m.nnz, m.indptr.astype(np.int32), m.indices.astype(np.int32),
+                   structure.fingerprint(m.indptr, m.indices, m.shape), "sm_90")
+
+
+def test_dense_eligibility_is_decided_from_the_structure_and_the_settings():
+    from sparserl_compile.config import RuntimeConfig
+    from sparserl_compile.select import dense_unsuitable
+
+    p = _weight_problem()
+    assert dense_unsuitable(p) is None  # half the 64 x 32 entries, 4 KiB dense in bfloat16
+    assert "below dense_min_density" in dense_unsuitable(_weight_problem(density=0.005, rows=400, cols=400))
+    assert "over dense_max_bytes 4095" in dense_unsuitable(p, RuntimeConfig(dense_max_bytes=4095))
+    assert dense_unsuitable(p, RuntimeConfig(dense_max_bytes=4096)) is None
+    f32 = _weight_problem(dtype="f32")  # the same pattern takes twice the bytes in float32
+    assert dense_unsuitable(f32, RuntimeConfig(dense_max_bytes=4096)) is not None
+    assert dense_unsuitable(p, RuntimeConfig(dense_max_bytes=0)) is not None
+
+
+def test_dense_settings_are_validated_and_read_from_the_environment(monkeypatch):
+    from sparserl_compile.config import RuntimeConfig
+
+    for bad in (dict(dense_min_density=1.5), dict(dense_min_density=True), dict(dense_max_bytes=-1),
+                dict(dense_max_bytes=2.5)):
+        with pytest.raises(ValueError, match="dense_"):
+            RuntimeConfig(**bad)
+    monkeypatch.setenv("SPARSERL_DENSE_MAX_BYTES", "2e6")
+    monkeypatch.setenv("SPARSERL_DENSE_MIN_DENSITY", "0.25")
+    cfg = RuntimeConfig()
+    assert cfg.dense_max_bytes == 2_000_000 and cfg.dense_min_density == 0.25
+    monkeypatch.setenv("SPARSERL_DENSE_MAX_BYTES", "one gig")
+    with pytest.raises(ValueError, match="SPARSERL_DENSE_MAX_BYTES='one gig' is not an integer"):
+        RuntimeConfig()
+
+
+class _DensePool(_ScriptedPool):
+    """Also records whether each job asked for the dense product."""
+
+    def run(self, job, pattern, **kw):
+        self.dense = getattr(self, "dense", []) + [job.dense]
+        return super().run(job, pattern, **kw)
+
+
+def test_choose_times_the_dense_product_only_where_it_is_a_candidate(monkeypatch):
+    from sparserl_compile import config
+
+    p = _weight_problem()
+    pool = _DensePool([_ref_dense(10.0, 5.0, 2.0, 1.0), _ref_dense(10.0, 5.0, 2.0, 1.0)], _graphed(12.0, 6.0))
+    c = choose(p, CANDS[:1], executor="gpu", pool=pool)
+    assert pool.jobs == ["reference", "candidate", "reference"] and pool.dense == [True, False, True]
+    assert c.dense and c.record["executor"] == "gpu" and "dense_not_timed" not in c.record
+    # no candidate at all: the dense product is still timed against the reference
+    pool = _DensePool([_ref_dense(10.0, 5.0, 2.0, 1.0)], None)
+    c = choose(p, [], executor="gpu", pool=pool)
+    assert pool.jobs == ["reference"] and c.dense
+    # not a candidate by the settings: not asked for, and the record says why
+    monkeypatch.setattr(config, "current", config.RuntimeConfig(dense_max_bytes=0))
+    pool = _DensePool([_ref_graphed(10.0, 5.0), _ref_graphed(10.0, 5.0)], _graphed(12.0, 6.0))
+    c = choose(p, CANDS[:1], executor="gpu", pool=pool)
+    assert pool.dense == [False, False, False] and not c.dense and "dense_max_bytes" in c.record["dense_not_timed"]
+    assert choose(p, [], executor="gpu", pool=_DensePool([], None)).record["rule"] == "no candidates proposed"
+
+
+def test_untimed_selection_never_keeps_the_dense_product():
+    c = choose(_weight_problem(), [], executor="cpu")
+    assert not c.dense and c.candidate is None and c.record["outcome"] == "reference"
+
+
+@pytest.mark.gpu
+def test_choose_on_gpu_times_the_dense_product_in_the_reference_jobs():
+    p = _weight_problem(density=0.5, rows=1024, cols=1024, dtype="f32", op="spmv", n=1)
+    c = choose(p, [candidate(GOOD)], executor="gpu", timeout_s=120)
+    rec = c.record
+    assert rec["dense_us"] > 0 and rec["dense_hot_us"] > 0 and "dense_error" not in rec
+    assert rec["outcome"] == c.outcome and (c.outcome == "dense") == c.dense
+    print(f"\n1024 x 1024 half full, SpMV f32: {rec['outcome']} ({rec['rule']}); reference {c.reference_us:.1f} us, "
+          f"dense {rec['dense_us']:.1f} us")

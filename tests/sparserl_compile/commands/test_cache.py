@@ -137,3 +137,15 @@ def test_verify_says_which_corrupt_entries_it_cannot_remove(tmp_path, capsys):
     assert "cannot be removed" in err and "1 valid entries, 0 removed, 1 corrupt and not removable" in out
     assert cli.main(["cache", "--dir", str(tmp_path), "clear"]) == 1
     assert "would remove 1 entries" in capsys.readouterr().out  # the folder is not counted
+
+
+def test_cli_ls_and_show_tell_a_dense_verdict(tmp_path, capsys):
+    c = KernelCache(tmp_path)
+    key = _key(op="spmm", width=16, dtype="bf16")
+    c.put(CacheEntry(key, None, times={"reference_us": 90.0, "dense_us": 12.5},
+                     verification={"why": "the dense product wins: ..."}, outcome="dense"))
+    assert cli.main(["cache", "--dir", str(tmp_path), "ls"]) == 0
+    out = capsys.readouterr().out
+    assert "DENSE_US" in out and "dense" in out.splitlines()[1] and "12.50" in out
+    assert cli.main(["cache", "--dir", str(tmp_path), "show", key.digest()[:10]]) == 0
+    assert "dense product wins" in capsys.readouterr().out
