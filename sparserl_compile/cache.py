@@ -67,6 +67,9 @@ processes of this same user (who can read the key and write the folder).
 ``KernelCache`` puts an in-memory dict in front of the disk. ``sparserl cache ls | show |
 clear | verify`` inspects and repairs a cache folder; ``sparserl cache merge`` (``merge.py``)
 combines the folders of several ranks or machines, re-signing what it copies.
+
+This module is just over 600 lines: the store and the trust rules it enforces on every read
+and write (the keys are in ``cache_keys.py``).
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ slots (int32 offsets). Loops run under numba; see ``convert`` for measured costs
 
 This module does not choose a format (the policy and the families do) and does not move
 anything to a GPU except in ``to_device``/``gather_values`` on torch tensors.
+
+This module is over 600 lines on purpose: each format's converter stays beside the layout
+above that the generated-code contract and the kernels read (docs/kernels.md cites it).
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ kernel may have scribbled over the worker's memory. The parent never touches CUD
 so its own context and process stay healthy whatever the kernel does.
 
 ``SandboxResult.kind`` is one of ``KINDS``.
+
+This module is over 600 lines on purpose: both ends of one process boundary (the pool in the
+user's process, the worker's loop in the child) and the job protocol between them, which must
+change together.
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ at ``n`` also serves the bucket's other widths: ``widths_to_verify`` lists them.
 
 Not here: the "impossible speed" check needs L2-flushed timing (``bench.is_impossible``,
 applied in the sandbox), and hangs need a killable process (``sandbox``).
+
+This module is over 600 lines on purpose: the checks above, in the order they run, read as one
+list; each is short and they share the runner and the operand sets.
 """
 
 from __future__ import annotations

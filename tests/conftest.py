@@ -49,7 +49,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_runtime_settings():
-    """The runtime's settings as the session starts, before any fixture or test changes them:
+    """The runtime's settings as the test run starts, before any fixture or test changes them:
     the default configuration and one ``DefaultProvider`` (made without loading anything; on a
     GPU the policy it loads stays loaded for later tests)."""
     from sparserl_compile import config, providers
@@ -60,7 +60,7 @@ def _session_runtime_settings():
 @pytest.fixture(autouse=True)
 def _runtime_settings_restored(_session_runtime_settings):
     """Whatever a test sets (``configure``, ``set_provider``), the next test starts from the
-    session's first settings, not from what an earlier module left behind."""
+    test run's first settings, not from what an earlier module left behind."""
     from sparserl_compile import config, plans, providers
 
     settings, active = _session_runtime_settings

@@ -15,7 +15,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load_example(name: str):
-    """Import ``examples/<name>.py`` once per session, registered as ``sparserl_example_<name>``."""
+    """Import ``examples/<name>.py`` once per test run, registered as ``sparserl_example_<name>``."""
     mod_name = f"sparserl_example_{name}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]

@@ -270,7 +270,7 @@ def product_search(monkeypatch):
     providers.set_provider(_LoadsLater(events))
     m = sp.random(30, 20, density=0.2, format="csr", random_state=0, dtype=np.float32)
     yield events, (lambda: S.sparsify(m) @ torch.randn(20, 2))
-    plans.clear()  # tests/conftest.py puts the session's settings back
+    plans.clear()  # tests/conftest.py puts the test run's first settings back
 
 
 def test_a_search_records_who_proposed_and_starts_the_policys_load_after_its_plan(product_search):

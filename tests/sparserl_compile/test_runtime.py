@@ -21,7 +21,7 @@ def fresh_runtime():
     plans.configure(provider="reference", k=4, cache=True, kernels=True, on_miss="search")
     plans.clear()
     plans.reset_stats()
-    yield  # tests/conftest.py puts the session's settings back
+    yield  # tests/conftest.py puts the test run's first settings back
     plans.clear()
 
 

@@ -102,7 +102,7 @@ def test_pruned_weights_get_the_bitmap_families_first():
                            ("spmm", 8, {"bitmap_warp", "bitmap_wmma"}, 4), ("spmm", 32, {"bitmap_wmma"}, None)):
         cands = sp.candidates(_problem_of(w, op, n))
         first = [c for c in cands if c.header.format == "bitmap"]
-        assert cands[:len(first)] == first, "bitmap points lead the proposal"
+        assert cands[:len(first)] == first, "bitmap points come first in the proposal"
         assert {c.family for c in first} == fams, (op, n)
         for c in first:
             p = dict(c.params)

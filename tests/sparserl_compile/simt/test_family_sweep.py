@@ -3,7 +3,7 @@ against scipy in float64: all points on one small matrix, one point per family o
 cases, a sample on real matrices. Tensor-core (wmma) points run on the executor's emulation.
 
 Compiling is the cost (about 0.5 s of g++ per distinct source); the in-process table of
-``simt.compile_kernel`` builds each source once for the whole session.
+``simt.compile_kernel`` builds each source once for the whole test run.
 """
 
 from __future__ import annotations
