@@ -87,7 +87,7 @@ def forward(A: DistributedSparseMatrix, x_local: torch.Tensor, w1: torch.Tensor,
     return A @ (h @ w2)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--graph", default="cora", help="cora | citeseer | rmat:SCALE:EF | rgg:N:DEGREE")
@@ -97,10 +97,13 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=50)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--timed", action="store_true", help="time exchange vs product on CUDA too (synchronizes)")
-    args = p.parse_args(argv)
+    return p
 
+
+def _start(backend: str) -> tuple[torch.device, bool]:
+    """This rank's device, and whether torchrun launched it (then the process group is up)."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if args.backend == "nccl":
+    if backend == "nccl":
         if not torch.cuda.is_available():
             raise SystemExit("--backend nccl needs CUDA GPUs; use the default gloo backend on CPU")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -108,7 +111,13 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
     if launched:
-        init_process_group(args.backend)
+        init_process_group(backend)
+    return device, launched
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    device, launched = _start(args.backend)
     rank = dist.get_rank() if launched else 0
     ws = dist.get_world_size() if launched else 1
 

@@ -340,7 +340,7 @@ def speedup_geomean(report: ServeReport) -> float | None:
     return float(np.exp(np.mean(np.log(r)))) if r else None
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("paths", nargs="*", help=".npz / .mtx files or folders (default: two generated matrices)")
     p.add_argument("--out", required=True, help="the kernel cache folder to build and serve from")
@@ -366,6 +366,11 @@ def main(argv=None) -> int:
                    help="build nothing: serve from a cache built elsewhere (--out must hold it)")
     p.add_argument("--time", action="store_true",
                    help="GPU: time each served product against torch.sparse's CSR product, side by side")
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     ops = tuple(o for o in args.ops.split(",") if o)
     bad = set(ops) - {"spmv", "spmm"}

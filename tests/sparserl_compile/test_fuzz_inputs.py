@@ -52,8 +52,8 @@ from fuzz_oracle import (
 
 FULL = os.environ.get("SPARSERL_FUZZ_FULL") == "1"
 #: examples per test: (fast, full); the full sum is over 10^4
-EXAMPLES = {"sparsify": (120, 4200), "products": (80, 2600), "dispatch": (60, 1600), "unpickle": (40, 900),
-            "loaders": (40, 900)}
+EXAMPLES = {"sparsify": (120, 4800), "products": (80, 3000), "dispatch": (60, 1800), "unpickle": (40, 1000),
+            "loaders": (40, 1000)}
 
 
 # ---------------------------------------------------------------------- the worker
