@@ -7,14 +7,17 @@ reports per matrix kind:
 - compile rate and correctness rate (over all samples),
 - speedup over torch.sparse (reference_us / us of the best correct sample; greedy and best-of-k),
 - fraction of the kernel-space best (best_space_us / us, 1.0 = as fast as the best family point),
-- how often a correct sample is *not* one of the record's rendered kernel-space points (the
-  policy wrote something new; whitespace-insensitive comparison),
+- the novel-kernel rate: the share of samples that are correct and no point of the whole kernel
+  space for their (op, dtype) after normalising whitespace, comments and identifier names
+  (``novelty.is_novel``; ``novel_rate`` over all samples, ``novel_share_of_correct`` over the
+  correct ones), and ``unmeasured_rate``: how often a correct sample is none of the record's
+  measured points (whitespace-insensitive; such a sample has no measured time),
 - the fraction of the kernel-space best **by the measured (H200) times**: when a correct
   sample is, whitespace-insensitively, the rendered source of one of the record's measured
   variants, its time is that variant's measured ``us`` from the supervision file and the
   fraction is ``best_us / that us`` (greedy, and best-of-k over the samples that are points);
   samples that are no measured point have no measured time and are left out (counted in
-  ``novel_rate``; a record whose greedy kernel is such a sample is counted in
+  ``unmeasured_rate``; a record whose greedy kernel is such a sample is counted in
   ``greedy_novel`` and flagged in its row, with the evaluator's own time for it in
   ``greedy_novel_us``: live on the GPU evaluator, so not comparable with the measured times).
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field, fields
 
 from sparserl_compile.training.config import opt, resolve_device
 from sparserl_compile.training.data import DEFAULT_SUPERVISION
+from sparserl_compile.training.novelty import is_novel
 from sparserl_compile.training.space import default_render, measured_sources, normalized
 from sparserl_compile.training.stats import geomean
 
@@ -88,7 +92,8 @@ class KindStats:
     samples: int = 0
     compiled: int = 0
     correct: int = 0
-    novel: int = 0  # correct samples that are not a rendered kernel-space point
+    unmeasured: int = 0  # correct samples that are none of the record's measured points (whitespace aside)
+    novel: int = 0  # correct samples that are no point of the whole space up to form (training/novelty.py)
     speedup_greedy: list[float] = field(default_factory=list)
     speedup_best_of_k: list[float] = field(default_factory=list)
     space_frac_best_of_k: list[float] = field(default_factory=list)
@@ -119,7 +124,9 @@ class KindStats:
                 "others": self.others,
                 "others_compile_rate": self.others_compiled / self.others if self.others else None,
                 "others_correct_rate": self.others_correct / self.others if self.others else None,
-                "novel_rate": self.novel / self.correct if self.correct else None,
+                "novel_rate": self.novel / self.samples if self.samples else None,
+                "novel_share_of_correct": self.novel / self.correct if self.correct else None,
+                "unmeasured_rate": self.unmeasured / self.correct if self.correct else None,
                 "speedup_greedy_geomean": geomean(self.speedup_greedy),
                 "speedup_best_of_k_geomean": geomean(self.speedup_best_of_k),
                 "space_best_fraction_geomean": geomean(self.space_frac_best_of_k),
@@ -280,10 +287,12 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
             st.others_compiled += o.compiled
             st.others_correct += o.correct
         us = None
+        if o.correct:
+            st.novel += is_novel(t, pb.op, pb.dtype, pb.matrix)
         if o.correct and space is not None:
             key = normalized(t)
             if key not in space:
-                st.novel += 1
+                st.unmeasured += 1
             else:
                 us = space[key]
         measured.append(us)
