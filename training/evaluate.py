@@ -53,6 +53,10 @@ from sparserl_compile.training.stats import geomean
 class EvalConfig:
     checkpoints: str = opt("policy=runs/rl", "comma-separated name=folder pairs to compare (e.g. rl=runs/rl,no_rl=runs/sft)")
     data: str = opt(DEFAULT_SUPERVISION, "supervision file(s), a comma list; only the held-out split is used")
+    split: str = opt("all", "which held-out records: 'all' (the whole held-out split: generated siblings of the "
+                            "training generators and held-out shared matrices) or 'source' (only the matrices of "
+                            "whole source collections no stage trains on, frozen in training/data/"
+                            "heldout_sources.json and checked against its hash: training/source_split.py)")
     evaluator: str = opt("cpu", "'gpu', 'cpu', 'measured' (replays H200 outcomes of measured points) or 'header'")
     k: int = opt(8, "samples for best-of-k")
     temperature: float = opt(0.8, "sampling temperature for best-of-k")
@@ -360,15 +364,31 @@ def _held_out(cfg: EvalConfig):
 
     both = split(load_supervision(cfg.data))
     records = both.held_out
+    if cfg.split == "source":
+        from sparserl_compile.training.source_split import held_out_names
+
+        names = held_out_names()  # raises where the frozen file was edited
+        records = [r for r in records if r.matrix.source == "shared" and r.matrix.name in names]
+    elif cfg.split != "all":
+        raise ValueError(f"--split {cfg.split!r}: use 'all' or 'source'")
     if cfg.ops:
         records = [r for r in records if r.op in cfg.ops.split(",")]
     if cfg.max_records:
         records = records[: cfg.max_records]
     if not records:
-        raise ValueError(f"{cfg.data}: no held-out records to evaluate on")
+        raise ValueError(f"{cfg.data}: no held-out records to evaluate on (--split {cfg.split})")
     problems = list(zip([r.matrix.kind for r in records], problems_from_records(records)))
     space = [measured_sources(r, pb.matrix, default_render) for r, (_, pb) in zip(records, problems)]
     return both, records, problems, space
+
+
+def _split_stamp(name: str) -> dict:
+    """What the report says of its held-out split: its name, and the frozen file's hash for 'source'."""
+    if name != "source":
+        return {"name": name}
+    from sparserl_compile.training.source_split import SOURCE_SPLIT_PATH, load
+
+    return {"name": name, "file": SOURCE_SPLIT_PATH.name, "sha256": load().sha256}
 
 
 def run_eval(cfg: EvalConfig, log=print) -> dict:
@@ -401,7 +421,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     from sparserl_compile.fileio import write_json
     from sparserl_compile.version import run_stamp
 
-    report = {**run_stamp(), "held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
+    report = {**run_stamp(), "held_out_records": len(records), "split": _split_stamp(cfg.split), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
               "samples": cfg.samples + (" untraced" if cfg.untraced_samples and cfg.samples == "temperature" else "")
               + (f" screened ({cfg.screen_workers} CPU workers)" if screen is not None else ""),
               "in_progress": None, "checkpoints": {}, "variants": {}, "per_record": {}}
