@@ -24,8 +24,8 @@ target only after it passes the grammar (``language.accepts``), the language che
 sandboxed workers, on the record's own matrix (``verified_variants``).
 
 ``python -m sparserl_compile.training.variants --out runs/variants.jsonl.gz`` writes the
-supervision records of the training split with their verified variants added (grouped-record
-format, ``data.record_to_json``); ``sparserl sft --data runs/variants.jsonl.gz
+supervision records with their verified variants added to the training split's (grouped-record
+format, ``data.record_to_json``; the held-out records unchanged); ``sparserl sft --data runs/variants.jsonl.gz
 --top-variants N`` then trains on them. A variant inherits the measured time of its point (its
 own time is unknown until it is timed on a GPU), so it ranks right after its point.
 """
@@ -324,20 +324,26 @@ def verified_variants(record, matrix, evaluator, top: int = 2, combine: bool = T
     return [v for (v, _t), o in zip(cands, outcomes) if o.correct]
 
 
-def augment(records, evaluator, top: int = 2, combine: bool = True, max_nnz: int = 20000, log=print) -> list:
-    """``records`` with their verified variants added after their measured variants (records
-    whose matrix has more than ``max_nnz`` nonzeros are kept as they are: the CPU executor is
-    slow on large matrices)."""
+def augment(records, evaluator, top: int = 2, combine: bool = True, max_nnz: int = 20000, limit: int = 0,
+            log=print) -> list:
+    """``records`` with their verified variants added after their measured variants. Records
+    whose matrix has more than ``max_nnz`` nonzeros are kept as they are (the CPU executor is
+    slow on large matrices), and so is every record after the first ``limit`` that get variants
+    (0: no limit)."""
     from dataclasses import replace
 
-    out, loaded = [], {}
+    out, loaded, done = [], {}, 0
     for i, r in enumerate(records):
+        if r.best() is None or (limit and done >= limit):
+            out.append(r)
+            continue
         if r.matrix not in loaded:
             loaded = {r.matrix: r.matrix.load()}  # records of one matrix are usually adjacent
         m = loaded[r.matrix]
-        if m.nnz > max_nnz or r.best() is None:
+        if m.nnz > max_nnz:
             out.append(r)
             continue
+        done += 1
         found = verified_variants(r, m, evaluator, top, combine)
         log(f"[variants] {i + 1}/{len(records)} {r.matrix.label} {r.op} n={r.n}: {len(found)} verified variants")
         out.append(replace(r, variants=r.variants + tuple(found)))
@@ -359,24 +365,25 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=2, help="transform each record's fastest this many points")
     p.add_argument("--no-combine", action="store_true", help="single transforms only")
     p.add_argument("--max-nnz", type=int, default=20000, help="leave records of larger matrices unchanged")
-    p.add_argument("--max-records", type=int, default=0, help="only the first this many training records (0 = all)")
+    p.add_argument("--max-records", type=int, default=0, help="add variants to only the first this many training "
+                                                               "records within --max-nnz (0 = all)")
     p.add_argument("--executor", choices=("cpu", "gpu"), default="cpu", help="where variants are verified")
     p.add_argument("--workers", type=int, default=2, help="sandbox worker processes")
     a = p.parse_args(argv)
     if a.top < 1 or a.max_nnz < 1 or a.max_records < 0:
         p.error("--top and --max-nnz are 1 or more, --max-records 0 or more")
-    train = split(load_supervision(a.data)).train
-    train = train[: a.max_records] if a.max_records else train
+    parts = split(load_supervision(a.data))
     evaluator = make_evaluator(a.executor, a.workers)
     try:
-        records = augment(train, evaluator, a.top, not a.no_combine, a.max_nnz)
+        records = augment(parts.train, evaluator, a.top, not a.no_combine, a.max_nnz, a.max_records)
     finally:
         evaluator.close()
+    records += parts.held_out  # unchanged: the file serves SFT's held-out loss and the evaluation alike
     lines = "".join(json.dumps(record_to_json(r)) + "\n" for r in records)
     opener = gzip.open if a.out.endswith(".gz") else open
     with opener(a.out, "wt", encoding="utf-8") as f:
         f.write(lines)
-    added = sum(len(r.variants) for r in records) - sum(len(r.variants) for r in train)
+    added = sum(len(r.variants) for r in records) - sum(len(r.variants) for r in parts.train + parts.held_out)
     print(f"{a.out}: {len(records)} records, {added} verified variants added")
     return 0
 

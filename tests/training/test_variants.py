@@ -77,3 +77,23 @@ def test_variant_records_become_sft_targets(tiny_tok):
     assert skipped == 0 and len(examples) == 1 + len(extra)
     texts = {tiny_tok.decode(e.target_ids[:-1]) for e in examples}
     assert len(texts) == len(examples)
+
+
+def test_the_command_writes_records_with_variants_that_load_back(tmp_path):
+    import json
+
+    from policy_fixtures import structure_dependent_supervision
+    from sparserl_compile.training.data import load_supervision, split
+
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    out = tmp_path / "variants.jsonl.gz"
+    assert V.main(["--data", str(data), "--out", str(out), "--max-records", "1", "--no-combine", "--top", "1"]) == 0
+    before, after = load_supervision(data), load_supervision(out)
+    assert len(after) == len(before)
+    grown = [r for r in after if any(V.TRANSFORM_KEY in dict(v.params) for v in r.variants)]
+    assert len(grown) == 1 and grown[0].matrix in {r.matrix for r in split(before).train}
+    # the variants rank right after their point: the record's best is still its measured point
+    best = grown[0].best()
+    assert V.TRANSFORM_KEY not in dict(best.params)
+    assert split(after).held_out == split(before).held_out
