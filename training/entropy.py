@@ -31,6 +31,7 @@ from sparserl_compile.training.data import DEFAULT_SUPERVISION
 class EntropyReport:
     checkpoint: str
     records: int = 0
+    skipped: int = 0  # held-out records whose fastest variant the current families do not render
     tokens: int = 0
     header_tokens: int = 0
     body_tokens: int = 0
@@ -94,6 +95,7 @@ def checkpoint_entropy(checkpoint: str, data: str = DEFAULT_SUPERVISION, max_rec
     for r in records:
         examples, _ = build_examples([r], tok, model.config.max_points, hint_entries=entries, log=lambda *_: None)
         if not examples:
+            rep.skipped += 1
             continue
         ex = examples[0]
         src = tok.decode(ex.target_ids[:-1])
