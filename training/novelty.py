@@ -75,15 +75,16 @@ def space_forms(op: str, dtype: str) -> frozenset[str]:
 
 @lru_cache(maxsize=64)
 def _structure_forms(op: str, dtype: str, fingerprint: str, matrix_box: tuple) -> frozenset[str]:
+    (matrix,) = matrix_box
+    return frozenset(normal_form(f.render(op, dtype, p, matrix).source)
+                     for f in _structure_families(op, dtype, int(matrix.indptr[-1])) for p in f.space(op, dtype))
+
+
+def _structure_families(op: str, dtype: str, nnz: int) -> list:
+    """The families whose text depends on the matrix that serve (op, dtype) at ``nnz`` nonzeros."""
     from sparserl_compile import kernels
 
-    (matrix,) = matrix_box
-    nnz = int(matrix.indptr[-1])
-    out = set()
-    for f in kernels.FAMILIES:
-        if f.needs_structure and op in f.ops and f.applies(op, dtype, n=None, nnz=nnz):
-            out.update(normal_form(f.render(op, dtype, p, matrix).source) for p in f.space(op, dtype))
-    return frozenset(out)
+    return [f for f in kernels.FAMILIES if f.needs_structure and op in f.ops and f.applies(op, dtype, n=None, nnz=nnz)]
 
 
 class _Box(tuple):
@@ -109,7 +110,7 @@ def is_novel(source: str, op: str, dtype: str, matrix=None) -> bool:
     form = normal_form(source)
     if form in space_forms(op, dtype):
         return False
-    if matrix is None:
+    if matrix is None or not _structure_families(op, dtype, int(matrix.indptr[-1])):
         return True
     from sparserl_compile.structure import fingerprint
 
