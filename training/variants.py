@@ -72,7 +72,6 @@ def _split_top(s: str, sep: str) -> list[str]:
 class _Loop:
     start: int  # index of "for"
     end: int  # index after the body's closing brace
-    decl: str  # the loop variable's type ("" when the init declares nothing)
     var: str
     init: str  # the init clause as written ("" when empty)
     bound: str
@@ -109,8 +108,7 @@ def _loops(src: str) -> list[_Loop]:
         body = src[b + 1:e]
         if re.search(r"\bfor\b", body):
             continue
-        out.append(_Loop(m.start(), e + 1, (init.group(1) or "") if init else "", var,
-                         parts[0].strip(), cond.group(1), int(step.group(4) or 1), body))
+        out.append(_Loop(m.start(), e + 1, var, parts[0].strip(), cond.group(1), int(step.group(4) or 1), body))
     return out
 
 
@@ -135,13 +133,9 @@ def unroll(src: str, factor: int) -> str | None:
         copies = "\n".join("{" + _shift(lp.body, v, j * s) + "}" for j in range(factor))
         main = f"for (; {v} + {(factor - 1) * s} < {lp.bound}; {v} += {factor * s}) {{\n{copies}\n}}\n"
         rest = f"for (; {v} < {lp.bound}; {v} += {s}) {{{lp.body}}}"
-        init = lp.init
-        if init and not lp.decl:  # an assignment to a variable declared before the loop
-            text = f"{{\n{init};\n{main}{rest}\n}}"
-        elif init:
-            text = f"{{\n{init};\n{main}{rest}\n}}"
-        else:
-            text = main + rest
+        # the init (a declaration, or an assignment to a variable declared before) opens a block
+        # that both loops share; without one the loops continue the enclosing block's variable
+        text = f"{{\n{lp.init};\n{main}{rest}\n}}" if lp.init else main + rest
         return src[:lp.start] + text + src[lp.end:]
     return None
 
