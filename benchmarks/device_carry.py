@@ -12,8 +12,9 @@ not fit beside a carried checkpoint, so this copies a trimmed one:
   (``SHARED_MIX_KINDS``: the ``--unlabelled-mix`` and ``--validate-mix`` of the shipped runs)
   whose file is under ``--max-bytes``; with the default 1 MB these are sixteen matrices, the
   ones ``training.validation --count 48 --seed 7`` drew its recorded problems from;
-- the held-out matrices, unless ``--no-held-out`` (SFT's held-out loss reads them; without them
-  it skips those records and says so).
+- the held-out matrices, unless ``--no-held-out``: the per-kind list, and those of the source
+  split (``training/source_split.py``) that the supervision files name (SFT's held-out loss and
+  ``sparserl eval`` read them; without them SFT skips those records and says so).
 
 ``--checkpoint NAME=REV`` also writes a committed checkpoint of an earlier revision to
 ``.device_carry/NAME`` (``v1=b78a58b``: version 1, where version 2's SFT stage started); with
@@ -60,8 +61,11 @@ def carry_selection(max_bytes: int = 1_000_000, held_out: bool = True, kinds=SHA
     named = {r.matrix.name for r in records if r.matrix.source == "shared"}
     train = {i.name for i in shared_sources()  # present and training-side
              if i.name in named or (i.kind in kinds and i.path.stat().st_size < max_bytes)}
+    from sparserl_compile.training.source_split import held_out_names
+
+    held = SHARED_HELD_OUT | (held_out_names() & named)  # the source split's that records name
     return [i for i in matrices.shared_manifest() if i.name in train
-            or (held_out and i.path.is_file() and i.name in SHARED_HELD_OUT)]
+            or (held_out and i.path.is_file() and i.name in held)]
 
 
 def disk_bytes(path: Path) -> int:

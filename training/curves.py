@@ -5,9 +5,12 @@
 A checkpoint's ``training_log.json`` holds each stage's config and logged points (the
 trainer's ``trainer_state.json`` log, copied when the checkpoint was shipped): LM stages log
 ``loss`` every ``log_every`` steps, RL stages log ``mean_reward`` per update (PPO/GRPO with
-``kl`` and ``entropy``, RAFT with ``best_reward``). One panel per stage: the loss (log scale)
-for LM stages; for RL stages the mean reward, with the KL to the reference model on a second
-axis (PPO/GRPO) or the best candidate's reward (RAFT). Stages are found by their logs: the top-level
+``kl``, ``entropy`` and ``clip_frac``, and every RL update with ``novel_rate``, RAFT with
+``best_reward``). One panel per stage: the loss (log scale) for LM stages; for RL stages the
+mean reward, with the KL to the reference model on a second axis (PPO/GRPO) or the best
+candidate's reward (RAFT), and a second panel of the exploration measures the stage logged: the
+clip fraction, the novel-kernel rate (correct samples that are no kernel-space point) and the
+mean token entropy (second axis). Stages are found by their logs: the top-level
 entries with a ``log`` list, in file order; ``previous_version_*`` entries (the provenance of
 the checkpoint it was fine-tuned from) are left out unless ``--history``.
 """
@@ -50,6 +53,8 @@ def plot(checkpoint: str | Path, out: str | Path, history: bool = False, columns
     found = stages(json.loads(path.read_text()), history)
     if not found:
         raise ValueError(f"{path}: no stage with logged loss or reward")
+    found = [(n + suffix, pts) for n, pts in found
+             for suffix in ("", " (exploration)") if not suffix or _explores(pts)]
     if columns < 1:
         raise ValueError(f"columns={columns}: at least one panel a row")
     cols = min(columns, len(found))
@@ -58,7 +63,9 @@ def plot(checkpoint: str | Path, out: str | Path, history: bool = False, columns
     for ax in axes.flat[len(found):]:
         ax.set_visible(False)
     for ax, (name, points) in zip(axes.flat, found):
-        if any("mean_reward" in p for p in points):
+        if name.endswith(" (exploration)"):
+            _exploration_panel(ax, points)
+        elif any("mean_reward" in p for p in points):
             pts = [p for p in points if "mean_reward" in p]
             steps = [p["step"] for p in pts]
             ax.plot(steps, [p["mean_reward"] for p in pts], "o-", color="tab:green", label="mean reward")
@@ -86,6 +93,29 @@ def plot(checkpoint: str | Path, out: str | Path, history: bool = False, columns
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+_EXPLORATION = {"clip_frac": ("clip fraction", "tab:red"), "novel_rate": ("novel-kernel rate", "tab:purple")}
+
+
+def _explores(points: list[dict]) -> bool:
+    """Whether an RL stage logged exploration measures (clip fraction, novel rate, entropy)."""
+    return any("mean_reward" in p and (set(_EXPLORATION) | {"entropy"}) & set(p) for p in points)
+
+
+def _exploration_panel(ax, points: list[dict]) -> None:
+    pts = [p for p in points if "mean_reward" in p]
+    steps = [p["step"] for p in pts]
+    for key, (label, color) in _EXPLORATION.items():
+        if any(key in p for p in pts):
+            ax.plot(steps, [p.get(key, float("nan")) for p in pts], "o-", color=color, label=label)
+    ax.set_ylabel("fraction")
+    ax.set_xlabel("RL update")
+    if any("entropy" in p for p in pts):
+        ent = ax.twinx()
+        ent.plot(steps, [p.get("entropy", float("nan")) for p in pts], "s--", color="tab:gray", label="entropy")
+        ent.set_ylabel("entropy (nats/token)")
+    ax.legend(fontsize=7)
 
 
 def main(argv=None) -> int:

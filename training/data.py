@@ -33,6 +33,9 @@ Two JSON-lines formats are read (plain or ``.gz``), line by line, and may be mix
 
 The held-out split (``is_held_out``) is deterministic and never trained on by any stage:
 
+- shared matrices of the frozen **source split** (``source_split.py``): every matrix of whole
+  source collections (``MANIFEST.json``'s ``source_repo``), from a file checked against its hash;
+  ``sparserl eval --split source`` evaluates on these alone;
 - shared matrices: the fixed list ``SHARED_HELD_OUT``, chosen once by the rule "within each
   ``kind`` of the full ``MANIFEST.json``, names sorted, every fourth one (positions 3, 7, 11,
   ...)" (``shared_held_out_by_rule`` recomputes it; a test checks they agree). The list is
@@ -262,7 +265,9 @@ def shared_held_out_by_rule(kinds: dict[str, str] | None = None) -> frozenset[st
 def is_held_out(ref: MatrixRef) -> bool:
     """Whether ``ref`` belongs to the evaluation split (see the module docstring)."""
     if ref.source == "shared":
-        return str(ref.name) in SHARED_HELD_OUT
+        from sparserl_compile.training.source_split import held_out_names
+
+        return str(ref.name) in SHARED_HELD_OUT or str(ref.name) in held_out_names()
     key = json.dumps([ref.generator, sorted((k, v) for k, v in ref.kwargs)], default=str)
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % 5 == 0
 

@@ -7,14 +7,17 @@ reports per matrix kind:
 - compile rate and correctness rate (over all samples),
 - speedup over torch.sparse (reference_us / us of the best correct sample; greedy and best-of-k),
 - fraction of the kernel-space best (best_space_us / us, 1.0 = as fast as the best family point),
-- how often a correct sample is *not* one of the record's rendered kernel-space points (the
-  policy wrote something new; whitespace-insensitive comparison),
+- the novel-kernel rate: the share of samples that are correct and no point of the whole kernel
+  space for their (op, dtype) after normalising whitespace, comments and identifier names
+  (``novelty.is_novel``; ``novel_rate`` over all samples, ``novel_share_of_correct`` over the
+  correct ones), and ``unmeasured_rate``: how often a correct sample is none of the record's
+  measured points (whitespace-insensitive; such a sample has no measured time),
 - the fraction of the kernel-space best **by the measured (H200) times**: when a correct
   sample is, whitespace-insensitively, the rendered source of one of the record's measured
   variants, its time is that variant's measured ``us`` from the supervision file and the
   fraction is ``best_us / that us`` (greedy, and best-of-k over the samples that are points);
   samples that are no measured point have no measured time and are left out (counted in
-  ``novel_rate``; a record whose greedy kernel is such a sample is counted in
+  ``unmeasured_rate``; a record whose greedy kernel is such a sample is counted in
   ``greedy_novel`` and flagged in its row, with the evaluator's own time for it in
   ``greedy_novel_us``: live on the GPU evaluator, so not comparable with the measured times).
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field, fields
 
 from sparserl_compile.training.config import opt, resolve_device
 from sparserl_compile.training.data import DEFAULT_SUPERVISION
+from sparserl_compile.training.novelty import is_novel
 from sparserl_compile.training.space import default_render, measured_sources, normalized
 from sparserl_compile.training.stats import geomean
 
@@ -49,6 +53,10 @@ from sparserl_compile.training.stats import geomean
 class EvalConfig:
     checkpoints: str = opt("policy=runs/rl", "comma-separated name=folder pairs to compare (e.g. rl=runs/rl,no_rl=runs/sft)")
     data: str = opt(DEFAULT_SUPERVISION, "supervision file(s), a comma list; only the held-out split is used")
+    split: str = opt("all", "which held-out records: 'all' (the whole held-out split: generated siblings of the "
+                            "training generators and held-out shared matrices) or 'source' (only the matrices of "
+                            "whole source collections no stage trains on, frozen in training/data/"
+                            "heldout_sources.json and checked against its hash: training/source_split.py)")
     evaluator: str = opt("cpu", "'gpu', 'cpu', 'measured' (replays H200 outcomes of measured points) or 'header'")
     k: int = opt(8, "samples for best-of-k")
     temperature: float = opt(0.8, "sampling temperature for best-of-k")
@@ -88,7 +96,8 @@ class KindStats:
     samples: int = 0
     compiled: int = 0
     correct: int = 0
-    novel: int = 0  # correct samples that are not a rendered kernel-space point
+    unmeasured: int = 0  # correct samples that are none of the record's measured points (whitespace aside)
+    novel: int = 0  # correct samples that are no point of the whole space up to form (training/novelty.py)
     speedup_greedy: list[float] = field(default_factory=list)
     speedup_best_of_k: list[float] = field(default_factory=list)
     space_frac_best_of_k: list[float] = field(default_factory=list)
@@ -119,7 +128,9 @@ class KindStats:
                 "others": self.others,
                 "others_compile_rate": self.others_compiled / self.others if self.others else None,
                 "others_correct_rate": self.others_correct / self.others if self.others else None,
-                "novel_rate": self.novel / self.correct if self.correct else None,
+                "novel_rate": self.novel / self.samples if self.samples else None,
+                "novel_share_of_correct": self.novel / self.correct if self.correct else None,
+                "unmeasured_rate": self.unmeasured / self.correct if self.correct else None,
                 "speedup_greedy_geomean": geomean(self.speedup_greedy),
                 "speedup_best_of_k_geomean": geomean(self.speedup_best_of_k),
                 "space_best_fraction_geomean": geomean(self.space_frac_best_of_k),
@@ -280,10 +291,12 @@ def _score(st: KindStats, pb, outs, texts, space: dict | None, best_from: int) -
             st.others_compiled += o.compiled
             st.others_correct += o.correct
         us = None
+        if o.correct:
+            st.novel += is_novel(t, pb.op, pb.dtype, pb.matrix)
         if o.correct and space is not None:
             key = normalized(t)
             if key not in space:
-                st.novel += 1
+                st.unmeasured += 1
             else:
                 us = space[key]
         measured.append(us)
@@ -351,15 +364,31 @@ def _held_out(cfg: EvalConfig):
 
     both = split(load_supervision(cfg.data))
     records = both.held_out
+    if cfg.split == "source":
+        from sparserl_compile.training.source_split import held_out_names
+
+        names = held_out_names()  # raises where the frozen file was edited
+        records = [r for r in records if r.matrix.source == "shared" and r.matrix.name in names]
+    elif cfg.split != "all":
+        raise ValueError(f"--split {cfg.split!r}: use 'all' or 'source'")
     if cfg.ops:
         records = [r for r in records if r.op in cfg.ops.split(",")]
     if cfg.max_records:
         records = records[: cfg.max_records]
     if not records:
-        raise ValueError(f"{cfg.data}: no held-out records to evaluate on")
+        raise ValueError(f"{cfg.data}: no held-out records to evaluate on (--split {cfg.split})")
     problems = list(zip([r.matrix.kind for r in records], problems_from_records(records)))
     space = [measured_sources(r, pb.matrix, default_render) for r, (_, pb) in zip(records, problems)]
     return both, records, problems, space
+
+
+def _split_stamp(name: str) -> dict:
+    """What the report says of its held-out split: its name, and the frozen file's hash for 'source'."""
+    if name != "source":
+        return {"name": name}
+    from sparserl_compile.training.source_split import SOURCE_SPLIT_PATH, load
+
+    return {"name": name, "file": SOURCE_SPLIT_PATH.name, "sha256": load().sha256}
 
 
 def run_eval(cfg: EvalConfig, log=print) -> dict:
@@ -392,7 +421,7 @@ def run_eval(cfg: EvalConfig, log=print) -> dict:
     from sparserl_compile.fileio import write_json
     from sparserl_compile.version import run_stamp
 
-    report = {**run_stamp(), "held_out_records": len(records), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
+    report = {**run_stamp(), "held_out_records": len(records), "split": _split_stamp(cfg.split), "k": cfg.k, "data": cfg.data, "evaluator": cfg.evaluator,
               "samples": cfg.samples + (" untraced" if cfg.untraced_samples and cfg.samples == "temperature" else "")
               + (f" screened ({cfg.screen_workers} CPU workers)" if screen is not None else ""),
               "in_progress": None, "checkpoints": {}, "variants": {}, "per_record": {}}

@@ -5,7 +5,11 @@ constrained samples per problem from the current policy (``policy.decode.generat
 returns the masks), scores them with an evaluator (``rewards.py``: sandboxed GPU or CPU
 verification, or header-only for smoke runs), turns outcomes into rewards (hierarchical, or
 correctness-only for the ablation) and applies one PPO/GRPO update (``ppo.py``) with a KL
-penalty to the frozen starting (SFT) model. Resumes from ``out_dir``.
+penalty to the frozen starting (SFT) model. Resumes from ``out_dir``. Every update logs its
+mean reward, and for PPO/GRPO the KL to the reference, the entropy and the clip fraction
+(``ppo.PPOStats``), and the novel-kernel rate of its samples (``novelty.is_novel``: correct and
+no point of the kernel space; ``novel_text_rate``: whatever the outcome); ``curves.py`` plots
+them from the checkpoint's log.
 
 ``algo="raft"`` (``raft.py``) fine-tunes the greedy prompt toward the best of k candidates:
 for a policy trained with retrieval hints, one greedy kernel per each of the k nearest hints;
@@ -459,6 +463,7 @@ def _update(run: _Run, step: int) -> dict:
     rolls, sts, groups, rewards = [], [], [], []
     raft_rec = raft_mod.new_record()  # raft: this update's targets
     parts: dict = {}  # this update's seconds: decoding by candidate origin, rewards
+    novel = [0, 0, 0]  # this rank's samples: novel and correct, novel (any outcome), all
     for g in range(lo, hi):  # this rank's share; g stays the global index (same sampling seed)
         pi = int(pick[g])
         pb = run.problems[pi]
@@ -472,6 +477,7 @@ def _update(run: _Run, step: int) -> dict:
             parts["rewards_" + k] = parts.get("rewards_" + k, 0.0) + v
         scores = [float(run.reward_fn(o)) for o in outcomes]
         rewards += scores
+        _count_novel(novel, pb, rs, outcomes)
         if run.raft:
             raft_mod.collect_target(run.buffer, run.tok, structure, rs, outcomes, scores, cfg.raft_margin, raft_rec,
                                     f"{pb.label} {pb.op}", speed=cfg.reward != "correctness")
@@ -487,6 +493,7 @@ def _update(run: _Run, step: int) -> dict:
         pcfg = PPOConfig(algo=cfg.algo, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
         rec = {"step": step + 1,
                **ppo_update(run.model, run.ref_model, run.optim, batch, rewards, pcfg, ctx=run.ctx).__dict__}
+    rec.update(_novel_rates(run, novel))
     rec["seconds"] = round(time.perf_counter() - t_step, 1)  # decoding, rewards and the update
     # where they went: decoding by candidate origin (greedy, format, sample, hint), the rewards
     # (compile, verify, time), and the rest (mostly the gradient steps)
@@ -494,6 +501,28 @@ def _update(run: _Run, step: int) -> dict:
     rec["seconds_parts"]["update"] = round(max(0.0, rec["seconds"] - sum(
         v for k, v in parts.items() if not k.startswith("rewards_"))), 1)
     return rec
+
+
+def _count_novel(counts: list, pb, rollouts, outcomes) -> None:
+    """Add one problem's samples to ``counts`` (novel and correct, novel, all): novel = no point
+    of the kernel space for the problem's (op, dtype) up to form (``novelty.is_novel``)."""
+    from sparserl_compile.training.novelty import is_novel
+
+    for r, o in zip(rollouts, outcomes):
+        new = is_novel(r.text, pb.op, pb.dtype, pb.matrix)
+        counts[0] += bool(new and o.correct)
+        counts[1] += bool(new)
+        counts[2] += 1
+
+
+def _novel_rates(run: _Run, counts: list) -> dict:
+    """The update's novel-kernel rates over every rank's samples: ``novel_rate`` (novel and
+    correct, the evaluation's), ``novel_text_rate`` (novel whatever the outcome)."""
+    c = torch.tensor(counts, dtype=torch.float64)
+    if run.ctx.distributed:
+        c = tdist.all_reduce_sum(c.to(run.ctx.device)).cpu()
+    n = max(1.0, float(c[2]))
+    return {"novel_rate": float(c[0]) / n, "novel_text_rate": float(c[1]) / n}
 
 
 def _inputs(run: _Run, pi: int) -> tuple:
@@ -543,14 +572,15 @@ def _log_update(run: _Run, rec: dict) -> None:
     steps = run.cfg.steps
     if run.raft:
         run.log(f"[rl] step {rec['step']}/{steps} reward {rec['mean_reward']:.3f} first {rec['first_reward']:.3f} "
-                f"best {rec['best_reward']:.3f} switched {rec['switched']}/{rec['targets']} "
+                f"best {rec['best_reward']:.3f} novel {rec['novel_rate']:.3f} switched {rec['switched']}/{rec['targets']} "
                 f"buffer {rec['buffer']} loss {rec['loss']:.4f}"
                 + f", {rec['seconds']:.0f} s ({seconds_text(rec['seconds_parts'])})"
                 + "".join(f"\n[rl]   switched: {n} " + (f"(x{r} faster" if r else "(the first was wrong")
                           + f", a {o} candidate)" for n, r, o in rec["switched_problems"]))
     else:
         run.log(f"[rl] step {rec['step']}/{steps} reward {rec['mean_reward']:.3f} kl {rec['kl']:.4f} "
-                f"loss {rec['loss']:.4f} entropy {rec['entropy']:.3f}")
+                f"loss {rec['loss']:.4f} entropy {rec['entropy']:.3f} clip {rec['clip_frac']:.3f} "
+                f"novel {rec['novel_rate']:.3f} (text {rec['novel_text_rate']:.3f})")
 
 
 def _nnz(record, loaded: dict) -> int:

@@ -13,10 +13,11 @@ import re
 
 
 def default_render(family: str, op: str, dtype: str, params: dict, structure) -> str:
-    """The source of one kernel-space point (``sparserl_compile.kernels.render``)."""
-    from sparserl_compile import kernels
+    """The source of one kernel-space point (``sparserl_compile.kernels.render``), or of a
+    verified textual variant of one when ``params`` holds ``transform`` (``variants.py``)."""
+    from sparserl_compile.training import variants
 
-    return kernels.render(family, op, dtype, params, structure).source
+    return variants.render(family, op, dtype, params, structure)
 
 
 def ranked_variants(record, top: int):

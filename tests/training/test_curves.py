@@ -55,3 +55,18 @@ def test_many_stages_wrap_into_rows_of_columns_panels(tmp_path):
     assert h4 > 2.5 * h10 and w10 > 2 * w4
     with pytest.raises(ValueError, match="columns=0"):
         curves.plot(tmp_path, tmp_path / "c0.png", columns=0)
+
+
+def test_ppo_stages_get_an_exploration_panel(tmp_path):
+    """A PPO stage's clip fraction, novel-kernel rate and entropy draw in a panel of their own
+    beside its reward and KL: two panels for the stage, side by side."""
+    pytest.importorskip("matplotlib")
+    log = {"rl": {"log": [{"step": s, "mean_reward": 0.5 * s, "kl": 0.01 * s, "entropy": 0.3, "clip_frac": 0.1,
+                           "novel_rate": 0.05 * s} for s in (1, 2, 3)]}}
+    (tmp_path / "training_log.json").write_text(json.dumps(log))
+    out = curves.plot(tmp_path, tmp_path / "c.png")
+    one = dict(log, rl={"log": [{k: v for k, v in p.items() if k in ("step", "mean_reward", "kl")}
+                                for p in log["rl"]["log"]]})
+    (tmp_path / "training_log.json").write_text(json.dumps(one))
+    single = curves.plot(tmp_path, tmp_path / "d.png")
+    assert _png_size(out)[0] > 1.8 * _png_size(single)[0]

@@ -45,11 +45,14 @@ def test_shared_split_holds_out_per_kind(shared_matrices):
     s = split([record_from_json({**REC, "matrix": {"source": "shared", "name": i.name}}) for i in infos])
     held = {r.matrix.name for r in s.held_out}
     assert held.isdisjoint({r.matrix.name for r in s.train})
-    for kind, names in kinds.items():
-        assert (len(names) >= 4) == bool(held & set(names)), kind
     from sparserl_compile.training.data import SHARED_HELD_OUT, shared_held_out_by_rule
+    from sparserl_compile.training.source_split import held_out_names
 
-    assert held == SHARED_HELD_OUT == shared_held_out_by_rule()  # the frozen list is the rule's
+    for kind, names in kinds.items():
+        assert (len(names) >= 4) == bool(SHARED_HELD_OUT & set(names)), kind
+    assert SHARED_HELD_OUT == shared_held_out_by_rule()  # the frozen list is the rule's
+    # held out: the per-kind list and the whole source collections of the frozen source split
+    assert held == SHARED_HELD_OUT | held_out_names()
 
 
 def test_shared_split_does_not_move_with_a_partial_manifest():
@@ -60,7 +63,8 @@ def test_shared_split_does_not_move_with_a_partial_manifest():
     trimmed = {n: k for n, k in full.items() if n != "a2"}
     assert shared_held_out_by_rule(trimmed) == {"zz"}  # the rule alone would move both matrices
     assert is_held_out(MatrixRef("shared", name="hep-th")) and "hep-th" in SHARED_HELD_OUT
-    assert not is_held_out(MatrixRef("shared", name="bcsstk13"))
+    assert not is_held_out(MatrixRef("shared", name="add32"))
+    assert is_held_out(MatrixRef("shared", name="bcsstk13"))  # its whole collection is held out
 
 
 # --- the H200 benchmark suite's per-variant lines (format 1) ---------------------------------

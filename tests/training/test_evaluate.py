@@ -33,9 +33,9 @@ def test_measured_fraction_uses_the_measured_time_of_the_point_written(tiny_mode
     assert st.rows[0]["greedy_fraction"] == st.rows[0]["greedy_fallback_fraction"] == pytest.approx(0.5)
     assert summ["speedup_greedy_geomean"] == pytest.approx(40.0 / 50.0)  # evaluator (cost model) time
     # the greedy sample is a measured point, so at most the k sampled ones are novel
-    assert st.correct == 3 and st.novel <= 2
+    assert st.correct == 3 and st.unmeasured <= 2
     assert summ["greedy_novel"] == 0 and "greedy_novel" not in st.rows[0]
-    assert len(st.measured_frac_best_of_k) == (1 if st.novel < 2 else 0)
+    assert len(st.measured_frac_best_of_k) == (1 if st.unmeasured < 2 else 0)
 
 
 def test_a_wrong_greedy_kernel_counts_as_the_cusparse_fallback_in_the_fallback_fraction(tiny_model, tiny_tok):
@@ -215,7 +215,7 @@ def test_nearest_baseline_is_scored_like_the_policy():
     assert summ["samples"] == 2 and summ["records"] == 1 and summ["greedy_correct_rate"] == 1.0
     assert summ["measured_space_fraction_greedy_geomean"] == pytest.approx(0.5)  # first pick: 20 us
     assert summ["measured_space_fraction_best_of_k_geomean"] == pytest.approx(1.0)  # second: 10 us
-    assert st.novel == 0
+    assert st.novel == st.unmeasured == 0  # both picks are points of the space
 
 
 def test_overall_pools_every_kind():

@@ -74,8 +74,9 @@ def test_a_mix_draws_only_its_sources():
 def test_shared_structures_come_from_the_training_side_only(shared_matrices):
     from sparserl_compile import matrices
     from sparserl_compile.training.data import SHARED_HELD_OUT
+    from sparserl_compile.training.source_split import held_out_names
 
-    mix = parse_mix("shared:social_powerlaw=1,shared:gnn_citation=1")
+    mix = parse_mix("shared:social_powerlaw=1,shared:road_planar=1")
     ps = unlabelled_problems(8, seed=7, max_nnz=300_000, mix=mix)
     again = unlabelled_problems(8, seed=7, max_nnz=300_000, mix=mix)
     assert [p.label for p in ps] == [p.label for p in again]
@@ -83,8 +84,8 @@ def test_shared_structures_come_from_the_training_side_only(shared_matrices):
     kinds = {i.name: i for i in matrices.shared_manifest(shared_matrices)}
     for p in ps:
         name, _, rest = p.label.removeprefix("shared:").partition("(")
-        assert name not in SHARED_HELD_OUT  # hep-th and cora_features are never a source
-        assert kinds[name].kind in {"social_powerlaw", "gnn_citation"}
+        assert name not in SHARED_HELD_OUT | held_out_names()  # hep-th, uk, rgg_n_2_15_s0 are never a source
+        assert kinds[name].kind in {"social_powerlaw", "road_planar"}
         src = kinds[name]
         # a subset of 30-90 % of the rows (square: of the rows and columns), the columns of a rectangular one kept
         assert 0.29 * src.n_rows <= p.matrix.shape[0] <= 0.9 * src.n_rows

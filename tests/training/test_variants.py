@@ -1,0 +1,99 @@
+"""Verified variants of kernel-space points: inside the kernel language, compiled by NVRTC,
+correct on the CPU executor, and wired into SFT targets through the supervision records."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparserl_compile import compiler, kernels
+from sparserl_compile.training import variants as V
+from sparserl_compile.training.data import MatrixRef, SupervisionRecord, Variant
+from sparserl_compile.training.novelty import is_novel
+
+BANDED = MatrixRef("generated", "banded", (("half_bandwidth", 2), ("n", 64), ("seed", 0)))
+
+
+def _record(op: str, n: int, family: str, params: dict) -> SupervisionRecord:
+    return SupervisionRecord(BANDED, op, "f32", n, (Variant(family, tuple(sorted(params.items())), 2.0),))
+
+
+@pytest.fixture(scope="module")
+def cpu_evaluator():
+    from sparserl_compile.training.rewards import SandboxEvaluator
+
+    ev = SandboxEvaluator("cpu", workers=2)
+    yield ev
+    ev.close()
+
+
+@pytest.mark.parametrize("op,n,family,params,combine", [
+    ("spmv", 1, "csr_vector", {"block": 128, "tpr": 8}, True),
+    ("spmm", 8, "csr_scalar", {"block": 128, "cols": 4}, False),
+])
+def test_every_variant_parses_compiles_and_verifies(cpu_evaluator, op, n, family, params, combine):
+    m = BANDED.load()
+    params = params if params in kernels.family(family).space(op, "f32") else kernels.family(family).space(op, "f32")[0]
+    rec = _record(op, n, family, params)
+    cands = V.record_candidates(rec, m, top=1, combine=combine)
+    assert len(cands) >= 5  # every single transform applies to these templates
+    for variant, text in cands:
+        assert V.grammar_problems(text) == []
+        compiler.compile_cubin(text, "sm_90")  # raises CompileError when NVRTC rejects it
+        assert dict(variant.params)[V.TRANSFORM_KEY] and variant.us == 2.0
+        assert V.render(family, op, "f32", dict(variant.params), m) == text
+        assert is_novel(text, op, "f32")  # a new kernel, not a point of the space up to names
+    verified = V.verified_variants(rec, m, cpu_evaluator, top=1, combine=combine)
+    assert [v.params for v in verified] == [v.params for v, _t in cands]
+
+
+def test_a_wrong_variant_is_not_a_target(cpu_evaluator, monkeypatch):
+    m = BANDED.load()
+    rec = _record("spmv", 1, "csr_scalar", {"block": 128})
+    real = V.unroll
+    # an unroll that forgets the remainder loop: wrong on rows whose length is odd
+    monkeypatch.setitem(V._APPLY, "unroll2", lambda s: real(s, 2).replace("for (; k < end; k += 1)", "if (0)"))
+    verified = {dict(v.params)[V.TRANSFORM_KEY] for v in V.verified_variants(rec, m, cpu_evaluator, top=1,
+                                                                                 combine=False)}
+    assert "unroll2" not in verified and "unroll4" in verified
+
+
+def test_unroll_keeps_a_loop_that_synchronises():
+    src = kernels.render("csr_scalar", "spmv", "f32", {"block": 128}).source
+    synced = src.replace("acc = fmaf(", "__syncwarp();\n        acc = fmaf(")
+    with pytest.raises(ValueError, match="does not apply"):
+        V.apply(synced, "unroll2")
+    with pytest.raises(ValueError, match="known transforms"):
+        V.apply(src, "vectorise")
+
+
+def test_variant_records_become_sft_targets(tiny_tok):
+    from sparserl_compile.training.sft import build_examples
+
+    m = BANDED.load()
+    rec = _record("spmv", 1, "csr_scalar", {"block": 128})
+    extra = tuple(v for v, _t in V.record_candidates(rec, m, top=1, combine=False))
+    rec = SupervisionRecord(rec.matrix, rec.op, rec.dtype, rec.n, rec.variants + extra)
+    examples, skipped = build_examples([rec], tiny_tok, 64, top=1 + len(extra), loaded={BANDED: m})
+    assert skipped == 0 and len(examples) == 1 + len(extra)
+    texts = {tiny_tok.decode(e.target_ids[:-1]) for e in examples}
+    assert len(texts) == len(examples)
+
+
+def test_the_command_writes_records_with_variants_that_load_back(tmp_path):
+    import json
+
+    from policy_fixtures import structure_dependent_supervision
+    from sparserl_compile.training.data import load_supervision, split
+
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    out = tmp_path / "variants.jsonl.gz"
+    assert V.main(["--data", str(data), "--out", str(out), "--max-records", "1", "--no-combine", "--top", "1"]) == 0
+    before, after = load_supervision(data), load_supervision(out)
+    assert len(after) == len(before)
+    grown = [r for r in after if any(V.TRANSFORM_KEY in dict(v.params) for v in r.variants)]
+    assert len(grown) == 1 and grown[0].matrix in {r.matrix for r in split(before).train}
+    # the variants rank right after their point: the record's best is still its measured point
+    best = grown[0].best()
+    assert V.TRANSFORM_KEY not in dict(best.params)
+    assert split(after).held_out == split(before).held_out
