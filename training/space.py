@@ -14,10 +14,10 @@ import re
 
 def default_render(family: str, op: str, dtype: str, params: dict, structure) -> str:
     """The source of one kernel-space point (``sparserl_compile.kernels.render``), or of a
-    verified textual variant of one when ``params`` holds ``transform`` (``variants.py``)."""
-    from sparserl_compile.training import variants
+    verified textual variant of one when ``params`` holds ``transform`` (``transforms.py``)."""
+    from sparserl_compile.training import transforms
 
-    return variants.render(family, op, dtype, params, structure)
+    return transforms.render(family, op, dtype, params, structure)
 
 
 def ranked_variants(record, top: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sparserl_compile import compiler, kernels
+from sparserl_compile.training import transforms
 from sparserl_compile.training import variants as V
 from sparserl_compile.training.data import MatrixRef, SupervisionRecord, Variant
 from sparserl_compile.training.novelty import is_novel
@@ -51,7 +52,7 @@ def test_a_wrong_variant_is_not_a_target(cpu_evaluator, monkeypatch):
     rec = _record("spmv", 1, "csr_scalar", {"block": 128})
     real = V.unroll
     # an unroll that forgets the remainder loop: wrong on rows whose length is odd
-    monkeypatch.setitem(V._APPLY, "unroll2", lambda s: real(s, 2).replace("for (; k < end; k += 1)", "if (0)"))
+    monkeypatch.setitem(transforms._APPLY, "unroll2", lambda s: real(s, 2).replace("for (; k < end; k += 1)", "if (0)"))
     verified = {dict(v.params)[V.TRANSFORM_KEY] for v in V.verified_variants(rec, m, cpu_evaluator, top=1,
                                                                                  combine=False)}
     assert "unroll2" not in verified and "unroll4" in verified

@@ -1,0 +1,256 @@
+"""Textual transformations of kernel sources that stay inside the kernel grammar, and the
+rendering of a variant (a kernel-space point's source, then its transforms).
+
+The transforms are described in ``variants.py``, which generates and verifies variants with
+them; this module is text only (no records, no evaluators), so ``space.default_render`` can
+render a variant without importing the generation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from itertools import product
+
+#: the single transforms, in the order ``transform_names`` tries them
+TRANSFORMS = ("unroll2", "unroll4", "while", "fma_expand", "plain_loads")
+
+_NO_UNROLL = re.compile(r"\b(break|continue|return|__syncthreads|__syncwarp)\b|_sync\s*\(")
+
+
+def _close(s: str, i: int) -> int:
+    """Index of the bracket closing the one at ``s[i]`` (``(`` or ``{``); -1 if none."""
+    pair = {"(": ")", "{": "}"}[s[i]]
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] == s[i]:
+            depth += 1
+        elif s[j] == pair:
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """``s`` split at ``sep`` outside brackets."""
+    out, depth, start = [], 0, 0
+    for j, ch in enumerate(s):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == sep and depth == 0:
+            out.append(s[start:j])
+            start = j + 1
+    return out + [s[start:]]
+
+
+@dataclass(frozen=True)
+class _Loop:
+    start: int  # index of "for"
+    end: int  # index after the body's closing brace
+    var: str
+    init: str  # the init clause as written ("" when empty)
+    bound: str
+    step: int
+    body: str  # inside the braces
+
+
+_INIT = re.compile(r"^\s*(?:(int|unsigned|long long)\s+)?([A-Za-z_]\w*)\s*=\s*(.+?)\s*$", re.S)
+_STEP = re.compile(r"^\s*(?:\+\+\s*(\w+)|(\w+)\s*\+\+|(\w+)\s*\+=\s*(\d+))\s*$")
+
+
+def _loops(src: str) -> list[_Loop]:
+    """The ``for`` loops of ``src`` with a braced body, a ``v < bound`` condition and a constant
+    positive step, innermost (no ``for`` in the body) only."""
+    out = []
+    for m in re.finditer(r"\bfor\s*\(", src):
+        p = m.end() - 1
+        q = _close(src, p)
+        parts = _split_top(src[p + 1:q], ";") if q > 0 else []
+        b = q + 1
+        while 0 < b < len(src) and src[b].isspace():
+            b += 1
+        if len(parts) != 3 or b >= len(src) or src[b] != "{":
+            continue
+        e = _close(src, b)
+        step = _STEP.match(parts[2])
+        if e < 0 or not step:
+            continue
+        var = step.group(1) or step.group(2) or step.group(3)
+        cond = re.match(rf"^\s*{re.escape(var)}\s*<\s*(.+?)\s*$", parts[1], re.S)
+        init = _INIT.match(parts[0]) if parts[0].strip() else None
+        if not cond or (parts[0].strip() and (not init or init.group(2) != var)):
+            continue
+        body = src[b + 1:e]
+        if re.search(r"\bfor\b", body):
+            continue
+        out.append(_Loop(m.start(), e + 1, var, parts[0].strip(), cond.group(1), int(step.group(4) or 1), body))
+    return out
+
+
+def _assigns(body: str, var: str) -> bool:
+    v = re.escape(var)
+    return bool(re.search(rf"(?<![\w.]){v}\s*([-+*/%&|^]|<<|>>)?=(?!=)|(\+\+|--)\s*{v}\b|(?<![\w.]){v}\s*(\+\+|--)",
+                          body))
+
+
+def _shift(body: str, var: str, by: int) -> str:
+    """``body`` with the loop variable read ``by`` ahead."""
+    return re.sub(rf"(?<![\w.]){re.escape(var)}\b", f"({var} + {by})", body) if by else body
+
+
+def unroll(src: str, factor: int) -> str | None:
+    """The first eligible innermost loop unrolled ``factor`` times (module docstring); None
+    when no loop is eligible."""
+    for lp in _loops(src):
+        if _NO_UNROLL.search(lp.body) or _assigns(lp.body, lp.var):
+            continue
+        v, s = lp.var, lp.step
+        copies = "\n".join("{" + _shift(lp.body, v, j * s) + "}" for j in range(factor))
+        main = f"for (; {v} + {(factor - 1) * s} < {lp.bound}; {v} += {factor * s}) {{\n{copies}\n}}\n"
+        rest = f"for (; {v} < {lp.bound}; {v} += {s}) {{{lp.body}}}"
+        # the init (a declaration, or an assignment to a variable declared before) opens a block
+        # that both loops share; without one the loops continue the enclosing block's variable
+        text = f"{{\n{lp.init};\n{main}{rest}\n}}" if lp.init else main + rest
+        return src[:lp.start] + text + src[lp.end:]
+    return None
+
+
+def as_while(src: str) -> str | None:
+    """The first innermost loop without ``continue`` written as a ``while`` loop; None when none."""
+    for lp in _loops(src):
+        if re.search(r"\bcontinue\b", lp.body):
+            continue
+        inc = f"{lp.var} += {lp.step};"
+        init = f"{lp.init};\n" if lp.init else ""
+        text = f"{{\n{init}while ({lp.var} < {lp.bound}) {{{lp.body}\n{inc}\n}}\n}}"
+        return src[:lp.start] + text + src[lp.end:]
+    return None
+
+
+def _rewrite_calls(src: str, name: str, fn) -> str | None:
+    """Every call ``name(args)`` replaced by ``fn(args)`` (``fn`` returns None to keep one);
+    None when nothing changed. Nested calls are rewritten inside out."""
+    out, i, changed = [], 0, False
+    for m in re.finditer(rf"(?<![\w:]){re.escape(name)}\s*\(", src):
+        if m.start() < i:
+            continue  # inside a call already rewritten
+        p = m.end() - 1
+        q = _close(src, p)
+        if q < 0:
+            return None
+        inner = src[p + 1:q]
+        inner = _rewrite_calls(inner, name, fn) or inner
+        new = fn(_split_top(inner, ","))
+        out.append(src[i:m.start()])
+        out.append(new if new is not None else f"{name}({inner})")
+        changed |= new is not None
+        i = q + 1
+    return "".join(out) + src[i:] if changed else None
+
+
+def fma_expand(src: str) -> str | None:
+    """``fmaf(a, b, c)`` -> ``((a) * (b) + (c))``; None when there is no ``fmaf``."""
+    return _rewrite_calls(src, "fmaf", lambda a: f"(({a[0].strip()}) * ({a[1].strip()}) + ({a[2].strip()}))"
+                          if len(a) == 3 else None)
+
+
+def plain_loads(src: str) -> str | None:
+    """``__ldg(&e)`` -> ``(e)``; None when there is none."""
+    return _rewrite_calls(src, "__ldg", lambda a: f"({a[0].strip()[1:].strip()})"
+                          if len(a) == 1 and a[0].strip().startswith("&") else None)
+
+
+_APPLY = {"unroll2": lambda s: unroll(s, 2), "unroll4": lambda s: unroll(s, 4), "while": as_while,
+          "fma_expand": fma_expand, "plain_loads": plain_loads}
+
+
+def apply(source: str, transform: str) -> str:
+    """``source`` (a whole kernel, header lines included) with ``transform`` (names joined by
+    ``+``) applied to its body. ValueError when a name is unknown or does not apply."""
+    head, body = _split_header(source)
+    for name in filter(None, transform.split("+")):
+        if name not in _APPLY:
+            raise ValueError(f"transform {name!r}: known transforms are {', '.join(TRANSFORMS)}")
+        new = _APPLY[name](body)
+        if new is None:
+            raise ValueError(f"transform {name!r} does not apply to this kernel (no eligible loop or call)")
+        body = new
+    return head + reindent(body)
+
+
+def reindent(body: str) -> str:
+    """``body`` with every line indented 4 spaces per open brace (the templates' style), so a
+    transformed kernel reads like a hand-written one."""
+    out, depth = [], 0
+    for line in body.split("\n"):
+        text = line.strip()
+        if not text:
+            continue
+        lead = len(text) - len(text.lstrip("}"))
+        out.append("    " * max(0, depth - lead) + text)
+        depth += text.count("{") - text.count("}")
+    return "\n".join(out) + "\n"
+
+
+def _split_header(source: str) -> tuple[str, str]:
+    lines = source.split("\n", 2)
+    if len(lines) < 3 or not (lines[0].startswith("//") and lines[1].startswith("//")):
+        raise ValueError("a kernel starts with the two contract header lines (// sparserl ..., // launch ...)")
+    return lines[0] + "\n" + lines[1] + "\n", lines[2]
+
+
+def transform_names(source: str, combine: bool = True) -> list[str]:
+    """The transforms (single ones, then pairs of an unroll or while with another) that apply to
+    ``source``, each giving a text different from ``source`` and from the others."""
+    singles = [t for t in TRANSFORMS if _applies(source, t)]
+    names = list(singles)
+    if combine:
+        loops = [t for t in singles if t in ("unroll2", "unroll4", "while")]
+        names += [f"{a}+{b}" for a, b in product(loops, singles) if b not in ("unroll2", "unroll4", "while")]
+    seen, out = {source}, []
+    for n in names:
+        try:
+            text = apply(source, n)
+        except ValueError:
+            continue
+        if text not in seen:
+            seen.add(text)
+            out.append(n)
+    return out
+
+
+def _applies(source: str, name: str) -> bool:
+    try:
+        apply(source, name)
+        return True
+    except ValueError:
+        return False
+
+
+def grammar_problems(source: str) -> list[str]:
+    """Why ``source`` is outside the kernel language: the grammar's verdict and
+    ``language.check``'s violations; [] when it is inside."""
+    from sparserl_compile import language
+
+    out = list(language.check(source))
+    verdict = language.accepts(source)
+    if not verdict.accepted:
+        out.append(f"grammar: stopped after {verdict.consumed} bytes: {verdict.error}")
+    return out
+
+
+# ------------------------------------------------------------------ verified variants of records
+
+#: the parameter key a variant adds to its point's parameters (``space.default_render`` reads it)
+TRANSFORM_KEY = "transform"
+
+
+def render(family: str, op: str, dtype: str, params: dict, structure=None) -> str:
+    """The source of a point, or of a variant when ``params`` holds ``transform``."""
+    from sparserl_compile import kernels
+
+    params = dict(params)
+    transform = params.pop(TRANSFORM_KEY, None)
+    source = kernels.render(family, op, dtype, params, structure).source
+    return source if transform is None else apply(source, str(transform))
