@@ -167,25 +167,34 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         positions of ``input_ids`` (default: right after the cache).
         """
         emb = self.model.embed_tokens(input_ids)
-        n_prefix = 0
-        if structure is not None:
-            prefix = self.encoder(structure.to(emb.device)).to(emb.dtype)
-            n_prefix = prefix.shape[1]
-            emb = torch.cat([prefix, emb], dim=1)
-            if attention_mask is not None:
-                ones = torch.ones(attention_mask.shape[0], n_prefix, dtype=attention_mask.dtype,
-                                  device=attention_mask.device)
-                attention_mask = torch.cat([ones, attention_mask], dim=1)
-        elif attention_mask is not None and past_key_values is not None:
-            if past_mask is None:
-                past_mask = torch.ones(attention_mask.shape[0], past_key_values.get_seq_length(),
-                                       dtype=attention_mask.dtype, device=attention_mask.device)
-            attention_mask = torch.cat([past_mask.to(attention_mask.dtype), attention_mask], dim=1)
-        out = self.model(inputs_embeds=emb, attention_mask=attention_mask, use_cache=use_cache,
-                         position_ids=position_ids, **{_CACHE: past_key_values})
-        h = out.last_hidden_state[:, n_prefix:]
-        return PolicyOutput(self.lm_head(h).float(), self.value_head(h).squeeze(-1).float(),
-                            out.get(_CACHE) if use_cache else None)
+        prefix = self.encoder(structure.to(emb.device)) if structure is not None else None
+        return prefixed_forward(self.model, self.lm_head, self.value_head, emb, prefix, attention_mask,
+                                past_key_values, use_cache, past_mask, position_ids)
+
+
+def prefixed_forward(decoder, lm_head, value_head, emb: torch.Tensor, prefix: torch.Tensor | None,
+                     attention_mask, past_key_values, use_cache: bool, past_mask, position_ids) -> PolicyOutput:
+    """The decoder over ``[prefix] + emb`` (token embeddings), as ``SparseRLPolicy.forward``
+    describes; shared with the pretrained-base policy (``basepolicy.py``)."""
+    n_prefix = 0
+    if prefix is not None:
+        prefix = prefix.to(emb.dtype)
+        n_prefix = prefix.shape[1]
+        emb = torch.cat([prefix, emb], dim=1)
+        if attention_mask is not None:
+            ones = torch.ones(attention_mask.shape[0], n_prefix, dtype=attention_mask.dtype,
+                              device=attention_mask.device)
+            attention_mask = torch.cat([ones, attention_mask], dim=1)
+    elif attention_mask is not None and past_key_values is not None:
+        if past_mask is None:
+            past_mask = torch.ones(attention_mask.shape[0], past_key_values.get_seq_length(),
+                                   dtype=attention_mask.dtype, device=attention_mask.device)
+        attention_mask = torch.cat([past_mask.to(attention_mask.dtype), attention_mask], dim=1)
+    out = decoder(inputs_embeds=emb, attention_mask=attention_mask, use_cache=use_cache,
+                  position_ids=position_ids, **{_CACHE: past_key_values})
+    h = out.last_hidden_state[:, n_prefix:]
+    return PolicyOutput(lm_head(h).float(), value_head(h).squeeze(-1).float(),
+                        out.get(_CACHE) if use_cache else None)
 
 
 class CountingPolicy(nn.Module):
@@ -214,17 +223,26 @@ def save_policy(model: SparseRLPolicy, tokenizer, directory: str | Path) -> Path
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_checkpoint"):  # a pretrained-base policy: its tokenizer is the base's
+        model.save_checkpoint(d)
+        return d
     model.save_pretrained(d, safe_serialization=True)
     if tokenizer is not None:
         save_tokenizer(tokenizer, d)
     return d
 
 
-def load_policy(directory: str | Path, device: str | torch.device = "cpu"):
-    """Load a checkpoint folder: returns ``(model, tokenizer)``; safetensors only."""
+def load_policy(directory: str | Path, device: str | torch.device = "cpu", base: str | Path | None = None):
+    """Load a checkpoint folder: returns ``(model, tokenizer)``; safetensors only. A
+    pretrained-base checkpoint (``basepolicy.py``) loads onto its base: ``base``, else
+    ``$SPARSERL_BASE``, else the fetched one, refused unless its SHA-256 is the checkpoint's."""
     from sparserl_compile.policy.tokenizer import load_tokenizer
 
     d = Path(directory)
+    from sparserl_compile.policy.basepolicy import CONFIG_FILE, load_base_policy
+
+    if (d / CONFIG_FILE).is_file():
+        return load_base_policy(d, device, base=base)
     if not (d / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"no policy checkpoint in {d} (model.safetensors missing); train one with "
