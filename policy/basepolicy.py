@@ -73,8 +73,8 @@ class BasePolicyConfig:
     @classmethod
     def tiny(cls, n_features: int) -> "BasePolicyConfig":
         """The encoder and adapters of the CI configuration (with ``write_tiny_base``)."""
-        return cls(d_encoder=32, n_slots=4, n_freqs=6, n_features=n_features, max_points=128, lora_r=4,
-                   lora_alpha=8, lora_dropout=0.0)
+        return cls(d_encoder=32, n_slots=4, n_freqs=6, n_features=n_features, max_points=128, lora_r=8,
+                   lora_alpha=16, lora_dropout=0.0)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -258,8 +258,11 @@ def load_base_policy(directory: str | Path, device: str | torch.device = "cpu", 
 def write_tiny_base(directory: str | Path, tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2) -> BaseInfo:
     """A tiny random Llama (``hidden`` wide, ``layers`` blocks, 2 heads / 1 KV head) with
     ``tokenizer`` saved as a base folder: the pretrained-base policy's code without a download
-    (tests, CI). Returns its ``BaseInfo``."""
+    (tests, CI). Its weights are drawn ten times wider than Llama's default (std 0.2), so that
+    its logits span a range the adapters can move within a few steps, as a trained base's do.
+    Returns its ``BaseInfo``."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from sparserl_compile.policy.base import file_sha256
 
@@ -268,7 +271,13 @@ def write_tiny_base(directory: str | Path, tokenizer, seed: int = 0, hidden: int
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
                       num_key_value_heads=1, intermediate_size=2 * hidden, max_position_embeddings=2048,
                       tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+                      pad_token_id=tokenizer.pad_token_id, initializer_range=0.2)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(d)
     return BaseInfo(d, file_sha256(d / "model.safetensors"))
