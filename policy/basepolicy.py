@@ -132,7 +132,10 @@ class BasePolicy(nn.Module):
 
     def __init__(self, lm, config: BasePolicyConfig):
         super().__init__()
-        from peft import LoraConfig, inject_adapter_in_model
+        try:
+            from peft import LoraConfig, inject_adapter_in_model
+        except ImportError as e:
+            raise ImportError(f"the pretrained-base policy's adapters need peft ({e}): pip install 'sparserl[train]'") from e
 
         self.config = config
         lm.requires_grad_(False)

