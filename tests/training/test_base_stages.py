@@ -4,6 +4,7 @@ weights do not move, runs resume, and the SFT policy decodes a grammar-constrain
 
 import json
 
+import pytest
 import torch
 
 from base_fixtures import base_env, tiny_base  # noqa: F401
@@ -50,7 +51,7 @@ def test_pretraining_trains_the_adapters_only_and_resumes(tmp_path, base_env):
 
 
 def test_sft_on_the_pretrained_base_learns_and_decodes_a_constrained_kernel(tmp_path, base_env):
-    _pretrain(tmp_path, base_env, steps=10)
+    _pretrain(tmp_path, base_env, steps=4)
     data = tmp_path / "sup.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
     cfg = SFTConfig.tiny(str(tmp_path / "pt"), str(data), str(tmp_path / "sft"))
@@ -65,3 +66,22 @@ def test_sft_on_the_pretrained_base_learns_and_decodes_a_constrained_kernel(tmp_
     assert roll.grammar_error is None and roll.finished
     header = contract.parse_header(roll.text)
     assert (header.op, header.dtype, header.format) == ("spmv", "f32", "csr")
+
+
+@pytest.mark.gpu
+def test_the_stages_run_on_the_gpu(tmp_path, base_env):
+    """The CPU tests' twin on CUDA: both stages of the tiny configuration, then a constrained decode."""
+    cfg = PretrainConfig.tiny(str(tmp_path / "pt"))
+    cfg.base, cfg.steps, cfg.lr, cfg.device = str(base_env.path), 10, 1e-2, "cuda"
+    pretrain(cfg, texts=TEXTS, log=QUIET)
+    data = tmp_path / "sup.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
+    scfg = SFTConfig.tiny(str(tmp_path / "pt"), str(data), str(tmp_path / "sft"))
+    scfg.steps, scfg.lr, scfg.device = 40, 1e-2, "cuda"
+    r = sft(scfg, render=lambda f, op, dt, params, s: CSR_SCALAR.replace("256", str(params["block"])), log=QUIET)
+    assert sum(r.losses[-5:]) / 5 < sum(r.losses[:5]) / 5 * 0.6
+    model, tok = load_policy(tmp_path / "sft", device="cuda")
+    m = banded(64, 1)
+    s = prepare_structure(m.indptr, m.indices, m.shape, max_points=model.config.max_points)
+    (roll,) = generate(model, tok, s, "spmv", "f32", 1, config=DecodeConfig(greedy=True, max_new_tokens=400))
+    assert roll.grammar_error is None and roll.finished and contract.parse_header(roll.text).op == "spmv"
