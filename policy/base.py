@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -203,7 +202,7 @@ def find_base(cache: Path | None = None) -> tuple[BaseInfo | None, str]:
     otherwise the file is hashed again."""
     d = cache or base_dir(create=False)
     rec_path = d / RECORD
-    how = f"fetch it with `python -m sparserl_compile.policy.base fetch` (or `sparserl train fetch-base`)"
+    how = "fetch it with `python -m sparserl_compile.policy.base fetch` (or `sparserl train fetch-base`)"
     if not rec_path.is_file():
         return None, f"no base model in {d}: {how}"
     try:

@@ -36,7 +36,7 @@ from torch import nn
 
 from sparserl_compile.policy.base import BaseInfo, BaseUnavailable, resolve_base, weights_file
 from sparserl_compile.policy.encoder import StructureBatch, StructureEncoder, point_mlp
-from sparserl_compile.policy.model import PolicyOutput, prefixed_forward
+from sparserl_compile.policy.prefix import PolicyOutput, prefixed_forward
 
 CONFIG_FILE = "base_policy.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -15,7 +15,6 @@ This module builds, runs and saves the network; it does not sample (``decode.py`
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,11 +24,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
 from sparserl_compile.policy.encoder import StructureBatch, StructureEncoder, point_mlp
+from sparserl_compile.policy.prefix import PolicyOutput, prefixed_forward
 
-#: the name ``LlamaModel.forward`` takes the KV cache under, and its output returns it under:
-#: ``cache`` from transformers 5.2x on (``past_key_values`` then warns that it is deprecated),
-#: ``past_key_values`` before (the device image's 5.17)
-_CACHE = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -93,15 +89,6 @@ class PolicyConfig(LlamaConfig):
         kwargs.setdefault("eos_token_id", 1)
         kwargs.setdefault("bos_token_id", 2)
         super().__init__(**kwargs)
-
-
-@dataclass
-class PolicyOutput:
-    """Logits and values for the token positions (the prefix positions are cut off)."""
-
-    logits: torch.Tensor  # (B, T, V)
-    values: torch.Tensor  # (B, T)
-    past_key_values: object | None = None
 
 
 class SparseRLPolicy(LlamaPreTrainedModel):
@@ -170,31 +157,6 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         prefix = self.encoder(structure.to(emb.device)) if structure is not None else None
         return prefixed_forward(self.model, self.lm_head, self.value_head, emb, prefix, attention_mask,
                                 past_key_values, use_cache, past_mask, position_ids)
-
-
-def prefixed_forward(decoder, lm_head, value_head, emb: torch.Tensor, prefix: torch.Tensor | None,
-                     attention_mask, past_key_values, use_cache: bool, past_mask, position_ids) -> PolicyOutput:
-    """The decoder over ``[prefix] + emb`` (token embeddings), as ``SparseRLPolicy.forward``
-    describes; shared with the pretrained-base policy (``basepolicy.py``)."""
-    n_prefix = 0
-    if prefix is not None:
-        prefix = prefix.to(emb.dtype)
-        n_prefix = prefix.shape[1]
-        emb = torch.cat([prefix, emb], dim=1)
-        if attention_mask is not None:
-            ones = torch.ones(attention_mask.shape[0], n_prefix, dtype=attention_mask.dtype,
-                              device=attention_mask.device)
-            attention_mask = torch.cat([ones, attention_mask], dim=1)
-    elif attention_mask is not None and past_key_values is not None:
-        if past_mask is None:
-            past_mask = torch.ones(attention_mask.shape[0], past_key_values.get_seq_length(),
-                                   dtype=attention_mask.dtype, device=attention_mask.device)
-        attention_mask = torch.cat([past_mask.to(attention_mask.dtype), attention_mask], dim=1)
-    out = decoder(inputs_embeds=emb, attention_mask=attention_mask, use_cache=use_cache,
-                  position_ids=position_ids, **{_CACHE: past_key_values})
-    h = out.last_hidden_state[:, n_prefix:]
-    return PolicyOutput(lm_head(h).float(), value_head(h).squeeze(-1).float(),
-                        out.get(_CACHE) if use_cache else None)
 
 
 class CountingPolicy(nn.Module):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from base_fixtures import base_env, tiny_base, tiny_base_policy  # noqa: F401
+from base_fixtures import tiny_base_policy
 from policy_fixtures import banded_structure
 from sparserl_compile.policy.base import BaseUnavailable
 from sparserl_compile.policy.basepolicy import CONFIG_FILE, BaseMismatch, write_tiny_base

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from base_fixtures import base_env, tiny_base  # noqa: F401
 from policy_fixtures import CSR_SCALAR, structure_dependent_supervision
 from sparserl_compile import contract
 from sparserl_compile.matrices import banded
