@@ -15,7 +15,6 @@ This module builds, runs and saves the network; it does not sample (``decode.py`
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,11 +24,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
 from sparserl_compile.policy.encoder import StructureBatch, StructureEncoder, point_mlp
+from sparserl_compile.policy.prefix import PolicyOutput, prefixed_forward
 
-#: the name ``LlamaModel.forward`` takes the KV cache under, and its output returns it under:
-#: ``cache`` from transformers 5.2x on (``past_key_values`` then warns that it is deprecated),
-#: ``past_key_values`` before (the device image's 5.17)
-_CACHE = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -95,15 +91,6 @@ class PolicyConfig(LlamaConfig):
         super().__init__(**kwargs)
 
 
-@dataclass
-class PolicyOutput:
-    """Logits and values for the token positions (the prefix positions are cut off)."""
-
-    logits: torch.Tensor  # (B, T, V)
-    values: torch.Tensor  # (B, T)
-    past_key_values: object | None = None
-
-
 class SparseRLPolicy(LlamaPreTrainedModel):
     config_class = PolicyConfig
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -167,25 +154,9 @@ class SparseRLPolicy(LlamaPreTrainedModel):
         positions of ``input_ids`` (default: right after the cache).
         """
         emb = self.model.embed_tokens(input_ids)
-        n_prefix = 0
-        if structure is not None:
-            prefix = self.encoder(structure.to(emb.device)).to(emb.dtype)
-            n_prefix = prefix.shape[1]
-            emb = torch.cat([prefix, emb], dim=1)
-            if attention_mask is not None:
-                ones = torch.ones(attention_mask.shape[0], n_prefix, dtype=attention_mask.dtype,
-                                  device=attention_mask.device)
-                attention_mask = torch.cat([ones, attention_mask], dim=1)
-        elif attention_mask is not None and past_key_values is not None:
-            if past_mask is None:
-                past_mask = torch.ones(attention_mask.shape[0], past_key_values.get_seq_length(),
-                                       dtype=attention_mask.dtype, device=attention_mask.device)
-            attention_mask = torch.cat([past_mask.to(attention_mask.dtype), attention_mask], dim=1)
-        out = self.model(inputs_embeds=emb, attention_mask=attention_mask, use_cache=use_cache,
-                         position_ids=position_ids, **{_CACHE: past_key_values})
-        h = out.last_hidden_state[:, n_prefix:]
-        return PolicyOutput(self.lm_head(h).float(), self.value_head(h).squeeze(-1).float(),
-                            out.get(_CACHE) if use_cache else None)
+        prefix = self.encoder(structure.to(emb.device)) if structure is not None else None
+        return prefixed_forward(self.model, self.lm_head, self.value_head, emb, prefix, attention_mask,
+                                past_key_values, use_cache, past_mask, position_ids)
 
 
 class CountingPolicy(nn.Module):
@@ -214,17 +185,26 @@ def save_policy(model: SparseRLPolicy, tokenizer, directory: str | Path) -> Path
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_checkpoint"):  # a pretrained-base policy: its tokenizer is the base's
+        model.save_checkpoint(d)
+        return d
     model.save_pretrained(d, safe_serialization=True)
     if tokenizer is not None:
         save_tokenizer(tokenizer, d)
     return d
 
 
-def load_policy(directory: str | Path, device: str | torch.device = "cpu"):
-    """Load a checkpoint folder: returns ``(model, tokenizer)``; safetensors only."""
+def load_policy(directory: str | Path, device: str | torch.device = "cpu", base: str | Path | None = None):
+    """Load a checkpoint folder: returns ``(model, tokenizer)``; safetensors only. A
+    pretrained-base checkpoint (``basepolicy.py``) loads onto its base: ``base``, else
+    ``$SPARSERL_BASE``, else the fetched one, refused unless its SHA-256 is the checkpoint's."""
     from sparserl_compile.policy.tokenizer import load_tokenizer
 
     d = Path(directory)
+    from sparserl_compile.policy.basepolicy import CONFIG_FILE, load_base_policy
+
+    if (d / CONFIG_FILE).is_file():
+        return load_base_policy(d, device, base=base)
     if not (d / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"no policy checkpoint in {d} (model.safetensors missing); train one with "

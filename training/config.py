@@ -56,7 +56,7 @@ def save_config(cfg, directory: str | Path, name: str) -> Path:
 # Settings a resumed run may change: how long it runs, how often it logs and saves, where it
 # runs, and paths that differ between machines. Anything else makes a different run.
 RESUMABLE = frozenset({"steps", "time_budget_s", "log_every", "save_every", "workers", "device", "out_dir",
-                       "init", "validate_every", "parallel_verify", "sample_drafts", "batch_drafts"})
+                       "init", "base", "validate_every", "parallel_verify", "sample_drafts", "batch_drafts"})
 
 
 def check_resume(cfg, directory: str | Path, name: str, may_change=RESUMABLE) -> None:

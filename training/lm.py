@@ -134,13 +134,15 @@ def fit(model, tokenizer, make_batch, *, out_dir, stage: str, steps: int, lr: fl
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    # the trained parameters only: a pretrained-base policy's frozen base stays out of the optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     state = TrainerState(stage)
     if resume and has_state(out_dir):
         state = load_state(out_dir, opt)
         if state.stage != stage:
             state = TrainerState(stage)  # a previous stage's output used as init: fresh optimizer
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+            opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     start = state.step
     ddp = None
     if ctx.distributed:
@@ -185,7 +187,7 @@ def fit(model, tokenizer, make_batch, *, out_dir, stage: str, steps: int, lr: fl
             n_tok = max(1.0, n_tok)
             (tok_sum * (ctx.world_size / n_tok)).backward()  # DDP averages: the global mean's gradient
             losses.append(all_sum / n_tok)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         state.step = s + 1
         if (s + 1) % log_every == 0 or s + 1 == steps:

@@ -4,6 +4,10 @@ Trains the tokenizer on the corpus (unless the output folder already holds one),
 fresh policy, and trains it on random windows of ``block_size`` tokens of the concatenated
 corpus. No structure prefix is used in this stage. Resumes from ``out_dir`` if it holds a
 pretraining state. Output: a policy checkpoint folder for ``sft.py``.
+
+With ``--base`` the model is instead a pretrained base with LoRA adapters
+(``policy/basepolicy.py``), whose own tokenizer reads the corpus; only the adapters are trained
+here (the structure encoder first sees a matrix in SFT).
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class PretrainConfig:
     save_every: int = opt(200, "checkpoint every this many steps")
     device: str = opt("auto", "'auto' (cuda when torch sees a GPU), 'cpu' or 'cuda'")
     time_budget_s: float = opt(0.0, "cap the steps so this run takes about this long (0 = no cap)")
+    base: str = opt("", "continue pretraining a pretrained base instead of a fresh model (policy/basepolicy.py: "
+                        "LoRA adapters and the structure encoder are trained, the base's tokenizer is used, "
+                        "--vocab-size is ignored): 'fetched' (the base `sparserl train fetch-base` keeps), or a "
+                        "GGUF file or save_pretrained folder; --size tiny picks the CI encoder and adapters")
 
     @classmethod
     def tiny(cls, out_dir: str) -> "PretrainConfig":
@@ -88,9 +96,18 @@ def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
     if not texts:
         raise ValueError("the pretraining corpus is empty: no CUDA sources were found "
                          "(set CUDA_HOME or install the nvidia-* / cupy wheels)")
+    base = None if cfg.base in ("", "fetched") else cfg.base
     if has_state(out):
-        model, tok = load_policy(out)
+        model, tok = load_policy(out, base=base)
         log(f"[pretrain] resuming from {out}")
+    elif cfg.base:
+        from sparserl_compile.policy.basepolicy import BasePolicyConfig, build_base_policy
+
+        n_feat = hparams_for("tiny", 260).n_features
+        bcfg = BasePolicyConfig.tiny(n_feat) if cfg.size == "tiny" else BasePolicyConfig(n_features=n_feat)
+        model, tok = build_base_policy(base, bcfg, seed=cfg.seed)
+        log(f"[pretrain] on the base {model.config.base_name} (sha256 {model.config.base_sha256[:12]}): "
+            f"{model.n_trained() / 1e6:.2f}M trained parameters (LoRA r={bcfg.lora_r}, structure encoder)")
     else:
         from tokenizers import Tokenizer
 

@@ -49,6 +49,9 @@ class SFTConfig:
                         "verified variant of the hinted family (the policy learns to write the hinted kernel "
                         "for this matrix); 1: one example per record with the nearest winner as the hint and "
                         "the record's fastest variants as targets (--top-variants)")
+    base: str = opt("", "the base model of a pretrained-base --init (policy/basepolicy.py) when it is not the "
+                        "fetched one: a GGUF file or save_pretrained folder (default: $SPARSERL_BASE, then the "
+                        "base `sparserl train fetch-base` keeps); checked against the checkpoint's sha256")
     hint_tolerance: float = opt(0.0, "--hints N: the target is the hinted point itself when the record measured "
                                      "it within this fraction of its family's best (0.1: 10 %% slower), so the "
                                      "policy copies a neighbour's parameters unless its own are clearly better")
@@ -169,7 +172,7 @@ def sft(cfg: SFTConfig, render=default_render, log=print):
     if ctx.is_main:
         save_config(cfg, out, "sft")
     src = out if resume else Path(cfg.init)
-    model, tok = load_policy(src)
+    model, tok = load_policy(src, base=cfg.base or None)
     torch.manual_seed(cfg.seed)  # a fresh point MLP below is drawn from the run's seed
     if not cfg.sinusoidal and model.config.sinusoidal:  # a resumed ablation run is already without
         model.drop_sinusoidal()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from sparserl_compile.commands.cli import main
-from sparserl_compile.training.cli import TRAIN_EXTRA, missing_train_extra
+from sparserl_compile.training.cli import BASE_POLICY_EXTRA, TRAIN_EXTRA, missing_train_extra
 
 
 @pytest.mark.parametrize("argv", [["train", "rl"], ["train", "sft", "--steps", "1"], ["train", "soup", "--checkpoints",
@@ -32,7 +32,7 @@ def test_the_train_extra_is_what_pyproject_declares():
     spec = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     declared = {d.split(">")[0].split("=")[0].split("[")[0].strip()
                 for d in spec["project"]["optional-dependencies"]["train"]}
-    assert set(TRAIN_EXTRA) == declared
+    assert set(TRAIN_EXTRA) | set(BASE_POLICY_EXTRA) == declared
 
 
 def test_a_bad_flag_value_is_one_line_and_exit_code_2(capsys):
@@ -47,3 +47,15 @@ def test_a_failed_run_is_one_line_and_exit_code_1(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("sparserl eval: supervision file") and str(missing) in err
+
+
+def test_fetch_base_install_keeps_a_copied_file_and_checks_its_hash(tmp_path, monkeypatch, capsys):
+    import hashlib
+
+    monkeypatch.setenv("SPARSERL_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "copied.gguf"
+    f.write_bytes(b"GGUF copied by hand")
+    assert main(["train", "fetch-base", "--install", str(f), "--sha256", "0" * 64]) == 1
+    assert "not the expected" in capsys.readouterr().err
+    assert main(["train", "fetch-base", "--install", str(f), "--sha256", hashlib.sha256(f.read_bytes()).hexdigest()]) == 0
+    assert (tmp_path / "cache" / "base" / "base.json").is_file()
