@@ -137,7 +137,8 @@ class Folder:
     def read(self, name: str, max_bytes: int, links_ok: bool = False) -> tuple[bytes, os.stat_result]:
         """The bytes of the regular file ``name``, checked on its descriptor; ``FileNotFoundError``
         if absent, ``Unsafe`` for a symlink, a FIFO or other non-regular file, a hard link
-        (unless ``links_ok``), a file another user could have written, or one over ``max_bytes``."""
+        (unless ``links_ok``; a file renamed over since the open has no link and is read), a
+        file another user could have written, or one over ``max_bytes``."""
         shown = os.path.join(self.path, name)
         try:
             fd = os.open(name, _FILE_FLAGS, dir_fd=self.fd)
@@ -152,7 +153,9 @@ class Folder:
             why = why_unsafe(shown, st)
             if why:
                 raise Unsafe(why)
-            if st.st_nlink != 1 and not links_ok:
+            # 0 links: a writer replaced the name after this open; the bytes are still the
+            # complete file that was there, and no name can change them any more
+            if st.st_nlink > 1 and not links_ok:
                 raise Unsafe(f"{shown} has {st.st_nlink} hard links: its content can change through another name")
             if st.st_size > max_bytes:
                 raise Unsafe(f"{shown} is {st.st_size} bytes, more than any entry ({max_bytes})")

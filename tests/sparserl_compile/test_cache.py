@@ -133,6 +133,29 @@ def _writer(args):
     return True
 
 
+def test_an_entry_replaced_while_it_is_read_is_served_not_discarded(tmp_path, monkeypatch, caplog):
+    """A writer may rename a new entry over the name between a reader's open and its fstat;
+    the opened file then has no link left, which is not a hard link to refuse: the reader
+    serves what it opened and removes nothing."""
+    c = KernelCache(tmp_path)
+    c.put(_entry(_key(), cubin=b"\x01" * 4000))
+    path = c.path_of(_key().digest())
+    real_open = os.open
+
+    def open_then_replace(name, flags, *args, **kw):
+        fd = real_open(name, flags, *args, **kw)
+        if name == path.name:
+            monkeypatch.setattr(os, "open", real_open)
+            KernelCache(tmp_path).put(_entry(_key(), cubin=b"\x02" * 4000))
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_replace)
+    with caplog.at_level("WARNING", logger="sparserl.cache"):
+        got = KernelCache(tmp_path).get(_key())
+    assert got is not None and got.cubin == b"\x01" * 4000
+    assert caplog.text == "" and KernelCache(tmp_path).get(_key()).cubin == b"\x02" * 4000
+
+
 def test_concurrent_writers_leave_only_valid_entries(tmp_path):
     ctx = mp.get_context("spawn" if os.name != "posix" else "fork")
     with ctx.Pool(4) as pool:
