@@ -351,6 +351,21 @@ def torch_sparse_fn(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, i
     return lambda: torch.mm(a, x)
 
 
+def _random_operands(indices, shape, *, op: str, n: int, dtype: str, seed: int):
+    """The values (one per stored index) and the dense operand (a vector for SpMV, ``n``
+    row-major columns for SpMM) the reference timings multiply, in ``dtype`` on the GPU: in
+    [0.5, 1.5), drawn from one seeded generator so cuSPARSE and the dense product see the same."""
+    torch = _torch()
+    from sparserl_compile.contract import TORCH_NAMES
+
+    tdt = getattr(torch, TORCH_NAMES[dtype])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nnz = int(np.asarray(indices).size)
+    vals = (torch.rand(nnz, generator=g, device="cuda") + 0.5).to(tdt)
+    xs = (int(shape[1]),) if op == "spmv" else (int(shape[1]), n)
+    return vals, (torch.rand(*xs, generator=g, device="cuda") + 0.5).to(tdt)
+
+
 def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = "f32",
                    warmup: int = 5, reps: int = 30, seed: int = 0, hide_host_us: float = 0.0,
                    graph_below_us: float | None = None) -> dict[str, BenchResult]:
@@ -360,15 +375,7 @@ def time_reference(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = 
     below it (``math.inf``: always, what the sandbox asks), that index type is also timed back
     to back with a hot L2 (``time_hot``: graph replay, or events without a flush where cuSPARSE's
     path is not capturable) under the key ``"<index type>_graph"``."""
-    torch = _torch()
-    from sparserl_compile.contract import TORCH_NAMES
-
-    tdt = getattr(torch, TORCH_NAMES[dtype])
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    nnz = int(np.asarray(indices).size)
-    vals = (torch.rand(nnz, generator=g, device="cuda") + 0.5).to(tdt)
-    xs = (int(shape[1]),) if op == "spmv" else (int(shape[1]), n)
-    x = (torch.rand(*xs, generator=g, device="cuda") + 0.5).to(tdt)
+    vals, x = _random_operands(indices, shape, op=op, n=n, dtype=dtype, seed=seed)
     out = {}
     for it in ("int32", "int64"):
         try:
@@ -409,18 +416,11 @@ def time_dense(indptr, indices, shape, *, op: str, n: int = 1, dtype: str = "f32
                reps: int = 30, seed: int = 0, hide_host_us: float = 0.0) -> dict[str, BenchResult]:
     """The dense product's timings: ``torch.mv(W, x)`` (SpMV) or ``torch.mm(W, X)`` (SpMM, ``X``
     of ``n`` columns, row-major) with ``W`` the matrix stored dense in ``dtype``, built once here
-    from the pattern and random values drawn as ``time_reference`` draws them. ``"dense"``: L2
+    from the pattern and the values ``time_reference`` multiplies (``_random_operands``). ``"dense"``: L2
     flushed (``time_fn``); ``"dense_graph"``: back to back with a hot L2 (``time_hot``), as
     ``time_reference`` times cuSPARSE for the selection."""
     torch = _torch()
-    from sparserl_compile.contract import TORCH_NAMES
-
-    tdt = getattr(torch, TORCH_NAMES[dtype])
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    nnz = int(np.asarray(indices).size)
-    vals = (torch.rand(nnz, generator=g, device="cuda") + 0.5).to(tdt)
-    xs = (int(shape[1]),) if op == "spmv" else (int(shape[1]), n)
-    x = (torch.rand(*xs, generator=g, device="cuda") + 0.5).to(tdt)
+    vals, x = _random_operands(indices, shape, op=op, n=n, dtype=dtype, seed=seed)
     w = dense_matrix(indptr, indices, shape, vals)
     del vals
     fn = (lambda: torch.mv(w, x)) if op == "spmv" else (lambda: torch.mm(w, x))

@@ -465,33 +465,22 @@ def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_co
     r = routes.get(Routes.SPMV if op == "spmv" else x.shape[1])
     if r is None:
         return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
-    if type(r) is DensePlan:
-        try:
-            y = r.run(op, crow, col, val, x, n_rows, n_cols)
-        except Exception:  # noqa: BLE001 - product() runs it again, falls back and logs why
-            return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
-        counts = config.counts
-        counts["calls"] += 1
-        counts["hits"] += 1
-        counts["dense_calls"] += 1
-        return y
-    if type(r) is KernelPlan:
+    kind = type(r)
+    if kind is KernelPlan or kind is DensePlan:
         try:
             y = r.run(op, crow, col, val, x, n_rows, n_cols)
         except Exception:  # noqa: BLE001 - product() runs it again, falls back and logs why
             y = None
-        if y is None:
+        if y is None:  # a kernel plan's "not this call"
             return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
-        counts = config.counts
-        counts["calls"] += 1
-        counts["hits"] += 1
-        counts["kernel_calls"] += 1
-        return y
+        counter = "kernel_calls" if kind is KernelPlan else "dense_calls"
+    else:
+        y, counter = reference.native_mm(r, x), "reference_calls"
     counts = config.counts
     counts["calls"] += 1
     counts["hits"] += 1
-    counts["reference_calls"] += 1
-    return reference.native_mm(r, x)
+    counts[counter] += 1
+    return y
 
 
 def _plan_for(op, crow, col, val, x, n_rows, n_cols, fp) -> Plan:
