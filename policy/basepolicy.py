@@ -267,7 +267,7 @@ def write_tiny_base(directory: str | Path, tokenizer, seed: int = 0, hidden: int
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from sparserl_compile.policy.base import file_sha256
+    from sparserl_compile.fileio import file_sha256
 
     d = Path(directory)
     torch.manual_seed(seed)

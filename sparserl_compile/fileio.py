@@ -10,6 +10,7 @@ has no such call and the packages that do (``atomicwrites``) are unmaintained, s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -65,3 +66,13 @@ def fsync_dir(d: str | Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks (a checkpoint's or a base's weights: the
+    cache key's policy hash, the base's identity)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -36,13 +36,13 @@ This module holds no kernels and does no compiling, verifying or caching.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import logging
 import threading
 from pathlib import Path
 from sparserl_compile import contract
+from sparserl_compile.fileio import file_sha256
 from sparserl_compile.problem import Problem, Provider
 
 #: provider name -> (module, class) imported on first use
@@ -104,15 +104,6 @@ def policy_available() -> str | None:
     if ckpt is None or not (ckpt / "model.safetensors").is_file():
         return f"no policy checkpoint at {ckpt}"
     return None
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex SHA-256 of a file (a checkpoint's weights: the cache key's policy hash)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _shipped_hash: list[str | None] = []
