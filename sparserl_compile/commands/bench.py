@@ -33,43 +33,16 @@ import json
 import math
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from sparserl_compile.commands.suite_spec import MatrixSpec
 from sparserl_compile.fileio import write_json
 from sparserl_compile.problem import Problem
 from sparserl_compile.version import machine_info, versions
 
 OPS_WIDTHS = {"spmv": (1,), "spmm": (8, 32, 128)}
-
-
-@dataclass(frozen=True)
-class MatrixSpec:
-    """One suite matrix: generated (generator + kwargs incl. seed) or shared (a file)."""
-
-    name: str
-    kind: str
-    source: str  # "generated" | "shared"
-    generator: str | None = None
-    kwargs: dict = field(default_factory=dict)
-    path: str | None = None
-    nnz_estimate: int = 0
-    quick: bool = False
-
-    def origin(self) -> dict:
-        if self.source == "shared":
-            return {"source": "shared", "name": self.name}
-        return {"source": "generated", "generator": self.generator, "args": self.kwargs,
-                "seed": self.kwargs.get("seed", 0)}
-
-    def load(self):
-        from sparserl_compile import matrices
-
-        if self.source == "shared":
-            return matrices.load_matrix(self.path)
-        return matrices.generate(self.generator, **self.kwargs)
 
 
 def _g(name, kind, gen, nnz, quick=False, **kw) -> MatrixSpec:

@@ -41,11 +41,11 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from sparserl_compile.commands.suite_spec import MatrixSpec
 from sparserl_compile.fileio import write_json
 
 WIDTHS = (32, 64, 128, 256)
@@ -57,40 +57,13 @@ SHARED_KINDS = ("gnn_citation", "social_powerlaw", "mesh", "road_planar")
 MEMORY_FRACTION = 0.85
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    """One graph of the suite: generated (a ``graphs`` generator and its kwargs incl. the seed)
-    or shared (a file of ``../shared/matrices``)."""
-
-    name: str
-    kind: str
-    generator: str | None = None
-    kwargs: dict = field(default_factory=dict)
-    path: str | None = None
-    nnz_estimate: int = 0
-    quick: bool = False
-
-    def origin(self) -> dict:
-        if self.path is not None:
-            return {"source": "shared", "name": self.name}
-        return {"source": "generated", "generator": self.generator, "args": self.kwargs}
-
-    def load(self):
-        """The adjacency as canonical scipy CSR."""
-        from sparserl_compile import graphs, matrices
-
-        if self.path is not None:
-            return matrices.load_matrix(self.path)
-        return getattr(graphs, self.generator)(**self.kwargs)
-
-
-def _g(name, kind, gen, nnz, quick=False, **kw) -> GraphSpec:
+def _g(name, kind, gen, nnz, quick=False, **kw) -> MatrixSpec:
     kw.setdefault("seed", 0)
-    return GraphSpec(name, kind, gen, kw, None, nnz, quick)
+    return MatrixSpec(name, kind, "generated", gen, kw, None, nnz, quick, generators="graphs")
 
 
 #: generated graphs (nonzeros of the symmetric adjacency estimated, for ordering and --max-nnz)
-GENERATED: tuple[GraphSpec, ...] = (
+GENERATED: tuple[MatrixSpec, ...] = (
     _g("rmat_s18_e8", "powerlaw", "rmat_graph", 3_900_000, True, scale=18, edge_factor=8),
     _g("community_2^18_d16", "community", "community_graph", 4_000_000, True, n=1 << 18, avg_degree=16),
     _g("rgg_2^18_d16", "geometric", "geometric_graph", 4_100_000, n=1 << 18, avg_degree=16),
@@ -111,16 +84,16 @@ SHARED_FULL = ("cora_adj", "citeseer_adj", "polblogs", "wiki-Vote", "astro-ph", 
 SHARED_QUICK = ("cora_adj", "astro-ph")
 
 
-def shared_graphs() -> list[GraphSpec]:
+def shared_graphs() -> list[MatrixSpec]:
     """Every adjacency of ``../shared/matrices`` whose kind is a graph (feature matrices excluded)."""
     from sparserl_compile import matrices
 
-    return [GraphSpec(m.name, m.kind, None, {}, str(m.path), m.nnz, m.name in SHARED_QUICK)
+    return [MatrixSpec(m.name, m.kind, "shared", None, {}, str(m.path), m.nnz, m.name in SHARED_QUICK)
             for m in matrices.shared_manifest()
             if m.kind in SHARED_KINDS and m.n_rows == m.n_cols and not m.name.endswith("_features")]
 
 
-def suite(*, quick: bool = False, names: list[str] | None = None, max_nnz: int = 0) -> list[GraphSpec]:
+def suite(*, quick: bool = False, names: list[str] | None = None, max_nnz: int = 0) -> list[MatrixSpec]:
     """The suite's graphs, smallest first: ``names`` picks any shared graph or generated one by
     name; otherwise the quick subset or the full list."""
     shared = shared_graphs()
@@ -221,7 +194,7 @@ def _plan_of(S, n: int, dt) -> dict:
     return {"kind": p.kind, "reason": getattr(p, "reason", None)}
 
 
-def bench_graph(spec: GraphSpec, *, widths, dtypes, device: str, deadline: float | None,
+def bench_graph(spec: MatrixSpec, *, widths, dtypes, device: str, deadline: float | None,
                 skipped: list[dict]) -> list[dict]:
     """Rows for one graph (a load failure is one row with ``error``); skips appended to ``skipped``."""
     import torch
