@@ -32,11 +32,12 @@ problems once spent (the results so far are written after every problem). ``--qu
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 from pathlib import Path
+
+from report import geomean, text_table  # this folder: the scripts run as `python benchmarks/NAME.py`
 
 GRAPHS = ("rmat:20:16", "rmat:18:8", "astro-ph", "wiki-Vote", "PGPgiantcompo", "polblogs", "hep-th",
           "cora_adj", "citeseer_adj")
@@ -128,11 +129,6 @@ def choose_points(cands: list, max_points: int, offset: int = 0, max_graph_point
     return out
 
 
-def geomean(xs) -> float | None:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
 def summarize(problem: dict) -> dict:
     """One table row from a problem's record: the fastest verified point overall and per graph
     family, against torch.sparse."""
@@ -165,16 +161,18 @@ def _ratio(v, width: int = 6) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The stdout table: one line per problem, then geometric-mean speedups by graph class."""
-    head = (f"{'graph':<16} {'dt':<4} {'N':>4} {'torch us':>9} {'floor%':>6} {'best us':>9} {'floor%':>6} "
-            f"{'speedup':>7} {'split':>6} {'tcw':>6}  winner")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['graph']:<16.16} {r['dtype']:<4} {r['n']:>4} {_fmt(r['torch_us'], '9.1f')} "
-            f"{_fmt(r['torch_floor'] and 100 * r['torch_floor'], '6.1f')} {_fmt(r['best_us'], '9.1f')} "
-            f"{_fmt(r['best_floor'] and 100 * r['best_floor'], '6.1f')} {_ratio(r['speedup'], 7)} "
-            f"{_ratio(r['csr_split'])} {_ratio(r['tcw_wmma'])}  {r['winner']}"
-            + (f" ({r['failed']} failed verification)" if r["failed"] else ""))
+    def floor(key):
+        return lambda r: _fmt(r[key] and 100 * r[key], "6.1f")
+
+    table = text_table([
+        ("graph", -16, lambda r: r["graph"]), ("dt", -4, lambda r: r["dtype"]), ("N", 4, lambda r: str(r["n"])),
+        ("torch us", 9, lambda r: _fmt(r["torch_us"], "9.1f")), ("floor%", 6, floor("torch_floor")),
+        ("best us", 9, lambda r: _fmt(r["best_us"], "9.1f")), ("floor%", 6, floor("best_floor")),
+        ("speedup", 7, lambda r: _ratio(r["speedup"], 7)), ("split", 6, lambda r: _ratio(r["csr_split"])),
+        ("tcw", 6, lambda r: _ratio(r["tcw_wmma"])),
+        (" winner", 0, lambda r: f" {r['winner']}" + (f" ({r['failed']} failed verification)" if r["failed"] else "")),
+    ], rows)
+    lines = [table]
     for label, keep in (("graphs >= 1e6 edges, N >= 64", lambda r: r["nnz"] >= LARGE_NNZ and r["n"] >= 64),
                         ("all", lambda r: True)):
         sel = [r for r in rows if keep(r)]

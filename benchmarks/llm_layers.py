@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from report import text_table  # this folder: the scripts run as `python benchmarks/NAME.py`
+
 
 DEFAULT_SHAPES = ((4096, 4096), (11008, 4096))
 DEFAULT_SPARSITIES = (0.5, 0.7, 0.9)
@@ -150,16 +152,17 @@ def _f(v, spec: str, none: str = "-") -> str:
 
 def table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table (one line per weight and batch)."""
-    head = (f"{'weight':>18} {'b':>3} {'kept':>38} {'sparse':>8} {'dense':>8} {'cusp':>8} {'x dense':>7} "
-            f"{'b2b x':>6} {'bytes':>6} {'err':>8} {'first s':>7}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['weight']:>18} {r['batch']:>3} {str(r['kept'])[:38]:>38} {_f(r['sparse_us'], '8.1f'):>8} "
-            f"{_f(r['dense_us'], '8.1f'):>8} {_f(r['cusparse_us'], '8.1f'):>8} "
-            f"{_f(r['speedup_vs_dense'], '7.2f'):>7} {_f(r['b2b_speedup_vs_dense'], '6.2f'):>6} "
-            f"{_f(r['bytes_vs_dense'], '6.3f'):>6} {_f(r['rel_err'], '8.1e'):>8} {_f(r['first_call_s'], '7.2f'):>7}")
-    return "\n".join(lines)
+    def num(key, spec):
+        return lambda r: _f(r[key], spec)
+
+    return text_table([
+        ("weight", 18, lambda r: r["weight"]), ("b", 3, lambda r: str(r["batch"])),
+        ("kept", 38, lambda r: str(r["kept"])[:38]), ("sparse", 8, num("sparse_us", "8.1f")),
+        ("dense", 8, num("dense_us", "8.1f")), ("cusp", 8, num("cusparse_us", "8.1f")),
+        ("x dense", 7, num("speedup_vs_dense", "7.2f")), ("b2b x", 6, num("b2b_speedup_vs_dense", "6.2f")),
+        ("bytes", 6, num("bytes_vs_dense", "6.3f")), ("err", 8, num("rel_err", "8.1e")),
+        ("first s", 7, num("first_call_s", "7.2f")),
+    ], rows)
 
 
 def direct_table(rows: list[dict]) -> str:

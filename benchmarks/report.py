@@ -27,6 +27,17 @@ def geomean(xs) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+def text_table(columns, rows) -> str:
+    """A fixed-width text table: a header, a rule and one line per row. ``columns`` are
+    ``(title, width, cell)`` with ``cell(row)`` the cell's text, right-aligned to ``width``
+    (a negative width aligns left; 0 takes the text as it is)."""
+    def fit(text, width):
+        return f"{text:<{-width}.{-width}}" if width < 0 else f"{text:>{width}}"
+
+    head = " ".join(fit(title, w) for title, w, _ in columns)
+    return "\n".join([head, "-" * len(head)] + [" ".join(fit(cell(r), w) for _, w, cell in columns) for r in rows])
+
+
 def op_label(r: dict) -> str:
     return "SpMV" if r.get("op") == "spmv" else f"SpMM N={r.get('n')}"
 
