@@ -26,7 +26,7 @@ problems once spent (the results so far are written after every problem). ``--qu
 
     python benchmarks/graph_kernels.py [--quick] [--graphs rmat:20:16,wiki-Vote] [--widths 32,64]
         [--dtypes f32,bf16] [--max-points 2] [--max-graph-points 6] [--time-budget 210]
-        [--out $OUT/graph_kernels.json]
+        [--json $OUT/graph_kernels.json]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=210.0, help="seconds; no new problem starts after it")
     p.add_argument("--quick", action="store_true",
                    help="R-MAT 2^18, wiki-Vote, Cora; N = 64, 128; 1 point per family, 4 per graph family")
-    p.add_argument("--out", default=None, help="result JSON (default $OUT/graph_kernels.json, else ./graph_kernels.json)")
+    p.add_argument("--json", default=None, help="result JSON (default $OUT/graph_kernels.json, else ./graph_kernels.json)")
     a = p.parse_args(argv)
     base = QUICK if a.quick else {"graphs": GRAPHS, "widths": WIDTHS, "max_points": 2, "max_graph_points": 6}
     a.graphs = a.graphs or base["graphs"]
@@ -99,8 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--dtypes {','.join(bad)}: expected f32, f16 or bf16")
     if any(n < 1 for n in a.widths) or min(a.max_points, a.max_graph_points) < 1 or a.reps < 3:
         p.error("--widths must be positive, --max-points and --max-graph-points >= 1, --reps >= 3")
-    if a.out is None:
-        a.out = str(Path(os.environ.get("OUT", ".")) / "graph_kernels.json")
+    if a.json is None:
+        a.json = str(Path(os.environ.get("OUT", ".")) / "graph_kernels.json")
     return a
 
 
@@ -330,19 +330,19 @@ def main(argv=None) -> int:
                 doc["problems"].append(rec)
                 rows.append(summarize(rec))
                 print(format_table(rows[-1:]).splitlines()[2], flush=True)
-                write_json(a.out, doc)
+                write_json(a.json, doc)
         log.forget()
         verify.clear_value_sets()
     doc["complete"] = len(doc["problems"]) == len(a.graphs) * len(a.widths) * len(a.dtypes)
     doc["seconds"] = round(time.perf_counter() - t_start, 1)
-    write_json(a.out, doc)
+    write_json(a.json, doc)
     print()
     print(format_table(rows))
     print("one-time costs per graph (s): " + "; ".join(
         f"{g}: rcm {v['order_s']['rcm']}, bfs {v['order_s']['bfs']}, slowest layout "
         f"{max(v['convert_s'].values(), default=0)}" for g, v in doc["graphs"].items()))
     print(f"{len(doc['problems'])} problems in {doc['seconds']} s{'' if doc['complete'] else ' (time budget reached)'}; "
-          f"results in {a.out}")
+          f"results in {a.json}")
     return 0
 
 

@@ -14,11 +14,11 @@ def test_defaults_and_quick(monkeypatch, tmp_path):
     a = graph_kernels.parse_args([])
     assert a.graphs[:2] == ("rmat:20:16", "rmat:18:8") and a.widths == (32, 64, 128, 256)
     assert a.dtypes == ("f32", "bf16") and a.max_points == 2 and a.max_graph_points == 6
-    assert a.out == str(tmp_path / "graph_kernels.json")
-    q = graph_kernels.parse_args(["--quick", "--out", "x.json"])
+    assert a.json == str(tmp_path / "graph_kernels.json")
+    q = graph_kernels.parse_args(["--quick", "--json", "x.json"])
     assert q.graphs == ("rmat:18:8", "wiki-Vote", "cora_adj") and q.widths == (64, 128)
     assert (q.max_points, q.max_graph_points) == (1, 4)
-    assert q.out == "x.json"
+    assert q.json == "x.json"
     c = graph_kernels.parse_args(["--graphs", "rmat:12:4,cora_adj", "--widths", "16,512", "--dtypes", "f16"])
     assert c.graphs == ("rmat:12:4", "cora_adj") and c.widths == (16, 512) and c.dtypes == ("f16",)
 
