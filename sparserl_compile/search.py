@@ -10,10 +10,6 @@ cannot run, by structure rules computed once per pattern (``structure.features``
 * ``ell``: only when the padded size ``row_max * n_rows`` is at most ``MAX_PAD`` x nnz.
 * ``bsr``: only when its R x C blocks are at least ``MIN_BLOCK_DENSITY`` full (from the
   square-block densities of ``structure.features`` where R == C, else by conversion).
-* structure-baked families (family name contains ``"baked"``): only up to ``BAKED_MAX_NNZ``
-  nonzeros (the source grows with nnz).
-* padded formats (ell, sell, dia, bsr) whose conversion raises ``FormatNotSuitable``
-  (``formats.convert`` is run once per distinct (format, parameters) to find out).
 * ``csr_split`` (graph SpMM): only on irregular patterns (row-length coefficient of
   variation at least ``SPLIT_MIN_CV``: graphs, circuits, not meshes or stencils) and widths of
   at least ``GRAPH_MIN_N``; a point whose lanes span more columns than ``n`` is dropped when a
@@ -57,10 +53,8 @@ MAX_DIAGS = 128
 MIN_DIAG_FILL = 0.3
 MAX_PAD = 3.0
 MIN_BLOCK_DENSITY = 0.4
-BAKED_MAX_NNZ = 4096
 SPLIT_MIN_CV = 0.8
 GRAPH_MIN_N = 16
-_PADDED = ("ell", "sell", "dia", "bsr")
 _PADDED = ("ell", "sell", "dia", "bsr", "bitmap")  # formats whose conversion may be refused
 #: bitmap formats at densities of at least 1/32: there one bit per position is no more than a
 #: 4-byte column index per stored entry
@@ -141,8 +135,6 @@ class SearchProvider(Provider):
             return "n_align"
         if fmt == "bitmap":
             return _bitmap_rule(c, f, n)
-        if c.family and "baked" in c.family and f.nnz > BAKED_MAX_NNZ:
-            return "baked: too many nonzeros"
         if fmt == "dia" and (f.n_diags > MAX_DIAGS or f.diag_fill < MIN_DIAG_FILL):
             return "dia: too many or too sparse diagonals"
         if fmt == "ell" and f.row_max * f.n_rows > MAX_PAD * f.nnz + 4096:
@@ -174,6 +166,9 @@ def _graph_rule(c: Candidate, f, n: int) -> str | None:
         return "csr_split: rows too regular"
     if c.family == "csr_split" and f.row_max < p["hub"] and (p["split"] > 1 or p["warps"] > 8):
         return "csr_split: no hub rows for its hub blocks"
+    return None
+
+
 def weight_like(f) -> bool:
     """Whether a pattern with ``structure.features`` ``f`` looks like a pruned linear weight:
     dense enough for a bitmap and with many stored entries per row."""

@@ -24,7 +24,8 @@ beyond the f32 error bound. Dense widths are multiples of 8 (``n_align = 8``: 16
 Zero-filled tile entries multiply real rows of ``X``: where ``X`` holds an inf or NaN in a
 column the window reads, the other rows of that window get NaN too (0 * inf), unlike a CSR
 product (the same holds for ``bsr_wmma``). Finite inputs are unaffected. The CPU executor
-leaves wmma to GPU verification.
+runs these kernels through its wmma emulation (``simt``), so every point verifies on the CPU
+too.
 """
 
 from __future__ import annotations
