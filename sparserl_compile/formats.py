@@ -108,8 +108,11 @@ class FormatData:
     def gather_values(self, vals):
         """The value array of this format from CSR values (numpy array or torch tensor).
 
-        Torch tensors stay on their device and keep autograd: one indexed gather and a
-        ``where`` with index/mask tensors cached per device.
+        Torch tensors stay on their device and keep autograd: one ``index_select`` of the
+        values with one zero appended, through an index kept per device that sends padding to
+        that zero. The index is int32 where the positions fit (4 bytes per slot held beside
+        the format, where an int64 map and a mask would take 9: more than a 16-bit weight
+        itself).
         """
         if vals.shape[0] != self.nnz:
             raise ValueError(
@@ -129,11 +132,12 @@ class FormatData:
         if self.nnz == 0:
             return vals.new_zeros(self.value_map.size)
         key = str(vals.device)
-        if key not in self._device_maps:
-            m = torch.from_numpy(self.value_map).to(vals.device)
-            self._device_maps[key] = (m.clamp(min=0), m >= 0)
-        safe, mask = self._device_maps[key]
-        return torch.where(mask, vals[safe], vals.new_zeros(()))
+        index = self._device_maps.get(key)
+        if index is None:
+            host = np.where(self.value_map >= 0, self.value_map, self.nnz)  # padding -> the zero
+            host = host.astype(np.int32 if self.nnz < 2**31 - 1 else np.int64)
+            index = self._device_maps[key] = torch.from_numpy(host).to(vals.device)
+        return torch.index_select(torch.cat([vals, vals.new_zeros(1)]), 0, index)
 
     def kernel_args(self, op: str, n: int, arrays: dict, values, x, y) -> list:
         """Launch arguments in contract order: scalars (np.int32), n (spmm), arrays, x, y.

@@ -425,6 +425,19 @@ def test_gather_values_torch_matches_numpy_and_keeps_grad():
     assert empty.gather_values(torch.zeros(0)).numel() == 0
 
 
+def test_gather_values_holds_one_int32_index_and_pads_with_zero_whatever_the_values():
+    """What a plan keeps beside its format for the gather is one int32 per slot (not an int64
+    map and a mask), and padding reads 0 even where every stored value is NaN."""
+    A = matrices.block_random(4, 4, 2, 3, 2, seed=0)
+    fd = convert(A.indptr, A.indices, A.shape, "bsr", {"R": 3, "C": 3}, max_fill=10)
+    got = fd.gather_values(torch.full((fd.nnz,), float("nan"), dtype=torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and got.shape == (fd.padded_size,)
+    assert torch.isnan(got[torch.from_numpy(fd.value_map >= 0)]).all()
+    assert (got[torch.from_numpy(fd.value_map < 0)] == 0).all() and (fd.value_map < 0).any()
+    (held,) = fd._device_maps.values()
+    assert held.dtype == torch.int32 and held.numel() == fd.padded_size
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("op", ["spmv", "spmm"])
 def test_kernel_args_follow_the_contract_order(fmt, op):
