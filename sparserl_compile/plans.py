@@ -222,10 +222,10 @@ class KernelPlan:
         if self._direct:
             return val
         m = self._vmemo
-        if m is not None and m[0]() is val and m[1] == val._version:
+        if m is not None and m[0]() is val and m[1] == _version(val):
             return m[2]
         out = self.fdata.gather_values(val).contiguous()
-        self._vmemo = (weakref.ref(val), val._version, out)
+        self._vmemo = (weakref.ref(val), _version(val), out)
         return out
 
     def run(self, op, crow, col, val, x, n_rows, n_cols):
