@@ -196,6 +196,9 @@ class KernelPlan:
     Values are gathered into the format's value array per call, memoized on the identity and
     version counter of the values tensor (so a training step's new values are re-gathered and
     an unchanged weight is not).
+
+    A call on another device than the one the plan was loaded for runs the reference: the plan
+    key names the arch, not the device, so two GPUs of one kind share a plan.
     """
 
     kind = "kernel"
@@ -210,6 +213,8 @@ class KernelPlan:
         self.arrays = arrays
         self.source = source
         self._direct = contract.FORMATS[header.format].value_array == "vals"
+        #: where the format arrays live (and the kernel was loaded); None where unknown
+        self.device = next((t.device for t in arrays.values() if hasattr(t, "device")), None)
         self._vmemo: tuple | None = None
         #: width -> (value tensor, launcher.BoundKernel): everything but x and y is fixed per
         #: (width, value array), bound once (a model calls one weight at a few widths)
@@ -229,12 +234,12 @@ class KernelPlan:
         return out
 
     def run(self, op, crow, col, val, x, n_rows, n_cols):
-        """Launch on ``x`` (contiguous, on the plan's device) into a new output; None where this
-        width does not suit the kernel's vector loads (the caller runs the reference)."""
+        """Launch on ``x`` (contiguous) into a new output; None where this width does not suit
+        the kernel's vector loads or ``x`` is on another device (the caller runs the reference)."""
         vector = x.dim() == 1
         n = 1 if vector else x.shape[1]
         ls = self.header.launch
-        if n % ls.n_align:
+        if n % ls.n_align or (self.device is not None and x.device != self.device):
             return None
         if ls.n_align > 1 and x.data_ptr() % 16:
             x = x.clone()  # a view at an odd offset: vector loads need 16-byte-aligned rows

@@ -91,3 +91,16 @@ def test_inference_mode_products_keep_their_kernel_plan(monkeypatch):
     finally:
         plans.clear()
         plans.reset_stats()
+
+
+def test_a_plan_never_launches_on_another_devices_tensors():
+    """The plan key names the arch, not the device: two GPUs of one kind share a plan, whose
+    arrays and kernel live on one of them. A call on the other runs the reference (None)."""
+    m = matrix(2)
+    plan, kernel = plan_for(m, "csr")
+    crow, col, val = operands(m)
+    x = torch.empty(20, device="meta")
+    assert plan.run("spmv", crow.to("meta"), col.to("meta"), val.to("meta"), x, 30, 20) is None
+    assert kernel.calls == []
+    y = plan.run("spmv", crow, col, val, torch.ones(20), 30, 20)  # its own device: launched
+    np.testing.assert_allclose(y.numpy(), m @ np.ones(20, np.float32), rtol=1e-5, atol=1e-5)
