@@ -198,7 +198,9 @@ class KernelPlan:
     an unchanged weight is not).
 
     A call on another device than the one the plan was loaded for runs the reference: the plan
-    key names the arch, not the device, so two GPUs of one kind share a plan.
+    key names the arch, not the device, so two GPUs of one kind share a plan. Every array a
+    launch gets is 16-byte aligned, as verification placed them (a kernel may rely on it for
+    vector loads): an operand or values view at an odd offset is copied first.
     """
 
     kind = "kernel"
@@ -224,12 +226,12 @@ class KernelPlan:
     BOUND_WIDTHS = 8  # widths kept bound per plan
 
     def _values(self, val):
-        if self._direct:
+        if self._direct and not val.data_ptr() % 16:
             return val
         m = self._vmemo
         if m is not None and m[0]() is val and m[1] == _version(val):
             return m[2]
-        out = self.fdata.gather_values(val).contiguous()
+        out = self.fdata.gather_values(val).contiguous()  # a fresh, aligned tensor
         self._vmemo = (weakref.ref(val), _version(val), out)
         return out
 
@@ -241,11 +243,11 @@ class KernelPlan:
         ls = self.header.launch
         if n % ls.n_align or (self.device is not None and x.device != self.device):
             return None
-        if ls.n_align > 1 and x.data_ptr() % 16:
-            x = x.clone()  # a view at an odd offset: vector loads need 16-byte-aligned rows
+        if x.data_ptr() % 16:
+            x = x.clone()  # a view at an odd offset: verification placed x 16-byte aligned
         shape = (n_rows,) if vector else (n_rows, n)
         y = x.new_zeros(shape) if ls.zero_output else x.new_empty(shape)
-        v = val if self._direct else self._values(val)
+        v = self._values(val)
         if not self._can_bind:
             args = self.fdata.kernel_args(op, n, self.arrays, v, x, y)
             self.kernel.launch(args, ls.grid(self.fdata.scalars, n), ls.block, ls.smem)

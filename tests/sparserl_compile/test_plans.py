@@ -104,3 +104,24 @@ def test_a_plan_never_launches_on_another_devices_tensors():
     assert kernel.calls == []
     y = plan.run("spmv", crow, col, val, torch.ones(20), 30, 20)  # its own device: launched
     np.testing.assert_allclose(y.numpy(), m @ np.ones(20, np.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "ell"])
+def test_launches_get_16_byte_aligned_operands(fmt):
+    """Verification places every array 16-byte aligned, so a kernel may rely on it (vector
+    loads): a launch must never hand it a view at an odd offset, whatever its n_align."""
+    m = matrix(3)
+    plan, kernel = plan_for(m, fmt)
+    crow, col, val = operands(m)
+    vbig, xbig = torch.zeros(val.numel() + 1), torch.randn(21)
+    vbig[1:] = val
+    v, x = vbig[1:], xbig[1:]  # contiguous views 4 bytes into their storage
+    assert v.data_ptr() % 16 and x.data_ptr() % 16
+    for _ in range(2):
+        y = plan.run("spmv", crow, col, v, x, 30, 20)
+        np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    for args in kernel.calls:
+        assert all(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+    v.mul_(2)  # an in-place update of the values is seen
+    y = plan.run("spmv", crow, col, v, x, 30, 20)
+    np.testing.assert_allclose(y.numpy(), 2 * (m @ x.numpy()), rtol=1e-5, atol=1e-5)
