@@ -24,7 +24,9 @@ no unverified kernel is launched (verification is ``select``'s job; this module 
 what ``select`` or the cache returned). A kernel's first output in a process is checked against
 the reference (``reference.first_use_check``); a mismatch drops it and its disk entry.
 Asynchronous device faults cannot be caught here; they are what ``verify``/``sandbox`` exist
-to rule out before a kernel is ever cached.
+to rule out before a kernel is ever cached. Inside a CUDA graph capture nothing that reads the
+device from the host or copies to it runs: a miss, a finished background search and a
+kernel's first-use check wait for the next call outside it, and the reference serves meanwhile.
 
 A ``SparseRLTensor`` goes one step further on its eager path: once its product at a width hits
 a reference plan, it keeps that torch CSR tensor (``Routes``) and its next products at that
@@ -379,6 +381,11 @@ def kernels_possible(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s product is being captured into a CUDA graph (torch's current stream)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
             routes: Routes | None = None) -> torch.Tensor:
     """``A @ x`` for ``op`` in ("spmv", "spmm"), through the plan table (see module doc).
@@ -393,6 +400,10 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
     key = (fp, op, width_bucket(n), val.dtype, device_arch(x.device))
     generation = _table.generation  # before the lookup: a change after it voids what is stored below
     plan = _table.get(key)
+    if plan is None and _capturing(x):  # a miss reads the pattern on the host: not inside a capture
+        config.counts["misses"] += 1
+        config.counts["reference_calls"] += 1
+        return reference_product(crow, col, val, x, n_rows, n_cols)
     if plan is None:
         config.counts["misses"] += 1
         with _lock:
@@ -409,7 +420,7 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
                 routes.store(generation, n if op == "spmm" else Routes.SPMV, native)
                 return reference.native_mm(native, x)
             return reference_product(crow, col, val, x, n_rows, n_cols)
-    if plan.kind == "pending" and plan.future.done():
+    if plan.kind == "pending" and plan.future.done() and not _capturing(x):  # (it uploads the format arrays)
         with _lock:
             cur = _table.get(key)
             if cur is plan:  # the first product after the search: swap the verdict in
@@ -418,7 +429,7 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
                 plan = cur
     if plan.kind == "dense":
         return _dense_product(plan, key, generation, routes, op, crow, col, val, x, n_rows, n_cols, fp)
-    if plan.kind == "kernel":
+    if plan.kind == "kernel" and (plan.checked or not _capturing(x)):  # the check reads results on the host
         try:
             y = plan.run(op, crow, col, val, x, n_rows, n_cols)
             if y is not None and not plan.checked:

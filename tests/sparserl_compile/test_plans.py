@@ -125,3 +125,94 @@ def test_launches_get_16_byte_aligned_operands(fmt):
     v.mul_(2)  # an in-place update of the values is seen
     y = plan.run("spmv", crow, col, v, x, 30, 20)
     np.testing.assert_allclose(y.numpy(), 2 * (m @ x.numpy()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    """Products as inside a CUDA graph capture (no host reads, no host-to-device copies there)."""
+    monkeypatch.setattr(plans, "kernels_possible", lambda device: True)
+    monkeypatch.setattr(plans, "device_arch", lambda device: "sm_test")
+    monkeypatch.setattr(plans, "_capturing", lambda x: True)
+    plans.clear()
+    plans.reset_stats()
+    yield
+    plans.clear()
+    plans.reset_stats()
+
+
+def test_a_miss_inside_a_graph_capture_runs_the_reference_and_plans_nothing(capturing, monkeypatch):
+    from sparserl_compile import miss
+
+    def no_verdict(*a, **k):
+        raise AssertionError("the miss path (host reads of the pattern) ran inside a capture")
+
+    monkeypatch.setattr(miss, "verdict", no_verdict)
+    m = matrix(4)
+    crow, col, val = operands(m)
+    x = torch.randn(20)
+    y = plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture")
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert plans.plans() == {} and config.stats().fallbacks == 0
+
+
+def test_an_unchecked_kernel_waits_for_a_call_outside_the_capture(capturing, monkeypatch):
+    """The first-use check reads results on the host: inside a capture the reference serves and
+    the plan stays, unchecked, for the next call outside it."""
+    m = matrix(5)
+    plan, kernel = plan_for(m, "csr")
+    key = ("fp-capture", "spmv", 1, torch.float32, "sm_test")
+    plans._table[key] = plan
+    crow, col, val = operands(m)
+    x = torch.randn(20)
+    y = plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture")
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert kernel.calls == [] and plans.plans()[key] is plan and not plan.checked
+    assert config.stats().fallbacks == 0
+    monkeypatch.setattr(plans, "_capturing", lambda x: False)
+    plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture")
+    assert len(kernel.calls) == 1 and plan.checked
+    monkeypatch.setattr(plans, "_capturing", lambda x: True)  # checked: it runs inside a capture too
+    plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture")
+    assert len(kernel.calls) == 2 and config.stats().kernel_calls == 2
+
+
+def test_a_finished_background_search_is_not_swapped_in_inside_a_capture(capturing):
+    from concurrent.futures import Future
+
+    m = matrix(6)
+    done = Future()
+    done.set_exception(AssertionError("resolved (format arrays uploaded) inside a capture"))
+    pending = plans.PendingPlan(None, torch.device("cpu"), None, done)
+    key = ("fp-capture", "spmv", 1, torch.float32, "sm_test")
+    plans._table[key] = pending
+    crow, col, val = operands(m)
+    x = torch.randn(20)
+    y = plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture")
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert plans.plans()[key] is pending and config.stats().fallbacks == 0
+
+
+@pytest.mark.gpu
+def test_a_product_first_met_inside_a_cuda_graph_capture_does_not_break_it():
+    """On the GPU: a product whose structure has no plan yet, captured into a CUDA graph,
+    runs the reference there (the capture succeeds and its replay is right); the next call
+    outside the capture plans it as usual."""
+    plans.clear()
+    plans.reset_stats()
+    m = matrix(7)
+    crow, col, val = (t.cuda() for t in operands(m))
+    x = torch.randn(20, device="cuda")
+    a = torch.sparse_csr_tensor(crow, col, val, size=m.shape)
+    torch.mv(a, x)  # cuSPARSE's own warm-up, outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture-gpu")
+    assert plans.plans() == {}
+    g.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(y.cpu().numpy(), m @ x.cpu().numpy(), rtol=1e-4, atol=1e-4)
+    plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture-gpu")
+    assert len(plans.plans()) == 1
+    plans.clear()
+    plans.reset_stats()
