@@ -412,7 +412,9 @@ def _store():
 
 
 def _put(store, entry, fp: str) -> None:
-    if store is None or entry.key is None:
+    """Write ``entry`` to the disk cache, unless it has no key or its verdict came from a
+    failure that may not recur (``transient`` in its record: the next process decides again)."""
+    if store is None or entry.key is None or entry.verification.get("transient"):
         return
     try:
         store.put(entry)

@@ -229,7 +229,8 @@ def pregenerate(items: list[Item], *, cache_dir: str | os.PathLike, ops=("spmv",
                 entry = miss.search_entry(problem, key, candidates=cands, executor=executor)
                 if share:
                     groups[gkey] = ranked_candidates(cands, entry, share)
-            store.put(entry)
+            if not entry.verification.get("transient"):  # a failure that may not recur is not shipped
+                store.put(entry)
         except Exception as e:  # one bad matrix never stops the run
             rows.append(Row(it.name, op, n, m.nnz, "failed", f"{type(e).__name__}: {e}"[:120], None, None,
                             time.perf_counter() - t0))

@@ -307,6 +307,14 @@ def _kernel_or_reference(candidates: list[Candidate], ev: Evaluation, margin: fl
                       rule="untimed: first verified candidate in provider order")
         return Choice(c, r.cubin, None, ref_us, record)
     c, r = min(timed, key=lambda cr: cr[1].kernel_us)
+    runs = [x for x in (ev.reference, ev.reference_again) if x is not None]
+    if ref_us is None and runs and not any(x.ok for x in runs):
+        # asked for and not timed (the job crashed or ran out of time): nothing shows the
+        # kernel faster than what the user would otherwise run, so that stays
+        why = "; ".join(f"{x.kind}: {x.error}" if x.error else x.kind for x in runs)
+        record.update(chosen=None, best=c.name, best_us=r.kernel_us, best_hot_us=_hot(r), transient=True,
+                      rule=f"reference kept: its timing failed ({why}), so no kernel is shown faster")
+        return Choice(None, None, r.kernel_us, None, record)
     beats = timed if ref_us is None else [(c2, r2) for c2, r2 in timed if r2.kernel_us < (1.0 - margin) * ref_us]
     if not beats:
         record.update(chosen=None, best=c.name, best_us=r.kernel_us, best_hot_us=_hot(r),

@@ -62,6 +62,21 @@ def test_the_faster_of_the_two_reference_timings_counts():
     assert failed_again.reference_us() == 10.0 and failed_again.reference_runs_us() == [10.0, None]
 
 
+def test_a_reference_whose_timing_failed_keeps_the_reference():
+    """A kernel is kept only where it is shown faster than the reference: a reference job that
+    crashed or timed out shows nothing, so the reference stays. A reference job that ran but
+    found no cuSPARSE path for the product (no timing, nothing else the user could run) does
+    not block the kernel."""
+    for failed in (SandboxResult("timeout"), SandboxResult("crashed", error="worker died")):
+        c = decide(CANDS, Evaluation((_hot(9.0), _hot(7.0)), failed, 1.0))
+        assert c.candidate is None and c.kernel_us == 7.0 and "timing failed" in c.record["rule"]
+        assert c.record["transient"]  # not written to the disk cache (miss._put)
+    assert "worker died" in decide(CANDS, Evaluation((_hot(7.0),), SandboxResult("crashed", error="worker died"),
+                                                     1.0)).record["rule"]
+    unsupported = SandboxResult("ok", reference={})
+    assert decide(CANDS, Evaluation((_hot(9.0), _hot(7.0)), unsupported, 1.0)).candidate is CANDS[1]
+
+
 def _graphed(us, graph_us):
     return replace(_timed(us), graph_bench={"median_us": graph_us, "method": "graph", "l2_flushed": False})
 
