@@ -47,6 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from sparserl_compile import inputs, plans, structure
+from sparserl_compile.memo import version_counter
 from sparserl_compile.reference import VALUE_DTYPES
 from sparserl_compile.tensor import _eager_plain
 
@@ -102,7 +103,7 @@ def _native_csr(a: torch.Tensor, count: bool = False):
     else:
         return None
     key = (a.layout, a.device, tuple(a.shape), vals.shape[0],
-           tuple(t.data_ptr() for t in idx), tuple(t._version for t in idx))
+           tuple(t.data_ptr() for t in idx), tuple(version_counter(t) for t in idx))
     hit = _memo.get(key)
     if hit is not None:
         memo_stats.hits += count

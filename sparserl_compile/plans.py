@@ -50,6 +50,7 @@ import torch
 from sparserl_compile import config, contract, miss, providers, reference, transpose
 from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
 from sparserl_compile.config import RuntimeConfig
+from sparserl_compile.memo import ValueMemo, version_counter
 from sparserl_compile.problem import device_arch
 from sparserl_compile.reference import HALF, FirstUseMismatch, first_use_check, reference_product
 
@@ -219,7 +220,7 @@ class KernelPlan:
         self._direct = contract.FORMATS[header.format].value_array == "vals"
         #: where the format arrays live (and the kernel was loaded); None where unknown
         self.device = next((t.device for t in arrays.values() if hasattr(t, "device")), None)
-        self._vmemo: tuple | None = None
+        self._vmemo = ValueMemo()
         #: width -> (value tensor, launcher.BoundKernel): everything but x and y is fixed per
         #: (width, value array), bound once (a model calls one weight at a few widths)
         self._bound: dict[int, tuple] = {}
@@ -230,11 +231,9 @@ class KernelPlan:
     def _values(self, val):
         if self._direct and not val.data_ptr() % 16:
             return val
-        m = self._vmemo
-        if m is not None and m[0]() is val and m[1] == _version(val):
-            return m[2]
-        out = self.fdata.gather_values(val).contiguous()  # a fresh, aligned tensor
-        self._vmemo = (weakref.ref(val), _version(val), out)
+        out = self._vmemo.get(val)
+        if out is None:
+            out = self._vmemo.put(val, self.fdata.gather_values(val).contiguous())  # a fresh, aligned tensor
         return out
 
     def run(self, op, crow, col, val, x, n_rows, n_cols):
@@ -303,13 +302,13 @@ class DensePlan:
         """The matrix of (crow, col, val) stored dense, built once per values tensor and version."""
         k = id(val)
         m = self._dense.get(k)
-        if m is not None and m[0]() is val and m[1] == _version(val):
+        if m is not None and m[0]() is val and m[1] == version_counter(val):
             return m[2]
         from sparserl_compile.bench import dense_matrix
 
         w = dense_matrix(crow, col, (n_rows, n_cols), val)
         ref = weakref.ref(val, lambda r, k=k, d=self._dense: d.pop(k) if k in d and d[k][0] is r else None)
-        self._dense[k] = (ref, _version(val), w)
+        self._dense[k] = (ref, version_counter(val), w)
         return w
 
     @property
@@ -323,15 +322,6 @@ class DensePlan:
 
     def __repr__(self) -> str:
         return f"DensePlan(copies={len(self._dense)}, nbytes={self.nbytes})"
-
-
-def _version(t: torch.Tensor) -> int:
-    """``t``'s version counter; -1 for an inference tensor (made under ``torch.inference_mode``),
-    which has none: outside inference mode its values cannot change in place."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
 
 
 def entry_plan(entry, problem, device, key) -> "Plan":

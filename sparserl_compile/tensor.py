@@ -133,6 +133,16 @@ class SparseRLTensor(torch.Tensor):
         kw.update(changes)
         return SparseRLTensor(**kw)
 
+    def _view(self, **changes) -> "SparseRLTensor":
+        """``_with`` for a view op (``t``, ``transpose``, ``detach`` ...). Under
+        ``torch.inference_mode`` a view of a normal tensor is a normal tensor that torch gives its
+        base's version counter; made there, the new wrapper would be an inference tensor, which
+        has none to set, so it is made outside inference mode."""
+        if torch.is_inference_mode_enabled() and not self.is_inference():
+            with torch.inference_mode(False):
+                return self._with(**changes)
+        return self._with(**changes)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
@@ -580,7 +590,7 @@ def _to_dense(func, types, args, kwargs):
 @implements(aten.detach.default)
 def _detach(func, types, args, kwargs):
     a = args[0]
-    return a._with(crow=a.crow.detach(), col=a.col.detach(), val=a.val.detach())
+    return a._view(crow=a.crow.detach(), col=a.col.detach(), val=a.val.detach())
 
 
 @implements(aten.clone.default)
@@ -599,18 +609,20 @@ def _to_copy(func, types, args, kwargs):
     return a._with(crow=a.crow.to(device), col=a.col.to(device), val=a.val.to(device=device, dtype=dtype))
 
 
-@implements(aten.t.default)
+# .T, .mT, .mH and adjoint() reach aten as themselves under inference_mode (outside it they
+# decompose to transpose first); for a real 2-D matrix each is the transpose
+@implements(aten.t.default, aten.numpy_T.default, aten.mT.default, aten.mH.default, aten.adjoint.default)
 def _t(func, types, args, kwargs):
-    return args[0]._with(transposed=not args[0].transposed)
+    return args[0]._view(transposed=not args[0].transposed)
 
 
 @implements(aten.transpose.int)
 def _transpose(func, types, args, kwargs):
     a, d0, d1 = args
     if {d0 % 2, d1 % 2} == {0, 1}:
-        return a._with(transposed=not a.transposed)
+        return a._view(transposed=not a.transposed)
     if d0 % 2 == d1 % 2:
-        return a._with()  # a view op must return a new tensor, not its input
+        return a._view()  # a view op must return a new tensor, not its input
     raise NotImplementedError(f"transpose({d0}, {d1}) of a 2-D SparseRLTensor")
 
 
@@ -619,9 +631,9 @@ def _permute(func, types, args, kwargs):
     a, dims = args
     dims = [d % 2 for d in dims]
     if dims == [1, 0]:
-        return a._with(transposed=not a.transposed)
+        return a._view(transposed=not a.transposed)
     if dims == [0, 1]:
-        return a._with()
+        return a._view()
     raise NotImplementedError(f"permute({dims}) of a 2-D SparseRLTensor")
 
 

@@ -8,13 +8,13 @@ A's values into A^T's order, memoized on the values tensor's identity and versio
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from sparserl_compile.memo import ValueMemo
 from sparserl_compile.structure import fingerprint as _fingerprint
 
 #: transposed patterns kept (per structure and device); each holds 2 index arrays + a perm
@@ -30,14 +30,12 @@ class TransposedPattern:
     col: torch.Tensor  # int32, nnz
     perm: torch.Tensor  # int64, nnz: A^T's k-th value is A's perm[k]-th value
     fingerprint: str
-    _vmemo: tuple | None = None
+    _vmemo: ValueMemo = field(default_factory=ValueMemo, repr=False, compare=False)
 
     def values(self, val: torch.Tensor) -> torch.Tensor:
-        m = self._vmemo
-        if m is not None and m[0]() is val and m[1] == val._version:
-            return m[2]
-        out = val[self.perm] if self.perm.numel() else val.new_empty(0)
-        self._vmemo = (weakref.ref(val), val._version, out)
+        out = self._vmemo.get(val)
+        if out is None:
+            out = self._vmemo.put(val, val[self.perm] if self.perm.numel() else val.new_empty(0))
         return out
 
 

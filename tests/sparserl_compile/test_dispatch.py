@@ -63,6 +63,17 @@ def test_routed_products_match_torch(layout, index):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_native_tensors_made_under_inference_mode_are_routed():
+    """An inference tensor has no version counter; the fingerprint memo still works for it."""
+    with torch.inference_mode():
+        a = (torch.eye(5) + torch.diag(torch.ones(4), -1)).to_sparse_csr()
+        x = torch.arange(10.0).reshape(5, 2)
+        with S.accelerate():
+            y = a @ x
+            assert torch.equal(a @ x, y)
+        assert torch.equal(y, a.to_dense() @ x)
+
+
 def test_enable_disable():
     A, X = native(), torch.randn(9, 2)
     assert not dispatch.is_enabled()

@@ -114,6 +114,21 @@ def test_dense_operand_mismatches():
         a @ a.t()
 
 
+@pytest.mark.parametrize("made_in_inference_mode", [False, True])
+def test_views_and_products_under_inference_mode(made_in_inference_mode):
+    """``torch.inference_mode`` is how models are served: every transpose spelling, detach and
+    the products work there, on a matrix made inside it or outside it."""
+    d = torch.eye(4) + torch.diag(torch.ones(3), 1)
+    x = torch.arange(8.0).reshape(4, 2)
+    with torch.inference_mode(made_in_inference_mode):
+        A = S.sparsify(d)
+    with torch.inference_mode():
+        for view in (A.t(), A.T, A.mT, A.mH, A.adjoint(), A.transpose(0, 1), A.permute(1, 0)):
+            assert torch.equal(view @ x, d.t() @ x)
+        assert torch.equal(A.detach() @ x, d @ x) and torch.equal(x.t() @ A, x.t() @ d)
+        assert torch.equal(A @ x[:, 0], d @ x[:, 0]) and torch.equal(F.linear(x.t(), A), x.t() @ d.t())
+
+
 def test_unimplemented_op_names_the_op():
     a = S.sparsify(rand_csr(3, 3))
     with pytest.raises(NotImplementedError, match="aten.sin"):
