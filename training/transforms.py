@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from itertools import product
 
 #: the single transforms, in the order ``transform_names`` tries them
-TRANSFORMS = ("unroll2", "unroll4", "while", "fma_expand", "plain_loads", "split_acc", "shfl_xor")
+TRANSFORMS = ("unroll2", "unroll4", "while", "fma_expand", "plain_loads", "split_acc", "shfl_xor", "prefetch")
 
 #: the transforms that restructure a loop: a combination takes one of them, then one of the others
-_LOOP_TRANSFORMS = ("unroll2", "unroll4", "while", "split_acc")
+_LOOP_TRANSFORMS = ("unroll2", "unroll4", "while", "split_acc", "prefetch")
 
 _NO_UNROLL = re.compile(r"\b(break|continue|return|__syncthreads|__syncwarp)\b|_sync\s*\(")
 
@@ -315,8 +315,52 @@ def shfl_xor(src: str) -> str | None:
     return out
 
 
+def _param_type(src: str, name: str) -> str | None:
+    """The element type of the kernel's read-only pointer parameter ``name``; None if it is none."""
+    m = re.search(rf"\bconst\s+([A-Za-z_]\w*)\s*\*\s*(?:__restrict__\s+)?{name}\s*[,)]", src)
+    return m.group(1) if m else None
+
+
+def prefetch(src: str) -> str | None:
+    """Software pipelining of the first innermost loop (``unroll``'s conditions) that reads
+    read-only pointer parameters at the loop variable (``__ldg(&col_idx[k])``, ``vals[k]``): the
+    first iteration's elements are loaded before the loop, and each iteration copies them to
+    registers and issues the next iteration's loads before its own work, so the index and value
+    loads of iteration ``k + S`` are in flight while iteration ``k`` multiplies. None when no
+    loop qualifies."""
+    for lp in _loops(src):
+        if _NO_UNROLL.search(lp.body) or _assigns(lp.body, lp.var):
+            continue
+        v, s = lp.var, lp.step
+        at = rf"\[\s*{re.escape(v)}\s*\]"
+        arrays = []
+        for m in re.finditer(rf"(?<![\w.])([A-Za-z_]\w*)\s*{at}", lp.body):
+            if m.group(1) not in arrays and _param_type(src, m.group(1)):
+                arrays.append(m.group(1))
+        if not arrays:
+            continue
+        body, taken, first, nxt, cur = lp.body, src, [], [], []
+        for a in arrays:
+            typ, nx, here = _param_type(src, a), _fresh(taken, f"{a}_next"), _fresh(taken, f"{a}_here")
+            taken += f" {nx} {here}"
+            body = re.sub(rf"__ldg\s*\(\s*&\s*{a}\s*{at}\s*\)", here, body)
+            body = re.sub(rf"(?<![\w.&]){a}\s*{at}", here, body)
+            first.append(f"{typ} {nx} = __ldg(&{a}[{v}]);")
+            nxt.append(f"{nx} = __ldg(&{a}[{v} + {s}]);")
+            cur.append(f"{typ} {here} = {nx};")
+        if re.search(rf"(?<![\w.])({'|'.join(arrays)})\s*{at}", body):
+            continue  # an element read some other way (its address taken): left as written
+        init = f"{lp.init};\n" if lp.init else ""
+        text = (f"{{\n{init}if ({v} < {lp.bound}) {{\n{' '.join(first)}\n"
+                f"for (; {v} < {lp.bound}; {v} += {s}) {{\n{' '.join(cur)}\n"
+                f"if ({v} + {s} < {lp.bound}) {{\n{' '.join(nxt)}\n}}\n{body}\n}}\n}}\n}}")
+        return src[:lp.start] + text + src[lp.end:]
+    return None
+
+
 _APPLY = {"unroll2": lambda s: unroll(s, 2), "unroll4": lambda s: unroll(s, 4), "while": as_while,
-          "fma_expand": fma_expand, "plain_loads": plain_loads, "split_acc": split_acc, "shfl_xor": shfl_xor}
+          "fma_expand": fma_expand, "plain_loads": plain_loads, "split_acc": split_acc, "shfl_xor": shfl_xor,
+          "prefetch": prefetch}
 
 
 def apply(source: str, transform: str) -> str:

@@ -1,4 +1,5 @@
-"""The transforms that change what a kernel does on the machine (``split_acc``, ``shfl_xor``):
+"""The transforms that change what a kernel does on the machine (``split_acc``, ``shfl_xor``,
+``prefetch``):
 the exact rewrite on small hand-written kernels, where they do not apply, and on kernel-space
 points: inside the kernel language, compiled by NVRTC, correct on the CPU executor through
 ``verified_variants``, and new kernels (``novelty.is_novel``)."""
@@ -106,6 +107,31 @@ def test_shfl_xor_leaves_a_run_with_a_repeated_offset_and_rewrites_the_others():
     assert T.shfl_xor(bad + good) == bad + good.replace("__shfl_down_sync", "__shfl_xor_sync")
 
 
+def test_prefetch_loads_the_next_elements_before_the_current_work():
+    src = ("__global__ void k(const int* __restrict__ col, const __half* val, float* y) {\n"
+           "for (int k = lo; k < hi; k += 4) { int c = __ldg(&col[k]); acc = fmaf(__half2float(val[k]), x[c], acc); }"
+           " }")
+    assert _norm(T.prefetch(src)) == _norm(
+        "__global__ void k(const int* __restrict__ col, const __half* val, float* y) {\n"
+        "{ int k = lo; if (k < hi) {\n"
+        "int col_next_1 = __ldg(&col[k]); __half val_next_1 = __ldg(&val[k]);\n"
+        "for (; k < hi; k += 4) { int col_here_1 = col_next_1; __half val_here_1 = val_next_1;\n"
+        "if (k + 4 < hi) { col_next_1 = __ldg(&col[k + 4]); val_next_1 = __ldg(&val[k + 4]); }\n"
+        "int c = col_here_1; acc = fmaf(__half2float(val_here_1), x[c], acc); } } } }")
+
+
+@pytest.mark.parametrize("src", [
+    # the loop reads no read-only parameter at its variable (y is written, w is no parameter)
+    "void f(const float* v, float* y) { for (int k = 0; k < n; ++k) { y[k] = w[k] + v[k + 1]; } }",
+    # an element's address is taken: the register copy would not stand for it
+    "void f(const float* v, float* y) { for (int k = 0; k < n; ++k) { g(&v[k]); y[k] = v[k]; } }",
+    # the loop variable changes inside the body
+    "void f(const float* v, float* y) { for (int k = 0; k < n; ++k) { y[0] += v[k]; k += 1; } }",
+])
+def test_prefetch_does_not_apply(src):
+    assert T.prefetch(src) is None
+
+
 # ------------------------------------------------------------------ on kernel-space points
 
 
@@ -129,6 +155,9 @@ def _record(ref: MatrixRef, op: str, n: int, family: str, params: dict) -> Super
     (POWER_LAW, "spmv", 1, "csr_scalar", {"block": 128}, "split_acc", "split_acc+plain_loads"),
     (BANDED, "spmm", 8, "csr_scalar", {"block": 128, "tile_n": 4}, "split_acc", "split_acc+fma_expand"),
     (POWER_LAW, "spmm", 8, "csr_rowgroup", {"g": 8, "v": 2, "perm": False}, "split_acc", "split_acc+plain_loads"),
+    (POWER_LAW, "spmv", 1, "csr_scalar", {"block": 128}, "prefetch", "prefetch+fma_expand"),
+    (BANDED, "spmv", 1, "csr_vector", {"block": 128, "tpr": 8}, "prefetch", "prefetch+shfl_xor"),
+    (POWER_LAW, "spmm", 8, "csr_rowgroup", {"g": 8, "v": 2, "perm": False}, "prefetch", "prefetch+plain_loads"),
 ])
 def test_the_transform_makes_a_new_kernel_that_compiles_and_verifies(cpu_evaluator, ref, op, n, family, params,
                                                                       name, combined):
@@ -181,7 +210,8 @@ def test_new_transforms_combine_render_and_keep_the_old_names():
     source = kernels.render("csr_vector", "spmv", "f32", {"block": 128, "tpr": 8}).source
     names = T.transform_names(source)
     assert names[:5] == ["unroll2", "unroll4", "while", "fma_expand", "plain_loads"]
-    assert {"split_acc", "shfl_xor", "unroll2+shfl_xor", "split_acc+shfl_xor", "split_acc+fma_expand"} <= set(names)
+    assert {"split_acc", "shfl_xor", "prefetch", "unroll2+shfl_xor", "split_acc+shfl_xor",
+            "prefetch+plain_loads"} <= set(names)
     params = {"block": 128, "tpr": 8, V.TRANSFORM_KEY: "split_acc+shfl_xor"}
     text = T.render("csr_vector", "spmv", "f32", params)
     assert "acc_1" in text and "__shfl_xor_sync" in text and "__shfl_down_sync" not in text
