@@ -399,7 +399,7 @@ def _split_header(source: str) -> tuple[str, str]:
 
 
 def transform_names(source: str, combine: bool = True) -> list[str]:
-    """The transforms (single ones, then pairs of an unroll or while with another) that apply to
+    """The transforms (single ones, then pairs of a loop transform with another) that apply to
     ``source``, each giving a text different from ``source`` and from the others."""
     singles = [t for t in TRANSFORMS if _applies(source, t)]
     names = list(singles)
