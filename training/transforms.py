@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from itertools import product
 
 #: the single transforms, in the order ``transform_names`` tries them
-TRANSFORMS = ("unroll2", "unroll4", "while", "fma_expand", "plain_loads")
+TRANSFORMS = ("unroll2", "unroll4", "while", "fma_expand", "plain_loads", "split_acc", "shfl_xor", "prefetch")
+
+#: the transforms that restructure a loop: a combination takes one of them, then one of the others
+_LOOP_TRANSFORMS = ("unroll2", "unroll4", "while", "split_acc", "prefetch")
 
 _NO_UNROLL = re.compile(r"\b(break|continue|return|__syncthreads|__syncwarp)\b|_sync\s*\(")
 
@@ -161,8 +164,203 @@ def plain_loads(src: str) -> str | None:
                           if len(a) == 1 and a[0].strip().startswith("&") else None)
 
 
+# ------------------------------------------------------------------ transforms of the computation
+
+
+def _fresh(src: str, base: str) -> str:
+    """A name made from ``base`` that does not occur in ``src``."""
+    for i in range(1, 1000):
+        name = f"{base}_{i}"
+        if not re.search(rf"\b{name}\b", src):
+            return name
+    raise ValueError(f"no fresh name for {base!r}")
+
+
+def _call_args(s: str, i: int) -> tuple[list[str], int] | None:
+    """The top-level arguments of the call whose ``(`` is at ``s[i]`` and the index after its ``)``."""
+    q = _close(s, i)
+    return (_split_top(s[i + 1:q], ","), q + 1) if q > 0 else None
+
+
+_ADD_ACC = re.compile(r"(?<![\w.>])([A-Za-z_]\w*)\s*\+=\s*")
+_FMA_ACC = re.compile(r"(?<![\w.>])([A-Za-z_]\w*)\s*=\s*fmaf\s*\(")
+
+
+def _accumulations(body: str) -> dict[str, int]:
+    """Scalar names that ``body`` accumulates into (``a += e;`` or ``a = fmaf(x, y, a);`` with
+    ``e``, ``x``, ``y`` not reading ``a``) mapped to how many times those statements name them."""
+    uses: dict[str, int] = {}
+    bad: set[str] = set()
+
+    def count(name: str, ok: bool, n: int) -> None:
+        if ok:
+            uses[name] = uses.get(name, 0) + n
+        else:
+            bad.add(name)
+
+    for m in _ADD_ACC.finditer(body):
+        end = body.find(";", m.end())
+        e = body[m.end():end]
+        count(m.group(1), end > 0 and not re.search(rf"\b{m.group(1)}\b", e) and e.count("(") == e.count(")"), 1)
+    for m in _FMA_ACC.finditer(body):
+        name, (args, after) = m.group(1), _call_args(body, m.end() - 1) or ([], 0)
+        count(name, len(args) == 3 and args[2].strip() == name and re.match(r"\s*;", body[after:]) is not None
+              and not re.search(rf"\b{name}\b", args[0] + args[1]), 2)
+    return {k: n for k, n in uses.items() if k not in bad}
+
+
+def split_acc(src: str) -> str | None:
+    """Accumulator splitting: the first unrollable innermost loop (``unroll``'s conditions) whose
+    body only accumulates into one or more ``float``/``double`` scalars declared before it
+    (``a += e;``, ``a = fmaf(x, y, a);``) unrolled by 2, the second copy accumulating into a
+    fresh partial sum per accumulator; a remainder loop takes the odd iteration and the partial
+    sums are added to the accumulators after it. None when no loop qualifies."""
+    for lp in _loops(src):
+        if _NO_UNROLL.search(lp.body) or _assigns(lp.body, lp.var):
+            continue
+        before = src[:lp.start]
+        accs = []
+        for name, n in _accumulations(lp.body).items():
+            decl = re.search(rf"\b(float|double)\s+{name}\s*[=;,]", before)
+            if name != lp.var and decl and len(re.findall(rf"(?<![\w.]){name}\b", lp.body)) == n:
+                accs.append((name, decl.group(1)))
+        if not accs:
+            continue
+        v, s, taken = lp.var, lp.step, src
+        second = _shift(lp.body, v, s)
+        inits, merges = [], []
+        for name, typ in accs:
+            part = _fresh(taken, name)
+            taken += f" {part}"
+            second = re.sub(rf"(?<![\w.]){name}\b", part, second)
+            inits.append(f"{typ} {part} = {'0.0f' if typ == 'float' else '0.0'};")
+            merges.append(f"{name} += {part};")
+        init = f"{lp.init};\n" if lp.init else ""
+        text = (f"{{\n{init}{' '.join(inits)}\n"
+                f"for (; {v} + {s} < {lp.bound}; {v} += {2 * s}) {{\n{{{lp.body}}}\n{{{second}}}\n}}\n"
+                f"for (; {v} < {lp.bound}; {v} += {s}) {{{lp.body}}}\n{' '.join(merges)}\n}}")
+        return src[:lp.start] + text + src[lp.end:]
+    return None
+
+
+_SHFL_DOWN = re.compile(r"(?<![\w.>])([A-Za-z_]\w*)\s*\+=\s*__shfl_down_sync\s*\(")
+
+
+def _shfl_steps(src: str) -> list[tuple[int, int, int, str, str]]:
+    """(start, end, index of the call's name, variable, offset) of every statement
+    ``v += __shfl_down_sync(mask, v, off);`` in ``src``."""
+    out = []
+    for m in _SHFL_DOWN.finditer(src):
+        got = _call_args(src, m.end() - 1)
+        if not got:
+            continue
+        args, after = got
+        semi = re.match(r"\s*;", src[after:])
+        if len(args) == 3 and args[1].strip() == m.group(1) and semi:
+            out.append((m.start(), after + semi.end(), src.index("__shfl_down_sync", m.start()), m.group(1),
+                        args[2].strip()))
+    return out
+
+
+def _power2(text: str) -> bool:
+    return text.isdigit() and 0 < int(text) < 32 and int(text) & (int(text) - 1) == 0
+
+
+_HALVING = re.compile(r"\bfor\s*\(\s*(?:int\s+)?([A-Za-z_]\w*)\s*=\s*(\d+)\s*;\s*\1\s*(?:>\s*0|>=\s*1)\s*;"
+                      r"\s*\1\s*(?:/=\s*2|>>=\s*1|=\s*\1\s*/\s*2|=\s*\1\s*>>\s*1)\s*\)\s*")
+
+
+def shfl_xor(src: str) -> str | None:
+    """Warp reductions ``v += __shfl_down_sync(m, v, off);`` rewritten as the ``__shfl_xor_sync``
+    butterfly: every maximal run of such consecutive statements in which each variable's offsets
+    are distinct powers of two below 32, and every halving loop
+    ``for (int o = P; o > 0; o /= 2) v += __shfl_down_sync(m, v, o);`` (P a power of two, the body
+    braced or not, one statement per variable). A lane whose bits at the run's offsets are all
+    zero (lane 0 of each group) reads the same partners and ends with the same sum as before;
+    with the butterfly every other lane of the group ends with it too. None when there is none."""
+    steps = _shfl_steps(src)
+    calls: list[int] = []
+    run: list[tuple] = []
+
+    def close_run():
+        offs: dict[str, list[int]] = {}
+        for _s, _e, _c, var, off in run:
+            offs.setdefault(var, []).append(int(off) if _power2(off) else -1)
+        if run and all(-1 not in o and len(set(o)) == len(o) for o in offs.values()):
+            calls.extend(c for _s, _e, c, _v, _o in run)
+
+    for st in steps:
+        if run and src[run[-1][1]:st[0]].strip():
+            close_run()
+            run = []
+        run.append(st)
+    close_run()
+    for m in _HALVING.finditer(src):
+        o, start = m.group(1), m.end()
+        braced = src[start:start + 1] == "{"
+        end = _close(src, start) if braced else start
+        inner = [st for st in steps if st[0] >= start and (st[1] <= end if braced else st[0] == start)]
+        rest = src[start + 1:end] if braced else ""
+        for st in inner:
+            rest = rest.replace(src[st[0]:st[1]], "", 1)
+        names = [st[3] for st in inner]
+        if (_power2(m.group(2)) and inner and all(st[4] == o for st in inner) and not rest.strip()
+                and len(set(names)) == len(names)):
+            calls.extend(st[2] for st in inner)
+    if not calls:
+        return None
+    out = src
+    for c in sorted(set(calls), reverse=True):
+        out = out[:c] + "__shfl_xor_sync" + out[c + len("__shfl_down_sync"):]
+    return out
+
+
+def _param_type(src: str, name: str) -> str | None:
+    """The element type of the kernel's read-only pointer parameter ``name``; None if it is none."""
+    m = re.search(rf"\bconst\s+([A-Za-z_]\w*)\s*\*\s*(?:__restrict__\s+)?{name}\s*[,)]", src)
+    return m.group(1) if m else None
+
+
+def prefetch(src: str) -> str | None:
+    """Software pipelining of the first innermost loop (``unroll``'s conditions) that reads
+    read-only pointer parameters at the loop variable (``__ldg(&col_idx[k])``, ``vals[k]``): the
+    first iteration's elements are loaded before the loop, and each iteration copies them to
+    registers and issues the next iteration's loads before its own work, so the index and value
+    loads of iteration ``k + S`` are in flight while iteration ``k`` multiplies. None when no
+    loop qualifies."""
+    for lp in _loops(src):
+        if _NO_UNROLL.search(lp.body) or _assigns(lp.body, lp.var):
+            continue
+        v, s = lp.var, lp.step
+        at = rf"\[\s*{re.escape(v)}\s*\]"
+        arrays = []
+        for m in re.finditer(rf"(?<![\w.])([A-Za-z_]\w*)\s*{at}", lp.body):
+            if m.group(1) not in arrays and _param_type(src, m.group(1)):
+                arrays.append(m.group(1))
+        if not arrays:
+            continue
+        body, taken, first, nxt, cur = lp.body, src, [], [], []
+        for a in arrays:
+            typ, nx, here = _param_type(src, a), _fresh(taken, f"{a}_next"), _fresh(taken, f"{a}_here")
+            taken += f" {nx} {here}"
+            body = re.sub(rf"__ldg\s*\(\s*&\s*{a}\s*{at}\s*\)", here, body)
+            body = re.sub(rf"(?<![\w.&]){a}\s*{at}", here, body)
+            first.append(f"{typ} {nx} = __ldg(&{a}[{v}]);")
+            nxt.append(f"{nx} = __ldg(&{a}[{v} + {s}]);")
+            cur.append(f"{typ} {here} = {nx};")
+        if re.search(rf"(?<![\w.])({'|'.join(arrays)})\s*{at}", body):
+            continue  # an element read some other way (its address taken): left as written
+        init = f"{lp.init};\n" if lp.init else ""
+        text = (f"{{\n{init}if ({v} < {lp.bound}) {{\n{' '.join(first)}\n"
+                f"for (; {v} < {lp.bound}; {v} += {s}) {{\n{' '.join(cur)}\n"
+                f"if ({v} + {s} < {lp.bound}) {{\n{' '.join(nxt)}\n}}\n{body}\n}}\n}}\n}}")
+        return src[:lp.start] + text + src[lp.end:]
+    return None
+
+
 _APPLY = {"unroll2": lambda s: unroll(s, 2), "unroll4": lambda s: unroll(s, 4), "while": as_while,
-          "fma_expand": fma_expand, "plain_loads": plain_loads}
+          "fma_expand": fma_expand, "plain_loads": plain_loads, "split_acc": split_acc, "shfl_xor": shfl_xor,
+          "prefetch": prefetch}
 
 
 def apply(source: str, transform: str) -> str:
@@ -201,13 +399,13 @@ def _split_header(source: str) -> tuple[str, str]:
 
 
 def transform_names(source: str, combine: bool = True) -> list[str]:
-    """The transforms (single ones, then pairs of an unroll or while with another) that apply to
+    """The transforms (single ones, then pairs of a loop transform with another) that apply to
     ``source``, each giving a text different from ``source`` and from the others."""
     singles = [t for t in TRANSFORMS if _applies(source, t)]
     names = list(singles)
     if combine:
-        loops = [t for t in singles if t in ("unroll2", "unroll4", "while")]
-        names += [f"{a}+{b}" for a, b in product(loops, singles) if b not in ("unroll2", "unroll4", "while")]
+        loops = [t for t in singles if t in _LOOP_TRANSFORMS]
+        names += [f"{a}+{b}" for a, b in product(loops, singles) if b not in _LOOP_TRANSFORMS]
     seen, out = {source}, []
     for n in names:
         try:

@@ -14,9 +14,23 @@ their text with transformations that stay inside the kernel grammar
 - ``while``: that loop (without ``continue``) written as ``{ init; while (cond) { body inc; } }``;
 - ``fma_expand``: ``fmaf(a, b, c)`` written as ``((a) * (b) + (c))`` (rounding differs: the
   verification's tolerance decides whether that is still correct);
-- ``plain_loads``: ``__ldg(&e)`` written as ``e`` (ordinary loads instead of the read-only path).
+- ``plain_loads``: ``__ldg(&e)`` written as ``e`` (ordinary loads instead of the read-only path);
+- ``split_acc``: accumulator splitting for instruction-level parallelism: the first loop that
+  ``unroll2`` would take whose body accumulates into ``float``/``double`` scalars declared before
+  it (``a += e;``, ``a = fmaf(x, y, a);``, ``a`` read nowhere else in the body) unrolled by 2,
+  the second copy summing into a fresh partial accumulator per ``a``, a remainder loop for the odd
+  iteration and ``a += partial;`` after it (the summation order changes: the tolerance decides);
+- ``shfl_xor``: warp reductions ``v += __shfl_down_sync(m, v, off);`` (a run of such statements
+  with distinct power-of-two offsets per variable, or a halving loop ``for (o = P; o > 0; o /= 2)``)
+  written as the ``__shfl_xor_sync`` butterfly: lane 0 of each group adds the same partners in the
+  same order, and every other lane of the group ends with the sum too;
+- ``prefetch``: software pipelining of the first loop that ``unroll2`` would take whose body
+  reads read-only pointer parameters at the loop variable (``__ldg(&col_idx[k])``, ``vals[k]``):
+  the elements of iteration ``k + S`` are loaded into registers before iteration ``k``'s work.
 
-Transforms combine with ``+`` (``unroll2+plain_loads``), applied left to right. A variant is a
+Transforms combine with ``+`` (``unroll2+plain_loads``), applied left to right; ``transform_names``
+pairs a loop transform (``unroll2``, ``unroll4``, ``while``, ``split_acc``, ``prefetch``) with one
+of the others. A variant is a
 supervision ``Variant`` with the point's parameters plus ``transform=<names>``;
 ``space.default_render`` renders it (the point's source, then ``apply``). A variant becomes a
 target only after it passes the grammar (``language.accepts``), the language checks
@@ -33,8 +47,8 @@ own time is unknown until it is timed on a GPU), so it ranks right after its poi
 from __future__ import annotations
 
 from sparserl_compile.training.transforms import (  # noqa: F401  (the transforms are part of this module's API)
-    TRANSFORM_KEY, TRANSFORMS, apply, as_while, fma_expand, grammar_problems, plain_loads, reindent, render,
-    transform_names, unroll,
+    TRANSFORM_KEY, TRANSFORMS, apply, as_while, fma_expand, grammar_problems, plain_loads, prefetch, reindent, render,
+    shfl_xor, split_acc, transform_names, unroll,
 )
 
 
