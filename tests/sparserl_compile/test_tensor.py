@@ -129,6 +129,36 @@ def test_views_and_products_under_inference_mode(made_in_inference_mode):
         assert torch.equal(A @ x[:, 0], d @ x[:, 0]) and torch.equal(F.linear(x.t(), A), x.t() @ d.t())
 
 
+@pytest.mark.parametrize("where", ["made in inference mode", "converted in inference mode"])
+def test_dtype_and_device_conversions_under_inference_mode(where):
+    """``model.half()``, ``.to(dtype)``, ``.cpu()`` and ``type_as`` reach the subclass as
+    ``aten.to.*`` under ``torch.inference_mode`` or on a matrix made there (outside, they
+    decompose to ``_to_copy``): they convert as they do elsewhere, and return the matrix itself
+    where nothing changes."""
+    d = torch.eye(4) + torch.diag(torch.ones(3), 1)
+    with torch.inference_mode(where == "made in inference mode"):
+        A = S.sparsify(d)
+    with torch.inference_mode(where == "converted in inference mode"):
+        for conv, dtype in ((lambda a: a.half(), torch.float16), (lambda a: a.bfloat16(), torch.bfloat16),
+                            (lambda a: a.double(), torch.float64), (lambda a: a.to(torch.float16), torch.float16),
+                            (lambda a: a.to("cpu", torch.float16), torch.float16),
+                            (lambda a: a.to(dtype=torch.bfloat16, device="cpu"), torch.bfloat16),
+                            (lambda a: a.to(torch.zeros(1, dtype=torch.float64)), torch.float64),
+                            (lambda a: a.type_as(torch.zeros(1, dtype=torch.float16)), torch.float16)):
+            B = conv(A)
+            assert isinstance(B, SparseRLTensor) and B.dtype == dtype and B.fingerprint == A.fingerprint
+            assert torch.equal((B @ torch.ones(4, dtype=dtype)).double(), d.double() @ torch.ones(4, dtype=torch.float64))
+        assert A.cpu() is A and A.to(torch.float32) is A and A.float() is A and A.to("cpu") is A
+        assert A.to(torch.float32, copy=True) is not A
+        assert torch.equal(A.T.half().to_dense(), d.t().half())
+        with pytest.raises(TypeError, match="int32"):
+            A.to(torch.int32)
+        model = torch.nn.Linear(4, 4)
+        model.weight = torch.nn.Parameter(A, requires_grad=False)
+        model.half()
+        assert isinstance(model.weight, SparseRLTensor) and model.weight.dtype == torch.float16
+
+
 def test_unimplemented_op_names_the_op():
     a = S.sparsify(rand_csr(3, 3))
     with pytest.raises(NotImplementedError, match="aten.sin"):
