@@ -584,7 +584,35 @@ def _to_dense(func, types, args, kwargs):
     return _dense(args[0])
 
 
+# a wrapper subclass has no storage of its own: torch's share_memory_/is_shared would read a
+# null one (share_memory_ crashed the process), so both act on the three CSR arrays
+@implements(torch.Tensor.share_memory_)
+def _share_memory_(func, types, args, kwargs):
+    a = args[0]
+    for t in (a.crow, a.col, a.val):
+        t.share_memory_()
+    return a
+
+
+@implements(torch.Tensor.is_shared)
+def _is_shared(func, types, args, kwargs):
+    a = args[0]
+    return all(t.is_shared() for t in (a.crow, a.col, a.val))
+
+
 # ------------------------------------------------------------------------ aten level
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, types, args, kwargs):
+    a = args[0]
+    return all(t.is_pinned() for t in (a.crow, a.col, a.val))
+
+
+@implements(aten._pin_memory.default, aten.pin_memory.default)  # (the second: under inference_mode)
+def _pin_memory(func, types, args, kwargs):
+    a = args[0]
+    return a._with(crow=a.crow.pin_memory(), col=a.col.pin_memory(), val=a.val.pin_memory())
 
 
 @implements(aten.detach.default)

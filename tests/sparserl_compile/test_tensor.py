@@ -476,6 +476,33 @@ def _pruned_mlp(seed=0):
     return m
 
 
+def test_share_memory_shares_the_csr_arrays_for_worker_processes():
+    """``model.share_memory()`` (before handing a served model to worker processes) moves a
+    SparseRLTensor's three CSR arrays to shared memory, as it does a dense weight's storage."""
+    d = torch.eye(4) + torch.diag(torch.ones(3), 1)
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(S.sparsify(d), requires_grad=False)
+    A = model.weight
+    assert not A.is_shared()
+    assert model.share_memory() is model and model.weight is A
+    assert A.is_shared() and all(t.is_shared() for t in (A.crow, A.col, A.val))
+    assert A.share_memory_() is A and torch.equal(A @ torch.ones(4), d @ torch.ones(4))
+
+
+def test_pinning_reaches_the_csr_arrays():
+    """``is_pinned``/``pin_memory`` answer for the three CSR arrays (pinning needs a GPU: on a
+    CPU-only machine torch's own error, as for a dense tensor)."""
+    A = S.sparsify(torch.eye(3))
+    assert A.is_pinned() is False
+    if not torch.cuda.is_available():
+        for inference in (False, True):
+            with torch.inference_mode(inference), pytest.raises(RuntimeError, match="accelerator"):
+                A.pin_memory()
+        return
+    P = A.pin_memory()
+    assert isinstance(P, SparseRLTensor) and P.is_pinned() and all(t.is_pinned() for t in (P.crow, P.col, P.val))
+
+
 def test_state_dicts_load_between_dense_and_sparsified_models():
     """load_state_dict copies (aten.copy_) into a sparsified model from its own kind of state
     dict or from the dense model it was pruned from, and a dense model loads a sparsified one."""
