@@ -74,6 +74,17 @@ def test_native_tensors_made_under_inference_mode_are_routed():
         assert torch.equal(y, a.to_dense() @ x)
 
 
+def test_routed_products_under_autocast_run_in_the_operands_dtype():
+    """Under ``torch.autocast`` a routed native product runs in its operands' dtype; torch's own
+    CPU CSR product, handed the half-precision operands autocast would cast to, has no kernel."""
+    a = native()
+    x = torch.randn(9, 4)
+    want = a.to_dense() @ x
+    with torch.autocast("cpu", dtype=torch.bfloat16), S.accelerate():
+        y = a @ x
+    assert y.dtype == torch.float32 and torch.allclose(y, want, atol=1e-5)
+
+
 def test_enable_disable():
     A, X = native(), torch.randn(9, 2)
     assert not dispatch.is_enabled()

@@ -476,6 +476,31 @@ def _pruned_mlp(seed=0):
     return m
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_products_under_autocast_run_in_the_operands_dtype(dtype):
+    """``torch.autocast`` (mixed-precision CPU inference) leaves sparserl's products alone, as it
+    leaves any op it has no rule for: the product runs in the operands' dtype (torch's CPU CSR
+    product, which autocast would otherwise hand half-precision operands it has no kernel for),
+    and the dense layers around it are cast as usual."""
+    m = rand_csr(6, 5, seed=3)
+    d = torch.from_numpy(m.toarray())
+    for vdtype in (torch.float32, torch.bfloat16):
+        A = S.sparsify(d.to(vdtype))
+        x = torch.randn(5, 3).to(vdtype)
+        with torch.autocast("cpu", dtype=dtype):
+            for y, want in ((A @ x, d @ x.double()), (A @ x[:, 0], d @ x[:, 0].double()),
+                            (x.t() @ A.t(), x.t().double() @ d.t()), (A.t() @ torch.ones(6, 2, dtype=vdtype), d.t() @ torch.ones(6, 2).double()),
+                            (F.linear(x.t(), A, torch.ones(6, dtype=vdtype)), x.t().double() @ d.t() + 1)):
+                assert y.dtype == vdtype
+                check_close(y, want.numpy(), vdtype)
+    layer = torch.nn.Linear(5, 6)
+    layer.weight = torch.nn.Parameter(S.sparsify(d.float()), requires_grad=False)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(6, 2))
+    with torch.autocast("cpu", dtype=dtype), torch.inference_mode():
+        out = model(torch.randn(4, 5))
+    assert out.dtype == dtype  # the dense layer after it runs under autocast
+
+
 def test_share_memory_shares_the_csr_arrays_for_worker_processes():
     """``model.share_memory()`` (before handing a served model to worker processes) moves a
     SparseRLTensor's three CSR arrays to shared memory, as it does a dense weight's storage."""
