@@ -44,6 +44,7 @@ This module is over 600 lines on purpose: the subclass and every handler of its 
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -331,6 +332,11 @@ def sparsify_(module: torch.nn.Module, min_sparsity: float = 0.5) -> torch.nn.Mo
     exact zeros by a ``SparseRLTensor`` parameter (``requires_grad=False``: sparse weights are
     frozen; train biases and dense layers as usual). Returns ``module``.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"sparsify_ takes an nn.Module (its nn.Linear weights are replaced), got a "
+                        f"{type(module).__name__}; use sparsify() for a single matrix")
+    if isinstance(min_sparsity, bool) or not isinstance(min_sparsity, numbers.Real):
+        raise TypeError(f"min_sparsity={min_sparsity!r} must be a fraction in [0, 1] (of a weight's exact zeros)")
     if not (0.0 <= float(min_sparsity) <= 1.0):
         raise ValueError(f"min_sparsity={min_sparsity} must be a fraction in [0, 1]")
     for sub in module.modules():

@@ -501,6 +501,13 @@ def test_products_under_autocast_run_in_the_operands_dtype(dtype):
     assert out.dtype == dtype  # the dense layer after it runs under autocast
 
 
+def test_sparsify_inplace_names_a_bad_argument():
+    with pytest.raises(TypeError, match="min_sparsity='half'.*fraction"):
+        S.sparsify_(torch.nn.Linear(2, 2), "half")
+    with pytest.raises(TypeError, match="sparsify_ takes an nn.Module.*Tensor.*sparsify"):
+        S.sparsify_(torch.zeros(2, 2))
+
+
 def test_share_memory_shares_the_csr_arrays_for_worker_processes():
     """``model.share_memory()`` (before handing a served model to worker processes) moves a
     SparseRLTensor's three CSR arrays to shared memory, as it does a dense weight's storage."""
