@@ -40,6 +40,7 @@ tensors at all (see ``backend.py``); under ``torch.compile`` use ``sparsify``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -71,13 +72,17 @@ class MemoStats:
 
 
 _memo: "OrderedDict[tuple, _Native]" = OrderedDict()
+#: the memo is shared by every thread's mode: one thread's eviction must not land between
+#: another's lookup and its move_to_end (an OrderedDict raises KeyError there)
+_memo_lock = threading.Lock()
 memo_stats = MemoStats()
 
 
 def clear_memo() -> None:
     """Forget every memoized native structure (release its index tensors), zero ``memo_stats``."""
-    _memo.clear()
-    memo_stats.hits = memo_stats.misses = 0
+    with _memo_lock:
+        _memo.clear()
+        memo_stats.hits = memo_stats.misses = 0
 
 
 def _native_csr(a: torch.Tensor, count: bool = False):
@@ -104,16 +109,18 @@ def _native_csr(a: torch.Tensor, count: bool = False):
         return None
     key = (a.layout, a.device, tuple(a.shape), vals.shape[0],
            tuple(t.data_ptr() for t in idx), tuple(version_counter(t) for t in idx))
-    hit = _memo.get(key)
-    if hit is not None:
-        memo_stats.hits += count
-        _memo.move_to_end(key)
-    else:
-        memo_stats.misses += count
+    with _memo_lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            memo_stats.hits += count
+            _memo.move_to_end(key)
+    if hit is None:
         hit = _build(a, idx, vals.shape[0])
-        _memo[key] = hit
-        while len(_memo) > MEMO_SIZE:
-            _memo.popitem(last=False)
+        with _memo_lock:
+            memo_stats.misses += count
+            _memo[key] = hit
+            while len(_memo) > MEMO_SIZE:
+                _memo.popitem(last=False)
     if hit.crow is None:
         return None
     return hit.crow, hit.col, vals, hit.fingerprint

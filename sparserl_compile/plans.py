@@ -318,7 +318,8 @@ class DensePlan:
 
     def run(self, op, crow, col, val, x, n_rows, n_cols):
         w = self.weight(crow, col, val, n_rows, n_cols)
-        return torch.mv(w, x) if x.dim() == 1 else torch.mm(w, x)
+        with torch._C._DisableAutocast():  # the operands' dtype, as every plan (reference.native_mm)
+            return torch.mv(w, x) if x.dim() == 1 else torch.mm(w, x)
 
     def __repr__(self) -> str:
         return f"DensePlan(copies={len(self._dense)}, nbytes={self.nbytes})"

@@ -53,15 +53,18 @@ def reference_product(crow, col, val, x, n_rows: int, n_cols: int) -> torch.Tens
 
 
 _mode_on = torch._C._is_torch_function_mode_enabled
+_autocast_on = torch._C._is_any_autocast_enabled
 
 
 def native_mm(a_csr, x):
     """``a_csr @ x`` by torch (``torch.mv``/``torch.mm``), out of reach of torch function
     modes: a product of sparserl's own must not be seen (and routed a second time) by
     ``dispatch.enable()``'s mode when the runtime is called directly from Python, as the eager
-    fast paths do."""
-    if _mode_on():
-        with torch._C.DisableTorchFunction():
+    fast paths do. Nor of ``torch.autocast``: a sparserl product runs in its operands' dtype
+    whichever plan serves it (a kernel is never cast), and torch's CPU CSR product has no
+    half-precision kernel for autocast to cast to."""
+    if _mode_on() or _autocast_on():
+        with torch._C.DisableTorchFunction(), torch._C._DisableAutocast():
             return torch.mv(a_csr, x) if x.dim() == 1 else torch.mm(a_csr, x)
     return torch.mv(a_csr, x) if x.dim() == 1 else torch.mm(a_csr, x)
 

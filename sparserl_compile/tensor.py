@@ -44,6 +44,7 @@ This module is over 600 lines on purpose: the subclass and every handler of its 
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -331,6 +332,11 @@ def sparsify_(module: torch.nn.Module, min_sparsity: float = 0.5) -> torch.nn.Mo
     exact zeros by a ``SparseRLTensor`` parameter (``requires_grad=False``: sparse weights are
     frozen; train biases and dense layers as usual). Returns ``module``.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"sparsify_ takes an nn.Module (its nn.Linear weights are replaced), got a "
+                        f"{type(module).__name__}; use sparsify() for a single matrix")
+    if isinstance(min_sparsity, bool) or not isinstance(min_sparsity, numbers.Real):
+        raise TypeError(f"min_sparsity={min_sparsity!r} must be a fraction in [0, 1] (of a weight's exact zeros)")
     if not (0.0 <= float(min_sparsity) <= 1.0):
         raise ValueError(f"min_sparsity={min_sparsity} must be a fraction in [0, 1]")
     for sub in module.modules():
@@ -584,7 +590,35 @@ def _to_dense(func, types, args, kwargs):
     return _dense(args[0])
 
 
+# a wrapper subclass has no storage of its own: torch's share_memory_/is_shared would read a
+# null one (share_memory_ crashed the process), so both act on the three CSR arrays
+@implements(torch.Tensor.share_memory_)
+def _share_memory_(func, types, args, kwargs):
+    a = args[0]
+    for t in (a.crow, a.col, a.val):
+        t.share_memory_()
+    return a
+
+
+@implements(torch.Tensor.is_shared)
+def _is_shared(func, types, args, kwargs):
+    a = args[0]
+    return all(t.is_shared() for t in (a.crow, a.col, a.val))
+
+
 # ------------------------------------------------------------------------ aten level
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, types, args, kwargs):
+    a = args[0]
+    return all(t.is_pinned() for t in (a.crow, a.col, a.val))
+
+
+@implements(aten._pin_memory.default, aten.pin_memory.default)  # (the second: under inference_mode)
+def _pin_memory(func, types, args, kwargs):
+    a = args[0]
+    return a._with(crow=a.crow.pin_memory(), col=a.col.pin_memory(), val=a.val.pin_memory())
 
 
 @implements(aten.detach.default)
@@ -602,15 +636,50 @@ def _clone(func, types, args, kwargs):
 @implements(aten._to_copy.default)
 def _to_copy(func, types, args, kwargs):
     a = args[0]
-    dtype = kwargs.get("dtype") or a.dtype
-    device = kwargs.get("device") or a.device
+    return _converted(a, kwargs.get("dtype") or a.dtype, kwargs.get("device") or a.device)
+
+
+def _converted(a: SparseRLTensor, dtype, device) -> SparseRLTensor:
     if dtype not in VALUE_DTYPES:
         raise TypeError(f"SparseRLTensor values cannot be {dtype}; use one of {VALUE_DTYPES}")
     return a._with(crow=a.crow.to(device), col=a.col.to(device), val=a.val.to(device=device, dtype=dtype))
 
 
+# .to(...), .half(), .cpu(), .cuda() and type_as reach aten as themselves under inference_mode
+# or on a matrix made there (elsewhere they decompose to _to_copy first): the same conversion,
+# and, as torch's own .to, the matrix itself where nothing changes and no copy is asked for
+@implements(aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.to.other, aten.type_as.default)
+def _to(func, types, args, kwargs):
+    a = args[0]
+    p = {}  # the schema's arguments by name, defaults filled in
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            p[arg.name] = args[i]
+        else:
+            p[arg.name] = kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
+    other = p.get("other")
+    if p.get("layout") not in (None, torch.strided):
+        raise NotImplementedError(f"{func}: a SparseRLTensor cannot become {p['layout']}; use .to_dense() first, "
+                                  "or build a torch sparse tensor from crow_indices(), col_indices() and values()")
+    dtype = other.dtype if other is not None else p.get("dtype") or a.dtype
+    device = torch.device(other.device if other is not None else p.get("device") or a.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype == a.dtype and device == a.device and not p.get("copy"):
+        return a
+    return _converted(a, dtype, device)
+
+
 # .T, .mT, .mH and adjoint() reach aten as themselves under inference_mode (outside it they
 # decompose to transpose first); for a real 2-D matrix each is the transpose
+# nn.Module._apply (model.half(), .to(...)) asks this of a parameter and its converted copy; it
+# reaches aten under inference_mode. Outside, torch answers it from the tensors' dispatch keys:
+# a SparseRLTensor presents as a strided tensor, compatible with another strided one
+@implements(aten._has_compatible_shallow_copy_type.default)
+def _has_compatible_shallow_copy_type(func, types, args, kwargs):
+    return all(t.layout == torch.strided for t in args[:2])
+
+
 @implements(aten.t.default, aten.numpy_T.default, aten.mT.default, aten.mH.default, aten.adjoint.default)
 def _t(func, types, args, kwargs):
     return args[0]._view(transposed=not args[0].transposed)

@@ -45,10 +45,11 @@ _transposes: "OrderedDict[tuple, TransposedPattern]" = OrderedDict()
 def transpose_pattern(crow, col, n_rows: int, n_cols: int, fp: str) -> TransposedPattern:
     """A^T's pattern (memoized per fingerprint and device; computed on the host once)."""
     key = (fp, str(crow.device))
-    tp = _transposes.get(key)
-    if tp is not None:
-        _transposes.move_to_end(key)
-        return tp
+    with _lock:  # (another thread's eviction must not land between the lookup and move_to_end)
+        tp = _transposes.get(key)
+        if tp is not None:
+            _transposes.move_to_end(key)
+            return tp
     import scipy.sparse as sp
 
     ip = crow.detach().cpu().numpy().astype(np.int64)

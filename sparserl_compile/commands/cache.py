@@ -90,6 +90,10 @@ def _cmd_show(args) -> int:
     if c is None:
         return 1
     hits = c.find(args.key)
+    if not hits:
+        print(f"error: no entry of {c.directory} has a digest starting with {args.key!r}; list them with "
+              "`sparserl cache ls` (and --dir for another folder)", file=sys.stderr)
+        return 1
     if len(hits) != 1:
         print(f"error: {len(hits)} entries match {args.key!r}; give a longer digest prefix (see `sparserl cache ls`)", file=sys.stderr)
         return 1

@@ -74,6 +74,17 @@ def test_native_tensors_made_under_inference_mode_are_routed():
         assert torch.equal(y, a.to_dense() @ x)
 
 
+def test_routed_products_under_autocast_run_in_the_operands_dtype():
+    """Under ``torch.autocast`` a routed native product runs in its operands' dtype; torch's own
+    CPU CSR product, handed the half-precision operands autocast would cast to, has no kernel."""
+    a = native()
+    x = torch.randn(9, 4)
+    want = a.to_dense() @ x
+    with torch.autocast("cpu", dtype=torch.bfloat16), S.accelerate():
+        y = a @ x
+    assert y.dtype == torch.float32 and torch.allclose(y, want, atol=1e-5)
+
+
 def test_enable_disable():
     A, X = native(), torch.randn(9, 2)
     assert not dispatch.is_enabled()
@@ -89,6 +100,40 @@ def test_enable_disable():
     S.disable()  # no-op
     A @ X
     assert calls() == 2 and not dispatch.is_enabled()
+
+
+def test_threads_routing_more_structures_than_the_memo_keeps(monkeypatch):
+    """A server whose threads each multiply many structures (a new sampled subgraph per batch)
+    shares one memo of native structures: evictions in one thread never break a product in
+    another."""
+    import sys
+    import threading
+
+    monkeypatch.setattr(dispatch, "MEMO_SIZE", 2)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    mats = [native(6 + i, 5, seed=i) for i in range(6)]
+    want = [m.to_dense() @ torch.ones(5) for m in mats]
+    errors = []
+
+    def work(i):
+        try:
+            with S.accelerate():
+                for r in range(400):
+                    k = (i + r) % len(mats)
+                    assert torch.allclose(mats[k] @ torch.ones(5), want[k], atol=1e-6)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []
 
 
 def test_fingerprint_is_memoized_per_structure(monkeypatch):

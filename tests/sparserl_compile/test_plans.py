@@ -216,3 +216,14 @@ def test_a_product_first_met_inside_a_cuda_graph_capture_does_not_break_it():
     assert len(plans.plans()) == 1
     plans.clear()
     plans.reset_stats()
+
+
+def test_dense_plan_runs_in_the_operands_dtype_under_autocast():
+    """A ``DensePlan`` serves a product in its operands' dtype under ``torch.autocast``, as the
+    reference and a kernel do (the plan that wins must not change the result's dtype)."""
+    m = sp.random(6, 5, density=0.5, format="csr", random_state=0, dtype=np.float32)
+    crow, col = torch.from_numpy(m.indptr).int(), torch.from_numpy(m.indices).int()
+    val, x = torch.from_numpy(m.data), torch.randn(5, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = plans.DensePlan().run("spmm", crow, col, val, x, 6, 5)
+    assert y.dtype == torch.float32 and torch.allclose(y, torch.from_numpy(m.toarray()) @ x, atol=1e-5)

@@ -129,6 +129,36 @@ def test_views_and_products_under_inference_mode(made_in_inference_mode):
         assert torch.equal(A @ x[:, 0], d @ x[:, 0]) and torch.equal(F.linear(x.t(), A), x.t() @ d.t())
 
 
+@pytest.mark.parametrize("where", ["made in inference mode", "converted in inference mode"])
+def test_dtype_and_device_conversions_under_inference_mode(where):
+    """``model.half()``, ``.to(dtype)``, ``.cpu()`` and ``type_as`` reach the subclass as
+    ``aten.to.*`` under ``torch.inference_mode`` or on a matrix made there (outside, they
+    decompose to ``_to_copy``): they convert as they do elsewhere, and return the matrix itself
+    where nothing changes."""
+    d = torch.eye(4) + torch.diag(torch.ones(3), 1)
+    with torch.inference_mode(where == "made in inference mode"):
+        A = S.sparsify(d)
+    with torch.inference_mode(where == "converted in inference mode"):
+        for conv, dtype in ((lambda a: a.half(), torch.float16), (lambda a: a.bfloat16(), torch.bfloat16),
+                            (lambda a: a.double(), torch.float64), (lambda a: a.to(torch.float16), torch.float16),
+                            (lambda a: a.to("cpu", torch.float16), torch.float16),
+                            (lambda a: a.to(dtype=torch.bfloat16, device="cpu"), torch.bfloat16),
+                            (lambda a: a.to(torch.zeros(1, dtype=torch.float64)), torch.float64),
+                            (lambda a: a.type_as(torch.zeros(1, dtype=torch.float16)), torch.float16)):
+            B = conv(A)
+            assert isinstance(B, SparseRLTensor) and B.dtype == dtype and B.fingerprint == A.fingerprint
+            assert torch.equal((B @ torch.ones(4, dtype=dtype)).double(), d.double() @ torch.ones(4, dtype=torch.float64))
+        assert A.cpu() is A and A.to(torch.float32) is A and A.float() is A and A.to("cpu") is A
+        assert A.to(torch.float32, copy=True) is not A
+        assert torch.equal(A.T.half().to_dense(), d.t().half())
+        with pytest.raises(TypeError, match="int32"):
+            A.to(torch.int32)
+        model = torch.nn.Linear(4, 4)
+        model.weight = torch.nn.Parameter(A, requires_grad=False)
+        model.half()
+        assert isinstance(model.weight, SparseRLTensor) and model.weight.dtype == torch.float16
+
+
 def test_unimplemented_op_names_the_op():
     a = S.sparsify(rand_csr(3, 3))
     with pytest.raises(NotImplementedError, match="aten.sin"):
@@ -444,6 +474,65 @@ def _pruned_mlp(seed=0):
         for lin in (m[0], m[2]):
             lin.weight.mul_(torch.rand_like(lin.weight) < 0.3)
     return m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_products_under_autocast_run_in_the_operands_dtype(dtype):
+    """``torch.autocast`` (mixed-precision CPU inference) leaves sparserl's products alone, as it
+    leaves any op it has no rule for: the product runs in the operands' dtype (torch's CPU CSR
+    product, which autocast would otherwise hand half-precision operands it has no kernel for),
+    and the dense layers around it are cast as usual."""
+    m = rand_csr(6, 5, seed=3)
+    d = torch.from_numpy(m.toarray())
+    for vdtype in (torch.float32, torch.bfloat16):
+        A = S.sparsify(d.to(vdtype))
+        x = torch.randn(5, 3).to(vdtype)
+        with torch.autocast("cpu", dtype=dtype):
+            for y, want in ((A @ x, d @ x.double()), (A @ x[:, 0], d @ x[:, 0].double()),
+                            (x.t() @ A.t(), x.t().double() @ d.t()), (A.t() @ torch.ones(6, 2, dtype=vdtype), d.t() @ torch.ones(6, 2).double()),
+                            (F.linear(x.t(), A, torch.ones(6, dtype=vdtype)), x.t().double() @ d.t() + 1)):
+                assert y.dtype == vdtype
+                check_close(y, want.numpy(), vdtype)
+    layer = torch.nn.Linear(5, 6)
+    layer.weight = torch.nn.Parameter(S.sparsify(d.float()), requires_grad=False)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(6, 2))
+    with torch.autocast("cpu", dtype=dtype), torch.inference_mode():
+        out = model(torch.randn(4, 5))
+    assert out.dtype == dtype  # the dense layer after it runs under autocast
+
+
+def test_sparsify_inplace_names_a_bad_argument():
+    with pytest.raises(TypeError, match="min_sparsity='half'.*fraction"):
+        S.sparsify_(torch.nn.Linear(2, 2), "half")
+    with pytest.raises(TypeError, match="sparsify_ takes an nn.Module.*Tensor.*sparsify"):
+        S.sparsify_(torch.zeros(2, 2))
+
+
+def test_share_memory_shares_the_csr_arrays_for_worker_processes():
+    """``model.share_memory()`` (before handing a served model to worker processes) moves a
+    SparseRLTensor's three CSR arrays to shared memory, as it does a dense weight's storage."""
+    d = torch.eye(4) + torch.diag(torch.ones(3), 1)
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(S.sparsify(d), requires_grad=False)
+    A = model.weight
+    assert not A.is_shared()
+    assert model.share_memory() is model and model.weight is A
+    assert A.is_shared() and all(t.is_shared() for t in (A.crow, A.col, A.val))
+    assert A.share_memory_() is A and torch.equal(A @ torch.ones(4), d @ torch.ones(4))
+
+
+def test_pinning_reaches_the_csr_arrays():
+    """``is_pinned``/``pin_memory`` answer for the three CSR arrays (pinning needs a GPU: on a
+    CPU-only machine torch's own error, as for a dense tensor)."""
+    A = S.sparsify(torch.eye(3))
+    assert A.is_pinned() is False
+    if not torch.cuda.is_available():
+        for inference in (False, True):
+            with torch.inference_mode(inference), pytest.raises(RuntimeError, match="accelerator"):
+                A.pin_memory()
+        return
+    P = A.pin_memory()
+    assert isinstance(P, SparseRLTensor) and P.is_pinned() and all(t.is_pinned() for t in (P.crow, P.col, P.val))
 
 
 def test_state_dicts_load_between_dense_and_sparsified_models():
