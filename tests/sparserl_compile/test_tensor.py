@@ -47,7 +47,8 @@ def test_sparsify_inputs_agree_and_use_int32():
     csr64 = dense.to_sparse_csr()
     csr32 = torch.sparse_csr_tensor(csr64.crow_indices().int(), csr64.col_indices().int(), csr64.values(), m.shape)
     coo = dense.to_sparse()
-    tensors = [S.sparsify(a) for a in (dense, csr64, csr32, coo, m, m.tocoo(), m.tocsc())]
+    blocks = (dense.to_sparse_bsr((1, 1)), dense.to_sparse_bsc((1, 1)))  # 1x1 blocks store only the nonzeros
+    tensors = [S.sparsify(a) for a in (dense, csr64, csr32, coo, m, m.tocoo(), m.tocsc(), *blocks)]
     fps = {t.fingerprint for t in tensors}
     assert fps == {fingerprint(m.indptr, m.indices, m.shape)}
     for t in tensors:
@@ -566,6 +567,16 @@ def test_state_dicts_load_between_dense_and_sparsified_models():
         other.load_state_dict(_pruned_mlp(seed=2).state_dict())  # another pruning mask
     with pytest.raises(RuntimeError, match="another sparsity structure"):
         other.load_state_dict(S.sparsify_(_pruned_mlp(seed=2), min_sparsity=0.5).state_dict())
+
+
+def test_a_meta_tensor_is_refused_with_what_to_do():
+    for a in (torch.empty(5, 4, device="meta"), torch.eye(3).to_sparse_csr().to("meta")):
+        with pytest.raises(ValueError, match=r"meta device.*holds no values.*to_empty"):
+            S.sparsify(a)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="meta device"):
+        S.sparsify_(model, min_sparsity=0.0)
 
 
 def test_torch_save_and_weights_only_load_round_trip_and_validate(tmp_path):
