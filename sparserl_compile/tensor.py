@@ -124,8 +124,10 @@ class SparseRLTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save``) as its CSR arrays and rebuilt through ``from_csr``'s checks,
         so a file can never hand a kernel out-of-range indices or a stale fingerprint; the
-        rebuild function is registered with ``torch.serialization.add_safe_globals``, so
-        ``torch.load`` (``weights_only=True``, its default) reads sparsified state dicts."""
+        rebuild function is registered with ``torch.serialization.add_safe_globals`` when the
+        package is imported, so ``torch.load`` (``weights_only=True``, its default) reads
+        sparsified state dicts once ``sparserl_compile`` is imported (before that, torch
+        refuses the unregistered global ``sparserl_compile.tensor._rebuild``)."""
         return (_rebuild, (self.crow, self.col, self.val, self.n_rows, self.n_cols, self.transposed))
 
     def _with(self, **changes) -> "SparseRLTensor":

@@ -601,6 +601,33 @@ def test_torch_save_and_weights_only_load_round_trip_and_validate(tmp_path):
 # ---------------------------------------------------------------- the stored structure cannot be changed
 
 
+def test_a_fresh_process_loads_a_saved_matrix_weights_only_with_a_map_location(tmp_path):
+    """The import registers the rebuild with torch's weights-only unpickler (before it, torch
+    refuses the global ``sparserl_compile.tensor._rebuild``, as it does any unregistered one)."""
+    import subprocess
+    import sys
+
+    A = S.sparsify(rand_csr(30, 20, seed=4, dtype=np.float32))
+    torch.save({"w": A, "t": A.t()}, tmp_path / "m.pt")
+    code = f"""
+import torch
+try:
+    torch.load({str(tmp_path / "m.pt")!r}, weights_only=True)
+except Exception as e:
+    assert "sparserl_compile.tensor._rebuild" in str(e), e
+else:
+    raise SystemExit("loaded without the import")
+import sparserl_compile
+for where in ("cpu", torch.device("cpu"), {{"cpu": "cpu"}}, lambda storage, loc: storage):
+    d = torch.load({str(tmp_path / "m.pt")!r}, weights_only=True, map_location=where)
+    print(type(d["w"]).__name__, d["t"].transposed, float((d["w"] @ torch.ones(20)).sum()))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = f"SparseRLTensor True {float((A @ torch.ones(20)).sum())}"
+    assert r.stdout.splitlines() == [want] * 4
+
+
 def test_index_accessors_return_copies_an_edit_cannot_reach_the_matrix():
     """An in-place edit of what crow_indices()/col_indices() return used to reach the live
     arrays: out of range, ``A @ x`` read past the end; moved, the memoized transpose went stale
