@@ -156,8 +156,15 @@ class ProcessProvider(Provider):
         self._warmed = False
 
     def close(self) -> None:
-        """Stop the worker (it is started again by the next request)."""
-        with self._lock:
+        """Stop the worker (it is started again by the next request). A request in flight (a
+        warm-up, a proposal: seconds to minutes) is not waited for: the worker is killed and
+        that request fails as one whose worker ended, so an exiting interpreter never waits."""
+        if not self._lock.acquire(blocking=False):
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()  # the requesting thread sees the pipe close and drops the rest
+            return
+        try:
             if self._conn is not None and self._proc is not None and self._proc.poll() is None:
                 try:
                     self._conn.send(("stop",))
@@ -165,6 +172,8 @@ class ProcessProvider(Provider):
                 except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
                     pass
             self._drop()
+        finally:
+            self._lock.release()
 
     @property
     def pid(self) -> int | None:

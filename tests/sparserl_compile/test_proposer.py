@@ -65,3 +65,39 @@ def test_the_default_provider_falls_back_when_the_policy_worker_cannot_build(mon
 def test_a_bad_factory_is_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="'package.module:Class'"):
         ProcessProvider("no_colon_here", name="x")
+
+
+def test_exit_while_the_worker_warms_up_stops_it_without_waiting_for_the_warm_up():
+    """A script that ends while the provider loads in the background (a prewarm, a first
+    search) exits at once and quietly: the worker is stopped, its request not waited for."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    from pathlib import Path
+
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from sparserl_compile.proposer import ProcessProvider
+        p = ProcessProvider("proposer_fixtures:SlowProvider", name="slow")
+        p.load_in_background()
+        while p.pid is None:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the warm-up request is in flight
+        print(p.pid, flush=True)
+    """)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    assert time.monotonic() - t0 < 120  # not the warm-up's ten minutes
+    pid = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the worker {pid} outlived its parent")
