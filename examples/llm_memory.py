@@ -146,3 +146,8 @@ def weight_memory(model: nn.Module, batches: list[int]) -> WeightMemory:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+if __name__ == "__main__":
+    raise SystemExit(f"{__file__} is a module of the pruned-LLM example, not a script: run "
+                     "python examples/pruned_llm.py (--help lists its options)")

@@ -409,3 +409,14 @@ def test_byte_tokenizer_round_trips_text_and_shows_ids_beyond_bytes():
     tok = llm.ByteTokenizer()
     assert tok.decode(tok.encode("naïve café")) == "naïve café"
     assert tok.decode([0, 1, 3 + ord("a"), 70000, 3 + ord("b"), 2]) == "a<70000>b"
+
+
+@pytest.mark.parametrize("module", ["llm_models", "llm_pruning", "llm_memory", "llm_report", "llm_decoding"])
+def test_a_module_of_the_example_run_as_a_script_points_to_the_script(module):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{module}.py"
+    r = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "examples/pruned_llm.py" in r.stderr, (r.returncode, r.stderr[-1000:])
