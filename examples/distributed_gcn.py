@@ -67,12 +67,15 @@ def load_graph(spec: str, n_features: int, n_classes: int, seed: int = 0):
         x /= np.maximum(x.sum(axis=1, keepdims=True), 1.0)
         y = np.load(d / f"{kind}_labels.npy", allow_pickle=False).astype(np.int64)
         return a_hat, x, y
-    if kind == "rmat":
-        g = matrices.rmat(int(params[0]), int(params[1]), seed=seed)
-    elif kind == "rgg":
-        g = matrices.random_geometric(int(params[0]), float(params[1]), seed=seed)
-    else:
+    if kind not in ("rmat", "rgg"):
         raise SystemExit(f"unknown graph {spec!r}: cora, citeseer, rmat:SCALE:EF or rgg:N:DEGREE")
+    try:
+        a, b = params
+        g = (matrices.rmat(int(a), int(b), seed=seed) if kind == "rmat"
+             else matrices.random_geometric(int(a), float(b), seed=seed))
+    except ValueError as e:
+        raise SystemExit(f"--graph {spec!r}: {e}; give rmat:SCALE:EF or rgg:N:DEGREE (two numbers, "
+                         "e.g. rmat:14:8)") from None
     a_hat = normalized_adjacency(g)
     x = rng.standard_normal((a_hat.shape[0], n_features)).astype(np.float32)
     w1 = rng.standard_normal((n_features, 32)) / np.sqrt(n_features)

@@ -251,3 +251,8 @@ def pregenerate_weights(model: nn.Module, widths: list[int], share: int, *, targ
                speedups=[round(r.reference_us / r.kernel_us, 3) for r in rows
                          if r.outcome == "kernel" and r.kernel_us and r.reference_us])
     return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(f"{__file__} is a module of the pruned-LLM example, not a script: run "
+                     "python examples/pruned_llm.py (--help lists its options)")

@@ -6,7 +6,7 @@ Two figures, per model:
 
 * **read** at each decoding width: the bytes of the weights as the plan chosen for that width
   stores them, i.e. what one product reads. A generated kernel: its format's structure arrays
-  plus its value array (padding included) in the weight's dtype; cuSPARSE (the reference plan):
+  plus its value array (padding included) in the weight's dtype; cuSPARSE (the reference plan; torch CSR on the CPU):
   the CSR arrays (int32 row pointers and columns, values); the dense product (a ``DensePlan``,
   kept where it beat the sparse ones): the weight stored dense in its dtype. Any other kind of
   plan: the device tensors the plan holds.
@@ -30,6 +30,7 @@ from torch import nn
 import sparserl_compile as sr
 
 CUSPARSE = "cuSPARSE (CSR)"
+TORCH_CSR = "torch CSR"  # the reference of a weight on the CPU
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -68,7 +69,7 @@ def plan_read_bytes(plan, w: sr.SparseRLTensor) -> tuple[str, int]:
         values = plan.fdata.padded_size * w.val.element_size()
         return plan.header.format, sum(_nbytes(t) for t in plan.arrays.values()) + values
     if plan.kind in ("reference", "pending"):  # a pending plan runs the reference until its search ends
-        return CUSPARSE, _nbytes(w.crow) + _nbytes(w.col) + _nbytes(w.val)
+        return (CUSPARSE if w.val.is_cuda else TORCH_CSR), _nbytes(w.crow) + _nbytes(w.col) + _nbytes(w.val)
     if plan.kind == "dense":
         return "dense", w.n_rows * w.n_cols * w.val.element_size()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _held_tensors(plan)
@@ -145,3 +146,8 @@ def weight_memory(model: nn.Module, batches: list[int]) -> WeightMemory:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+if __name__ == "__main__":
+    raise SystemExit(f"{__file__} is a module of the pruned-LLM example, not a script: run "
+                     "python examples/pruned_llm.py (--help lists its options)")

@@ -268,3 +268,8 @@ def pattern_model(folder: Path, seed: int) -> LoadedModel:
     meta = json.loads((folder / "meta.json").read_text())
     return LoadedModel(model, SavedIdsTokenizer(meta), f"{meta['model']} shape, random weights (seed {seed}), "
                        f"{meta['method']} patterns from {folder}", real=False)
+
+
+if __name__ == "__main__":
+    raise SystemExit(f"{__file__} is a module of the pruned-LLM example, not a script: run "
+                     "python examples/pruned_llm.py (--help lists its options)")

@@ -163,3 +163,8 @@ class DenseWeights:
             for name, lin in decoder_linears(self.model).items():
                 lin.weight.copy_(self.saved[name])
         return self.model
+
+
+if __name__ == "__main__":
+    raise SystemExit(f"{__file__} is a module of the pruned-LLM example, not a script: run "
+                     "python examples/pruned_llm.py (--help lists its options)")

@@ -68,3 +68,8 @@ def print_end(r, real: bool) -> None:
     if r.decode and real:
         print(f"dense   : {PROMPTS[0]!r} -> {r.sample_dense!r}\nsparserl: {PROMPTS[0]!r} -> {r.sample_sparserl!r}")
     print(f"level done in {r.seconds:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(f"{__file__} is a module of the pruned-LLM example, not a script: run "
+                     "python examples/pruned_llm.py (--help lists its options)")

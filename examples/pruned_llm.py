@@ -100,7 +100,7 @@ import sparserl_compile as sr  # noqa: E402
 from llm_decoding import (  # noqa: E402,F401  (re-exported: the example's API in one place)
     Generation, TokenMatch, batch_prompts, compare_tokens, compile_for_decoding, greedy, perplexity,
     pregenerate_weights, prompts_for, sparse_weights, timed_generate)
-from llm_memory import CUSPARSE, WeightMemory, gib, plan_read_bytes, weight_memory  # noqa: E402,F401
+from llm_memory import CUSPARSE, TORCH_CSR, WeightMemory, gib, plan_read_bytes, weight_memory  # noqa: E402,F401
 from llm_models import (  # noqa: E402,F401
     ARCHS, CALIBRATION_TEXT, EVAL_TEXT, INSTALL, PROMPTS, ByteTokenizer, HFTokenizer, LoadedModel,
     SavedIdsTokenizer, llama_model, load_gguf, load_masks, load_model, mask_file, pattern_model, save_masks,

@@ -207,8 +207,8 @@ def load_policy(directory: str | Path, device: str | torch.device = "cpu", base:
         return load_base_policy(d, device, base=base)
     if not (d / "model.safetensors").is_file():
         raise FileNotFoundError(
-            f"no policy checkpoint in {d} (model.safetensors missing); train one with "
-            "`sparserl train sft` or point to a folder written by save_policy"
+            f"no policy checkpoint in {d} (model.safetensors missing): give a folder a `sparserl train` stage "
+            "wrote (its --out-dir), or the shipped policy/checkpoints/default"
         )
     from transformers.utils import logging as hf_logging
 

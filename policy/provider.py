@@ -158,6 +158,13 @@ class PolicyProvider:
                  departure_steps: int | None = DEPARTURE_STEPS, departure_rounds: int | None = DEPARTURE_ROUNDS):
         checkpoint_path = None
         if model is None:
+            import importlib.util
+
+            missing = [m for m in ("transformers", "tokenizers", "safetensors", "llguidance")
+                       if importlib.util.find_spec(m) is None]
+            if missing:
+                raise ImportError(f"the policy needs the train extra ({', '.join(missing)} not installed): "
+                                  "pip install 'sparserl[train]'")
             from sparserl_compile.policy.model import load_policy
 
             path = checkpoint_path = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINT

@@ -10,7 +10,7 @@ copies them to the host, checks them with numpy (``structure.check_csr``/``check
 only then builds the canonical pattern itself: int32 indices, columns strictly increasing
 within each row. No scipy, torch or cupy routine sees an index array before it passed.
 
-``read(a)`` takes a torch sparse tensor (COO, CSR, CSC), a ``scipy.sparse`` matrix or array
+``read(a)`` takes a torch sparse tensor (COO, CSR, CSC, BSR, BSC), a ``scipy.sparse`` matrix or array
 (CSR, CSC, COO, BSR, LIL, DIA, DOK) or a ``cupyx.scipy.sparse`` matrix and returns its
 ``Pattern`` and values; ``csr``/``csc``/``coo`` take raw arrays. The pattern's arrays are its
 own (never views of the caller's, which the caller may change later). When the stored order is
@@ -175,7 +175,7 @@ def read(a):
 
 
 def read_torch(a):
-    """A torch sparse COO, CSR or CSC matrix (no batch or dense dimensions)."""
+    """A torch sparse COO, CSR, CSC, BSR or BSC matrix (no batch or dense dimensions)."""
     import torch
 
     if a.layout == torch.sparse_coo:
@@ -194,7 +194,16 @@ def read_torch(a):
         if a.layout == torch.sparse_csr:
             return csr(a.crow_indices(), a.col_indices(), tuple(a.shape), vals.shape[0]), vals.detach()
         return csc(a.ccol_indices(), a.row_indices(), tuple(a.shape), vals.shape[0]), vals.detach()
-    raise TypeError(f"sparse layout {a.layout} is not supported: pass a COO, CSR or CSC tensor (or a dense one)")
+    if a.layout in (torch.sparse_bsr, torch.sparse_bsc):
+        if a.dim() != 2:
+            raise ValueError(f"a 2-D {a.layout} matrix without batch dimensions is needed, got shape {tuple(a.shape)}")
+        if a.layout == torch.sparse_bsr:
+            return _blocks(a.values().detach(), a.crow_indices(), a.col_indices(), check_shape(tuple(a.shape)),
+                           ptr="crow_indices", idx="block column")
+        return _blocks(a.values().detach(), a.ccol_indices(), a.row_indices(), check_shape(tuple(a.shape)),
+                       ptr="ccol_indices", idx="block row", by_columns=True)
+    raise TypeError(f"sparse layout {a.layout} is not supported: pass a COO, CSR, CSC, BSR or BSC tensor "
+                    "(or a dense one)")
 
 
 def read_scipy(m):
@@ -224,16 +233,24 @@ def read_scipy(m):
 
 
 def _read_bsr(m, shape):
-    data = np.asarray(m.data)
+    return _blocks(np.asarray(m.data), m.indptr, m.indices, shape, ptr="indptr", idx="block column")
+
+
+def _blocks(data, indptr, indices, shape, *, ptr: str, idx: str, by_columns: bool = False):
+    """The pattern and values of a block matrix: ``data`` (n_blocks, R, C) (numpy or torch),
+    ``indptr`` over block rows and ``indices`` of block columns (BSR), or over block columns and
+    of block rows when ``by_columns`` (torch's BSC); every stored block entry is an entry."""
     if data.ndim != 3:
-        raise ValueError(f"BSR data must have shape (n_blocks, R, C), got {tuple(data.shape)}")
+        raise ValueError(f"BSR/BSC values must have shape (n_blocks, R, C), got {tuple(data.shape)}")
     nb, R, C = data.shape
     n_rows, n_cols = shape
     if R < 1 or C < 1 or n_rows % R or n_cols % C:
-        raise ValueError(f"BSR blocks of {R}x{C} do not tile the shape {n_rows}x{n_cols}")
-    ip, ix, n_brows, _ = check_csr(_own(m.indptr, "indptr"), _own(m.indices, "block column indices"),
-                                   (n_rows // R, n_cols // C), nb, ptr="indptr", idx="block column")
-    brow = np.repeat(np.arange(n_brows, dtype=np.int64), np.diff(ip))
+        raise ValueError(f"blocks of {R}x{C} do not tile the shape {n_rows}x{n_cols}")
+    grid = (n_cols // C, n_rows // R) if by_columns else (n_rows // R, n_cols // C)
+    ip, ix, n_major, _ = check_csr(_own(indptr, ptr), _own(indices, f"{idx} indices"), grid, nb, ptr=ptr, idx=idx)
+    brow = np.repeat(np.arange(n_major, dtype=np.int64), np.diff(ip))
+    if by_columns:
+        brow, ix = ix.astype(np.int64), brow
     rows = (brow[:, None, None] * R + np.arange(R)[None, :, None]) + np.zeros((1, 1, C), np.int64)
     cols = (ix.astype(np.int64)[:, None, None] * C + np.arange(C)[None, None, :]) + np.zeros((1, R, 1), np.int64)
     if rows.size > INT32_MAX:

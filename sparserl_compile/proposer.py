@@ -35,6 +35,10 @@ START_TIMEOUT_S = 120.0
 _LIVE: "weakref.WeakSet[ProcessProvider]" = weakref.WeakSet()
 
 
+class ProviderClosed(RuntimeError):
+    """A request whose worker ``close()`` stopped (nothing failed: no fallback is reported)."""
+
+
 @atexit.register
 def _stop_all() -> None:
     for p in list(_LIVE):
@@ -63,6 +67,7 @@ class ProcessProvider(Provider):
         self._conn = None
         self._warmed = False
         self._loader: threading.Thread | None = None
+        self._killed = False  # close() killed the worker under a request in flight
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ requests
@@ -96,11 +101,17 @@ class ProcessProvider(Provider):
 
     def _ask(self, what: str, *args):
         with self._lock:
-            conn = self._ensure_started()
+            self._killed = False  # a close() of an earlier request's
             try:
+                conn = self._ensure_started()
                 conn.send((what, *args))
                 reply = conn.recv()
-            except (EOFError, OSError) as e:
+            except (EOFError, OSError, RuntimeError) as e:
+                if self._killed:  # close() stopped this request on purpose (an exiting interpreter)
+                    self._drop()
+                    raise ProviderClosed(f"the {self.name} worker was stopped by close() during {what!r}") from None
+                if isinstance(e, RuntimeError):
+                    raise
                 code = self._proc.poll() if self._proc else None
                 self._drop()
                 raise RuntimeError(f"the {self.name} worker process ended during {what!r} (exit code {code}); "
@@ -156,8 +167,16 @@ class ProcessProvider(Provider):
         self._warmed = False
 
     def close(self) -> None:
-        """Stop the worker (it is started again by the next request)."""
-        with self._lock:
+        """Stop the worker (it is started again by the next request). A request in flight (a
+        warm-up, a proposal: seconds to minutes) is not waited for: the worker is killed and
+        that request fails as one whose worker ended, so an exiting interpreter never waits."""
+        if not self._lock.acquire(blocking=False):
+            self._killed = True
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()  # the requesting thread sees the pipe close and drops the rest
+            return
+        try:
             if self._conn is not None and self._proc is not None and self._proc.poll() is None:
                 try:
                     self._conn.send(("stop",))
@@ -165,6 +184,8 @@ class ProcessProvider(Provider):
                 except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
                     pass
             self._drop()
+        finally:
+            self._lock.release()
 
     @property
     def pid(self) -> int | None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from sparserl_compile import contract
 from sparserl_compile.fileio import file_sha256
 from sparserl_compile.problem import Problem, Provider
+from sparserl_compile.proposer import ProviderClosed
 
 #: provider name -> (module, class) imported on first use
 _LAZY = {
@@ -221,8 +222,9 @@ class DefaultProvider(Provider):
         with self._lock:
             if self._inner is failed and len(self._chain) > 1:
                 self.fallback_reason = f"{self._chain[0]}: {type(e).__name__}: {e}"
-                log.warning("sparserl: the default provider %r failed (%s); using %r",
-                            self._chain[0], e, self._chain[1])
+                closed = isinstance(e, ProviderClosed)  # stopped on purpose (at exit): no failure
+                (log.debug if closed else log.warning)("sparserl: the default provider %r failed (%s); using %r",
+                                                       self._chain[0], e, self._chain[1])
                 close = getattr(failed, "close", None)
                 if callable(close):
                     close()

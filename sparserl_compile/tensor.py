@@ -124,8 +124,10 @@ class SparseRLTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save``) as its CSR arrays and rebuilt through ``from_csr``'s checks,
         so a file can never hand a kernel out-of-range indices or a stale fingerprint; the
-        rebuild function is registered with ``torch.serialization.add_safe_globals``, so
-        ``torch.load`` (``weights_only=True``, its default) reads sparsified state dicts."""
+        rebuild function is registered with ``torch.serialization.add_safe_globals`` when the
+        package is imported, so ``torch.load`` (``weights_only=True``, its default) reads
+        sparsified state dicts once ``sparserl_compile`` is imported (before that, torch
+        refuses the unregistered global ``sparserl_compile.tensor._rebuild``)."""
         return (_rebuild, (self.crow, self.col, self.val, self.n_rows, self.n_cols, self.transposed))
 
     def _with(self, **changes) -> "SparseRLTensor":
@@ -288,7 +290,7 @@ torch.serialization.add_safe_globals([_rebuild])
 
 
 def sparsify(a, *, device=None) -> SparseRLTensor:
-    """A ``SparseRLTensor`` from a dense 2-D tensor, a torch sparse CSR/CSC/COO tensor (any
+    """A ``SparseRLTensor`` from a dense 2-D tensor, a torch sparse CSR/CSC/COO/BSR/BSC tensor (any
     index dtype), a ``scipy.sparse`` matrix or array (any format) or a ``cupyx.scipy.sparse``
     matrix.
 
@@ -299,6 +301,10 @@ def sparsify(a, *, device=None) -> SparseRLTensor:
     """
     if isinstance(a, SparseRLTensor):
         return a if device is None else a.to(device)
+    if isinstance(a, torch.Tensor) and a.device.type == "meta":
+        raise ValueError(f"sparsify: the {tuple(a.shape)} tensor is on the meta device, which holds no values to read "
+                         "(a model built under torch.device('meta')): materialize it first, e.g. "
+                         "model.to_empty(device='cpu') and load_state_dict(...)")
     if isinstance(a, torch.Tensor) and a.layout == torch.strided:
         if a.dim() != 2:
             raise ValueError(f"sparsify needs a 2-D matrix, got a {a.dim()}-D tensor of shape {tuple(a.shape)}")
@@ -339,10 +345,14 @@ def sparsify_(module: torch.nn.Module, min_sparsity: float = 0.5) -> torch.nn.Mo
         raise TypeError(f"min_sparsity={min_sparsity!r} must be a fraction in [0, 1] (of a weight's exact zeros)")
     if not (0.0 <= float(min_sparsity) <= 1.0):
         raise ValueError(f"min_sparsity={min_sparsity} must be a fraction in [0, 1]")
-    for sub in module.modules():
+    for name, sub in module.named_modules():
         if not isinstance(sub, torch.nn.Linear) or isinstance(sub.weight, SparseRLTensor):
             continue
         w = sub.weight.detach()
+        if w.device.type == "meta":
+            raise ValueError(f"sparsify_: {name or type(sub).__name__}.weight is on the meta device, which holds no "
+                             "values to count zeros in: materialize the model first, e.g. "
+                             "model.to_empty(device='cpu') and load_state_dict(...)")
         if w.numel() == 0 or w.dtype not in VALUE_DTYPES:
             continue
         zeros = float((w == 0).sum()) / w.numel()

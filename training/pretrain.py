@@ -84,6 +84,10 @@ def pretrain(cfg: PretrainConfig, texts: list[str] | None = None, log=print):
     out = Path(cfg.out_dir)
     if has_state(out):
         check_resume(cfg, out, "pretrain")
+    elif cfg.base:  # a wrong --base is named now, not after the corpus is collected
+        from sparserl_compile.policy.base import resolve_base
+
+        resolve_base(None if cfg.base == "fetched" else cfg.base)
     if ctx.is_main:
         save_config(cfg, out, "pretrain")
     if texts is None:

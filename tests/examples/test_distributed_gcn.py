@@ -19,3 +19,10 @@ def test_one_process_rmat_run_passes_its_float64_check(monkeypatch, tmp_path, ca
     assert rc == 0
     out = capsys.readouterr().out
     assert "epoch" in out or "acc" in out
+
+
+@pytest.mark.parametrize("spec", ["rmat:x:4", "rmat:8", "rgg:100"])
+def test_a_malformed_generated_graph_is_named_with_the_expected_form(spec):
+    ex = load_example("distributed_gcn")
+    with pytest.raises(SystemExit, match=rf"--graph {spec!r}.*rmat:SCALE:EF or rgg:N:DEGREE"):
+        ex.load_graph(spec, 8, 2)

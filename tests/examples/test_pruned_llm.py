@@ -164,7 +164,7 @@ def test_weight_memory_counts_the_plans_the_runtime_holds(tiny):
     csr = sum(w.crow.numel() * 4 + w.col.numel() * 4 + w.val.numel() * 4 for w in ws)
     assert mem.weights == 14 and mem.dense_bytes == sum(w.n_rows * w.n_cols * 4 for w in ws)
     at2, at4096 = mem.widths
-    assert at2.formats == {llm.CUSPARSE: 14} and at2.read_bytes == csr and at2.unplanned == 0
+    assert at2.formats == {llm.TORCH_CSR: 14} and at2.read_bytes == csr and at2.unplanned == 0
     assert at4096.unplanned == 14 and at4096.read_bytes == 0  # a width never run
     assert mem.csr_bytes == csr and mem.held_bytes == csr and mem.held_over_dense == pytest.approx(csr / mem.dense_bytes)
 
@@ -182,7 +182,7 @@ def test_plan_read_bytes_of_a_kernel_and_of_another_kind_of_plan():
 
     assert llm.plan_read_bytes(DensePlan(), w) == ("dense", 128)  # the runtime's: the weight stored dense
     assert llm.plan_read_bytes(types.SimpleNamespace(kind="reference"), w) == \
-        (llm.CUSPARSE, 9 * 4 + 8 * 4 + 8 * 2)
+        (llm.TORCH_CSR, 9 * 4 + 8 * 4 + 8 * 2)  # on the CPU the reference is torch's CSR product, not cuSPARSE
 
 
 def test_main_tiny_runs_end_to_end(tmp_path, capsys):
@@ -199,7 +199,7 @@ def test_main_tiny_runs_end_to_end(tmp_path, capsys):
     assert all(d["dense_tokens_per_s"] > 0 and d["sparserl_tokens_per_s"] > 0 for d in level["decode"])
     assert all(d["same_tokens"] == 1.0 and d["tokens"]["first_difference"] is None for d in level["decode"])
     assert [d["memory"]["batch"] for d in level["decode"]] == [1, 2] and level["memory"]["widths"] == []
-    assert all(d["memory"]["formats"] == {llm.CUSPARSE: 14} for d in level["decode"])
+    assert all(d["memory"]["formats"] == {llm.TORCH_CSR: 14} for d in level["decode"])
     # sparserl's perplexity is the pruned dense model's (the same function, another product)
     assert level["ppl_sparserl"] == pytest.approx(level["ppl_pruned"], rel=1e-4)
 
@@ -409,3 +409,14 @@ def test_byte_tokenizer_round_trips_text_and_shows_ids_beyond_bytes():
     tok = llm.ByteTokenizer()
     assert tok.decode(tok.encode("naïve café")) == "naïve café"
     assert tok.decode([0, 1, 3 + ord("a"), 70000, 3 + ord("b"), 2]) == "a<70000>b"
+
+
+@pytest.mark.parametrize("module", ["llm_models", "llm_pruning", "llm_memory", "llm_report", "llm_decoding"])
+def test_a_module_of_the_example_run_as_a_script_points_to_the_script(module):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{module}.py"
+    r = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "examples/pruned_llm.py" in r.stderr, (r.returncode, r.stderr[-1000:])

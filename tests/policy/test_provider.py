@@ -370,3 +370,18 @@ def test_warm_up_pays_the_first_decoding_and_leaves_the_counts(monkeypatch):
         t.join()
     assert out[0] and [c.source for c in out[0]] == [c.source for c in out[1]]
     assert prov.stats.requests == before.requests + 2
+
+
+def test_without_the_train_extra_the_import_says_what_to_install():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for m in ('transformers', 'llguidance'): sys.modules[m] = None  # as where they are not installed\n"
+            "from sparserl_compile.policy.provider import PolicyProvider\n"
+            "PolicyProvider()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: the policy needs the train extra") and "transformers, llguidance" in last
+    assert "pip install 'sparserl[train]'" in last

@@ -35,3 +35,17 @@ class BrokenProvider:
 
     def __init__(self):
         raise OSError("the model file is unreadable")
+
+
+class SlowProvider:
+    """Takes ten minutes to warm up (a model that loads slowly)."""
+
+    name = "slow"
+
+    def warm_up(self):
+        import time
+
+        time.sleep(600)
+
+    def candidates(self, problem, k):
+        return []

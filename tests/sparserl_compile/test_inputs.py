@@ -71,8 +71,21 @@ def test_torch_layouts_and_value_sums_stay_on_their_dtype():
         _canonical_int32(p)
         assert p.reorder is None or t.layout == torch.sparse_csc
         np.testing.assert_allclose(_dense(p, v), m.toarray())
-    with pytest.raises(TypeError, match="sparse_bsr"):
-        inputs.read_torch(dense.to_sparse_bsr((1, 1)))
+
+
+def test_torch_block_layouts_read_as_their_matrix():
+    m = sp.random(12, 10, density=0.3, format="csr", dtype=np.float32, random_state=2).toarray()
+    dense = torch.from_numpy(m)
+    for t in (dense.to_sparse_bsr((3, 2)), dense.to_sparse_bsc((3, 2)), dense.to_sparse_bsr((1, 1))):
+        p, v = inputs.read_torch(t)
+        _canonical_int32(p)
+        np.testing.assert_array_equal(_dense(p, v), m)
+    with pytest.raises(ValueError, match="block row indices"):  # a block row past the grid, named
+        b = dense.to_sparse_bsc((3, 2))
+        rows = b.row_indices().clone()
+        rows[0] = 4
+        inputs.read_torch(torch.sparse_bsc_tensor(b.ccol_indices(), rows, b.values(), b.shape,
+                                                  check_invariants=False))
 
 
 def test_the_pattern_owns_its_arrays():

@@ -47,7 +47,8 @@ def test_sparsify_inputs_agree_and_use_int32():
     csr64 = dense.to_sparse_csr()
     csr32 = torch.sparse_csr_tensor(csr64.crow_indices().int(), csr64.col_indices().int(), csr64.values(), m.shape)
     coo = dense.to_sparse()
-    tensors = [S.sparsify(a) for a in (dense, csr64, csr32, coo, m, m.tocoo(), m.tocsc())]
+    blocks = (dense.to_sparse_bsr((1, 1)), dense.to_sparse_bsc((1, 1)))  # 1x1 blocks store only the nonzeros
+    tensors = [S.sparsify(a) for a in (dense, csr64, csr32, coo, m, m.tocoo(), m.tocsc(), *blocks)]
     fps = {t.fingerprint for t in tensors}
     assert fps == {fingerprint(m.indptr, m.indices, m.shape)}
     for t in tensors:
@@ -568,6 +569,16 @@ def test_state_dicts_load_between_dense_and_sparsified_models():
         other.load_state_dict(S.sparsify_(_pruned_mlp(seed=2), min_sparsity=0.5).state_dict())
 
 
+def test_a_meta_tensor_is_refused_with_what_to_do():
+    for a in (torch.empty(5, 4, device="meta"), torch.eye(3).to_sparse_csr().to("meta")):
+        with pytest.raises(ValueError, match=r"meta device.*holds no values.*to_empty"):
+            S.sparsify(a)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="meta device"):
+        S.sparsify_(model, min_sparsity=0.0)
+
+
 def test_torch_save_and_weights_only_load_round_trip_and_validate(tmp_path):
     """torch.load's default (weights_only=True) reads a sparsified state dict; a file whose
     indices were tampered with is refused by from_csr's checks, never handed to a kernel."""
@@ -588,6 +599,33 @@ def test_torch_save_and_weights_only_load_round_trip_and_validate(tmp_path):
 
 
 # ---------------------------------------------------------------- the stored structure cannot be changed
+
+
+def test_a_fresh_process_loads_a_saved_matrix_weights_only_with_a_map_location(tmp_path):
+    """The import registers the rebuild with torch's weights-only unpickler (before it, torch
+    refuses the global ``sparserl_compile.tensor._rebuild``, as it does any unregistered one)."""
+    import subprocess
+    import sys
+
+    A = S.sparsify(rand_csr(30, 20, seed=4, dtype=np.float32))
+    torch.save({"w": A, "t": A.t()}, tmp_path / "m.pt")
+    code = f"""
+import torch
+try:
+    torch.load({str(tmp_path / "m.pt")!r}, weights_only=True)
+except Exception as e:
+    assert "sparserl_compile.tensor._rebuild" in str(e), e
+else:
+    raise SystemExit("loaded without the import")
+import sparserl_compile
+for where in ("cpu", torch.device("cpu"), {{"cpu": "cpu"}}, lambda storage, loc: storage):
+    d = torch.load({str(tmp_path / "m.pt")!r}, weights_only=True, map_location=where)
+    print(type(d["w"]).__name__, d["t"].transposed, float((d["w"] @ torch.ones(20)).sum()))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = f"SparseRLTensor True {float((A @ torch.ones(20)).sum())}"
+    assert r.stdout.splitlines() == [want] * 4
 
 
 def test_index_accessors_return_copies_an_edit_cannot_reach_the_matrix():

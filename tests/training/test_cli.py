@@ -59,3 +59,27 @@ def test_fetch_base_install_keeps_a_copied_file_and_checks_its_hash(tmp_path, mo
     assert "not the expected" in capsys.readouterr().err
     assert main(["train", "fetch-base", "--install", str(f), "--sha256", hashlib.sha256(f.read_bytes()).hexdigest()]) == 0
     assert (tmp_path / "cache" / "base" / "base.json").is_file()
+
+
+def test_a_wrong_base_path_is_refused_before_the_corpus_is_collected(tmp_path, monkeypatch, capsys):
+    from sparserl_compile.training import corpus
+
+    def no_corpus(*a, **k):
+        raise AssertionError("the corpus was collected before --base was checked")
+
+    monkeypatch.setattr(corpus, "build_corpus", no_corpus)
+    missing = tmp_path / "no-such-base"
+    assert main(["train", "pretrain", "--base", str(missing), "--out-dir", str(tmp_path / "run"), "--steps", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"sparserl train pretrain: base model {missing}") and "give a .gguf file" in err
+
+
+@pytest.mark.parametrize("stage", ["sft", "rl"])
+def test_a_missing_init_checkpoint_names_the_folder_and_what_to_pass(stage, tmp_path, capsys):
+    missing = tmp_path / "no-such-run"
+    assert main(["train", stage, "--init", str(missing), "--out-dir", str(tmp_path / "run"), "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"no policy checkpoint in {missing}" in err
+    assert "`sparserl train sft`" not in err  # the stage that writes an --init differs per stage
+    assert "--out-dir" in err and "policy/checkpoints/default" in err
