@@ -10,6 +10,7 @@ import scipy.sparse as sp
 import torch
 
 import sparserl_compile as S
+from thread_stress import errors_from_threads
 from sparserl_compile import config, dispatch, plans
 
 warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
@@ -106,34 +107,17 @@ def test_threads_routing_more_structures_than_the_memo_keeps(monkeypatch):
     """A server whose threads each multiply many structures (a new sampled subgraph per batch)
     shares one memo of native structures: evictions in one thread never break a product in
     another."""
-    import sys
-    import threading
-
     monkeypatch.setattr(dispatch, "MEMO_SIZE", 2)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
     mats = [native(6 + i, 5, seed=i) for i in range(6)]
     want = [m.to_dense() @ torch.ones(5) for m in mats]
-    errors = []
 
     def work(i):
-        try:
-            with S.accelerate():
-                for r in range(400):
-                    k = (i + r) % len(mats)
-                    assert torch.allclose(mats[k] @ torch.ones(5), want[k], atol=1e-6)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        with S.accelerate():
+            for r in range(400):
+                k = (i + r) % len(mats)
+                assert torch.allclose(mats[k] @ torch.ones(5), want[k], atol=1e-6)
 
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    assert errors == []
+    assert errors_from_threads(work, 6) == []
 
 
 def test_fingerprint_is_memoized_per_structure(monkeypatch):

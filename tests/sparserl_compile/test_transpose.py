@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-import threading
-
 import torch
 
 import sparserl_compile as S
 from sparserl_compile import transpose
+from thread_stress import errors_from_threads
 
 
 def test_threads_multiplying_more_transposes_than_the_memo_keeps(monkeypatch):
@@ -17,25 +15,13 @@ def test_threads_multiplying_more_transposes_than_the_memo_keeps(monkeypatch):
     monkeypatch.setattr(transpose, "TRANSPOSE_MEMO_SIZE", 2)
     mats = [S.sparsify(torch.eye(6 + i) + torch.diag(torch.ones(5 + i), 1)) for i in range(6)]
     want = [m.to_dense().t() @ torch.ones(m.shape[0]) for m in mats]
-    errors = []
 
     def work(i):
-        try:
-            for r in range(1000):
-                k = (i + r) % len(mats)
-                assert torch.equal(mats[k].t() @ torch.ones(mats[k].shape[0]), want[k])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        for r in range(1000):
+            k = (i + r) % len(mats)
+            assert torch.equal(mats[k].t() @ torch.ones(mats[k].shape[0]), want[k])
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
     try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        assert errors_from_threads(work, 8) == []
     finally:
-        sys.setswitchinterval(old)
         transpose.clear()
-    assert errors == []
