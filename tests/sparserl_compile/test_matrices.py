@@ -186,7 +186,7 @@ def test_load_npz_reads_every_save_npz_format_as_itself(tmp_path, fmt):
     (dict(row=np.array([0, -1]), col=np.array([0, 1]), data=np.ones(2)), r"row indices span \[-1, 0\]"),
     (dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), data=np.ones((2, 1))), "data must be 1-D"),
     (dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), data=np.ones(2), format=np.array(b"bsr")),
-     "BSR data must have shape"),
+     r"BSR/BSC values must have shape"),
     (dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), data=np.ones(2), format=np.array(b"lil")),
      "format 'lil'"),
 ])
