@@ -39,7 +39,7 @@ EOF
 GPU_RC=skipped
 if [ "${GPU_TESTS:-1}" != 0 ]; then
 echo "== gpu tests (at most ${GPU_TEST_TIMEOUT:-180}s)"
-timeout "${GPU_TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+timeout "${GPU_TEST_TIMEOUT:-180}" python3 -m pytest -v -rfE --durations=20 -m gpu tests -p no:cacheprovider \
   --junitxml="$OUT/junit_gpu.xml" >"$LOGS/pytest_gpu.log" 2>&1
 GPU_RC=$?
 tail -25 "$LOGS/pytest_gpu.log"

@@ -7,11 +7,16 @@ version counter, which every in-place change bumps. An inference tensor (made un
 ``torch.inference_mode``) has no version counter: outside inference mode it cannot change in
 place, and an in-place change made inside inference mode is not seen (give new values with
 ``SparseRLTensor.with_values``).
+
+``lasting`` makes such a kept tensor (and a plan's format arrays) outside any CUDA graph's
+private memory pool.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 
 def version_counter(t) -> int:
@@ -41,3 +46,58 @@ class ValueMemo:
         """Keep ``derived`` for ``val``; returns ``derived``."""
         self._entry = (weakref.ref(val), version_counter(val), derived)
         return derived
+
+
+_helper: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+_on_helper = threading.local()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="sparserl-lasting")
+        return _helper
+
+
+def _needs_helper(device) -> bool:
+    """On a CUDA device outside a capture (a capture records the work, whichever thread sends it)."""
+    import torch
+
+    return getattr(device, "type", None) == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def _stream(device):
+    """The caller's current stream on ``device``, as a context for another thread."""
+    import torch
+
+    return torch.cuda.stream(torch.cuda.current_stream(device))
+
+
+def lasting(device, make):
+    """``make()``, its tensors allocated where a memo or plan may keep them for good.
+
+    CUDA graph trees (``torch.compile(mode="reduce-overhead")``) send every allocation of the
+    thread that runs a graph's warm-up into that graph's private pool, and refuse to record a
+    graph while a tensor of the pool lives on untracked ("tensor(s) in the cudagraph pool not
+    tracked as outputs"). A first product in a warm-up would leave its value gather, dense copy
+    or format arrays there. The pool is chosen per thread, so on a CUDA device ``make`` runs on
+    a helper thread, on the caller's stream and in its grad mode, while the caller waits: the
+    work keeps the caller's order. Inside a capture, and off CUDA, it runs here.
+    """
+    if getattr(_on_helper, "active", False) or not _needs_helper(device):
+        return make()
+    import torch
+
+    grad, stream = torch.is_grad_enabled(), _stream(device)
+
+    def run():
+        _on_helper.active = True
+        try:
+            with stream, torch.set_grad_enabled(grad):
+                return make()
+        finally:
+            _on_helper.active = False
+
+    return _helper_pool().submit(run).result()

@@ -50,7 +50,7 @@ import torch
 from sparserl_compile import config, contract, miss, providers, reference, transpose
 from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
 from sparserl_compile.config import RuntimeConfig
-from sparserl_compile.memo import ValueMemo, version_counter
+from sparserl_compile.memo import ValueMemo, lasting, version_counter
 from sparserl_compile.problem import device_arch
 from sparserl_compile.reference import HALF, FirstUseMismatch, first_use_check, reference_product
 
@@ -233,7 +233,7 @@ class KernelPlan:
             return val
         out = self._vmemo.get(val)
         if out is None:
-            out = self._vmemo.put(val, self.fdata.gather_values(val).contiguous())  # a fresh, aligned tensor
+            out = self._vmemo.put(val, lasting(val.device, lambda: self.fdata.gather_values(val).contiguous()))  # fresh: aligned
         return out
 
     def run(self, op, crow, col, val, x, n_rows, n_cols):
@@ -274,7 +274,7 @@ def kernel_plan(problem, device, cubin: bytes, header, source: str, key=None) ->
         header = contract.parse_header(header)
     fd = formats.convert(problem.indptr, problem.indices, (problem.n_rows, problem.n_cols),
                          header.format, header.params)
-    arrays = formats.to_device(fd, device)
+    arrays = lasting(device, lambda: formats.to_device(fd, device))
     kernel = launcher.load(cubin, header, device=device.index)
     return KernelPlan(header, kernel, fd, arrays, source, cache_key=key)
 
@@ -306,7 +306,7 @@ class DensePlan:
             return m[2]
         from sparserl_compile.bench import dense_matrix
 
-        w = dense_matrix(crow, col, (n_rows, n_cols), val)
+        w = lasting(val.device, lambda: dense_matrix(crow, col, (n_rows, n_cols), val))
         ref = weakref.ref(val, lambda r, k=k, d=self._dense: d.pop(k) if k in d and d[k][0] is r else None)
         self._dense[k] = (ref, version_counter(val), w)
         return w

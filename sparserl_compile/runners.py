@@ -256,13 +256,19 @@ class GpuRunner:
         return call, poison, y0.numel() * y0.element_size()
 
     def cusparse(self, vals, x, dtype: str, w: int):
-        """torch.sparse CSR (cuSPARSE) in the kernel's dtype at width ``w``, float64 on the GPU."""
+        """torch.sparse CSR (cuSPARSE) at width ``w`` on the kernel's operands, float64 on the GPU.
+        Half-precision operands are multiplied in float32 (exactly representable there):
+        cuSPARSE's bf16 SpMM strays further from the exact product than a kernel that rounds
+        once at the end is allowed to, and this is the second reference, not the user's
+        alternative (``bench`` times that one)."""
         torch = self.torch
         from sparserl_compile.bench import csr_tensor
 
         p = self.pattern
         vt = as_storage(torch, vals, dtype, self.device)
         xt = as_storage(torch, x, dtype, self.device)
+        if vt.dtype in (torch.float16, torch.bfloat16):
+            vt, xt = vt.float(), xt.float()
         if self.header.op != "spmv":
             xt = xt.reshape(p.shape[1], -1)[:, :w].contiguous()
         a = csr_tensor(torch, torch.from_numpy(p.indptr).to(self.device), torch.from_numpy(p.indices).to(self.device),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparserl_compile.memo import ValueMemo
+from sparserl_compile.memo import ValueMemo, lasting
 from sparserl_compile.structure import fingerprint as _fingerprint
 
 #: transposed patterns kept (per structure and device); each holds 2 index arrays + a perm
@@ -35,7 +35,7 @@ class TransposedPattern:
     def values(self, val: torch.Tensor) -> torch.Tensor:
         out = self._vmemo.get(val)
         if out is None:
-            out = self._vmemo.put(val, val[self.perm] if self.perm.numel() else val.new_empty(0))
+            out = self._vmemo.put(val, lasting(val.device, lambda: val[self.perm] if self.perm.numel() else val.new_empty(0)))
         return out
 
 
@@ -61,8 +61,7 @@ def transpose_pattern(crow, col, n_rows: int, n_cols: int, fp: str) -> Transpose
     ipt, ixt = t.indptr.astype(np.int32), t.indices.astype(np.int32)
     dev = crow.device
     tp = TransposedPattern(
-        torch.from_numpy(ipt).to(dev), torch.from_numpy(ixt).to(dev),
-        torch.from_numpy(t.data.astype(np.int64)).to(dev),
+        *lasting(dev, lambda: [torch.from_numpy(a).to(dev) for a in (ipt, ixt, t.data.astype(np.int64))]),
         _fingerprint(ipt, ixt, (n_cols, n_rows)),
     )
     with _lock:

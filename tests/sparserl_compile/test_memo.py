@@ -1,11 +1,16 @@
-"""The values memo: kept while the values tensor lives unchanged, inference tensors included."""
+"""The values memo: kept while the values tensor lives unchanged, inference tensors included;
+``lasting``: what it keeps made outside a CUDA graph's memory pool."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
 
+import pytest
 import torch
 
+from sparserl_compile import memo
 from sparserl_compile.memo import ValueMemo, version_counter
 
 
@@ -34,3 +39,35 @@ def test_the_memo_does_not_keep_the_values_alive():
     del val
     gc.collect()
     assert ref() is None
+
+
+@pytest.fixture
+def on_helper(monkeypatch):
+    """``lasting`` as on a CUDA device outside a capture, with a stand-in for the caller's stream."""
+    monkeypatch.setattr(memo, "_needs_helper", lambda device: True)
+    monkeypatch.setattr(memo, "_stream", lambda device: contextlib.nullcontext())
+
+
+def test_lasting_runs_here_off_cuda():
+    assert memo.lasting(torch.device("cpu"), threading.current_thread) is threading.current_thread()
+
+
+def test_lasting_makes_on_another_thread_in_the_callers_grad_mode(on_helper):
+    """CUDA graph trees pick the warm-up's memory pool by thread: what a memo keeps is made on
+    another one, in the caller's grad mode."""
+    here = threading.current_thread()
+    seen = memo.lasting("cuda", lambda: (threading.current_thread(), torch.is_grad_enabled()))
+    assert seen == (seen[0], True) and seen[0] is not here
+    with torch.no_grad():
+        assert memo.lasting("cuda", torch.is_grad_enabled) is False
+
+
+def test_lasting_raises_the_makers_error_and_nests(on_helper):
+    def fail():
+        raise ValueError("bad values")
+
+    with pytest.raises(ValueError, match="bad values"):
+        memo.lasting("cuda", fail)
+    # a maker that itself keeps something runs it on its own thread (one helper: no deadlock)
+    inner = memo.lasting("cuda", lambda: memo.lasting("cuda", threading.current_thread))
+    assert inner is not threading.current_thread()
