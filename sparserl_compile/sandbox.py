@@ -35,6 +35,7 @@ change together.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import math
 import multiprocessing as mp
@@ -321,6 +322,7 @@ def _worker_main(conn, device: int | None = None, warm: str | None = None) -> No
     pattern: Pattern | None = None
     taking_in: float | None = None  # seconds the last new pattern took to take in (reported once)
     conn.send(("ready", os.getpid()))
+    faulthandler.cancel_dump_traceback_later()  # armed by the ``-c`` line: started in time
     if warm and not conn.poll(0):
         _warm_up(gpu=warm == "gpu", conn=conn)
     while True:
@@ -406,11 +408,16 @@ class _Worker:
         self.parent, child = mp.Pipe()
         # the parent's sys.path first, as multiprocessing's spawn does, so the worker imports this
         # sparserl_compile; no main script is imported (see the module docstring)
-        code = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-                "from sparserl_compile.sandbox import _child_main; _child_main(sys.argv[2:])")
+        # a worker that has not said it is ready shortly before the parent gives up prints every
+        # thread's stack to stderr first (faulthandler, armed before any import), so the parent's
+        # "did not start" has the place it was stuck beside it
+        code = ("import faulthandler, sys, json; faulthandler.dump_traceback_later(float(sys.argv[1])); "
+                "sys.path[:] = json.loads(sys.argv[2]); "
+                "from sparserl_compile.sandbox import _child_main; _child_main(sys.argv[3:])")
         try:
             self.proc = subprocess.Popen(
-                [_python(), *subprocess._args_from_interpreter_flags(), "-c", code, json.dumps(sys.path),
+                [_python(), *subprocess._args_from_interpreter_flags(), "-c", code,
+                 repr(max(1.0, 0.9 * start_timeout_s)), json.dumps(sys.path),
                  str(child.fileno()), "-" if device is None else str(device), warm or "-", str(os.getpid())],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
@@ -421,7 +428,7 @@ class _Worker:
             self.kill()
             raise RuntimeError(
                 f"sandbox worker did not start within {start_timeout_s} s ({_python()} -c ... "
-                "sparserl_compile.sandbox._child_main); its error, if it printed one, is on this process's stderr")
+                "sparserl_compile.sandbox._child_main); its stacks at the time (or its error) are on this process's stderr")
         try:
             self.parent.recv()
         except (EOFError, OSError) as e:

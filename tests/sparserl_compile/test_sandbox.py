@@ -249,6 +249,23 @@ def test_a_worker_that_cannot_start_is_reported(monkeypatch):
     assert time.monotonic() - t0 < 30
 
 
+def test_a_worker_stuck_before_it_starts_prints_where(tmp_path, monkeypatch, capfd):
+    """A worker that never says it is ready prints its stacks before the parent gives up on it,
+    so the "did not start" error has the place it hung beside it on stderr."""
+    import sys
+
+    stuck = tmp_path / "sparserl_compile"
+    stuck.mkdir()
+    (stuck / "__init__.py").write_text("")
+    (stuck / "sandbox.py").write_text("import time\ntime.sleep(60)  # stuck on import\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])  # the worker imports this package
+    with SandboxPool(1, start_timeout_s=6) as pool:
+        with pytest.raises(RuntimeError, match="did not start within 6 s"):
+            pool.run(_job(GOOD), M)
+    err = capfd.readouterr().err
+    assert "Timeout" in err and f"{stuck / 'sandbox.py'}\", line 2" in err, err[-2000:]
+
+
 def _gone(pid: int) -> bool:
     """No such process, or a zombie (its parent died; whoever adopted it may not reap it)."""
     try:
