@@ -545,10 +545,13 @@ def _linear(func, types, args, kwargs):
     if (k and x.dim() >= 2 and not w.transposed and type(x) is torch.Tensor and x.layout == torch.strided
             and x.dtype == val.dtype and x.device == val.device and _eager_plain(val, x)):
         # the eager hot path of a sparsified model (a decoder runs hundreds of these per token):
-        # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do
-        y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, x.reshape(-1, k).t().contiguous(),
-                                    w.n_rows, k, w.fingerprint)
-        y = y.t().reshape(*x.shape[:-1], w.n_rows)
+        # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do.
+        # One token (batch-1 decoding): x^T is x as a column and y^T's memory is y's, so two
+        # reshapes serve instead of the four transposing ops (each about a microsecond of host)
+        one = x.numel() == k
+        xt = x.reshape(k, 1) if one else x.reshape(-1, k).t().contiguous()
+        y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint)
+        y = y.reshape(*x.shape[:-1], w.n_rows) if one else y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
         y = _right(x, w, transpose=True)
     return y if bias is None else y + _addend("linear", "bias", bias, y)

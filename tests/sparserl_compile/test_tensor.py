@@ -373,7 +373,8 @@ def test_linear_fast_path_matches_the_general_path_for_every_input_shape():
     bias = torch.randn(6, dtype=torch.float64)
     inputs = [torch.randn(5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64),
               torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(1, 1, 5, dtype=torch.float64),
-              torch.randn(5, 7, dtype=torch.float64).t()]  # a non-contiguous view
+              torch.randn(5, 7, dtype=torch.float64).t(),  # a non-contiguous view
+              torch.randn(1, 5, dtype=torch.float64), torch.randn(1, 10, dtype=torch.float64)[:, ::2]]  # one token
     for x in inputs:
         want = x.numpy() @ m.toarray().T
         for w in (a, at):
