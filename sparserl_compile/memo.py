@@ -48,6 +48,36 @@ class ValueMemo:
         return derived
 
 
+class ValueMemos:
+    """One derived tensor per values tensor, for many values tensors at once (weights that
+    share a structure share a plan, and each keeps its own); an entry goes when its values
+    tensor is freed."""
+
+    def __init__(self):
+        #: id(values) -> (weak reference to them, their version, the derived tensor)
+        self._entries: dict[int, tuple] = {}
+
+    def get(self, val):
+        e = self._entries.get(id(val))
+        if e is not None and e[0]() is val and e[1] == version_counter(val):
+            return e[2]
+        return None
+
+    def put(self, val, derived):
+        """Keep ``derived`` for ``val``; returns ``derived``."""
+        k, d = id(val), self._entries
+        ref = weakref.ref(val, lambda r: d.pop(k) if k in d and d[k][0] is r else None)
+        d[k] = (ref, version_counter(val), derived)
+        return derived
+
+    def values(self) -> list:
+        """Every derived tensor kept now."""
+        return [e[2] for e in list(self._entries.values())]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 _helper: ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
 _on_helper = threading.local()

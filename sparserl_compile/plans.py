@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import fields, replace
 
 import torch
@@ -50,7 +49,7 @@ import torch
 from sparserl_compile import config, contract, miss, providers, reference, transpose
 from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
 from sparserl_compile.config import RuntimeConfig
-from sparserl_compile.memo import ValueMemo, lasting, version_counter
+from sparserl_compile.memo import ValueMemo, ValueMemos, lasting
 from sparserl_compile.problem import device_arch
 from sparserl_compile.reference import HALF, FirstUseMismatch, first_use_check, reference_product
 
@@ -295,26 +294,21 @@ class DensePlan:
 
     def __init__(self, reason: str = ""):
         self.reason = reason
-        #: id(values) -> (weakref to them, their version, the dense matrix)
-        self._dense: dict[int, tuple] = {}
+        self._dense = ValueMemos()  # the dense matrix of each values tensor
 
     def weight(self, crow, col, val, n_rows: int, n_cols: int) -> torch.Tensor:
         """The matrix of (crow, col, val) stored dense, built once per values tensor and version."""
-        k = id(val)
-        m = self._dense.get(k)
-        if m is not None and m[0]() is val and m[1] == version_counter(val):
-            return m[2]
-        from sparserl_compile.bench import dense_matrix
+        w = self._dense.get(val)
+        if w is None:
+            from sparserl_compile.bench import dense_matrix
 
-        w = lasting(val.device, lambda: dense_matrix(crow, col, (n_rows, n_cols), val))
-        ref = weakref.ref(val, lambda r, k=k, d=self._dense: d.pop(k) if k in d and d[k][0] is r else None)
-        self._dense[k] = (ref, version_counter(val), w)
+            w = self._dense.put(val, lasting(val.device, lambda: dense_matrix(crow, col, (n_rows, n_cols), val)))
         return w
 
     @property
     def nbytes(self) -> int:
         """Bytes of the dense matrices this plan holds (0 before its first product)."""
-        return sum(m[2].numel() * m[2].element_size() for m in list(self._dense.values()))
+        return sum(w.numel() * w.element_size() for w in self._dense.values())
 
     def run(self, op, crow, col, val, x, n_rows, n_cols):
         w = self.weight(crow, col, val, n_rows, n_cols)

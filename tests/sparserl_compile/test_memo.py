@@ -71,3 +71,16 @@ def test_lasting_raises_the_makers_error_and_nests(on_helper):
     # a maker that itself keeps something runs it on its own thread (one helper: no deadlock)
     inner = memo.lasting("cuda", lambda: memo.lasting("cuda", threading.current_thread))
     assert inner is not threading.current_thread()
+
+
+def test_memos_keep_one_entry_per_live_values_tensor():
+    """A plan shared by weights of one structure keeps what it derived from each, until that
+    weight is freed or changed in place."""
+    memos, a, b = memo.ValueMemos(), torch.ones(3), torch.ones(3)
+    da, db = memos.put(a, a * 2), memos.put(b, b * 3)
+    assert memos.get(a) is da and memos.get(b) is db and len(memos) == 2
+    b.add_(1)
+    assert memos.get(b) is None and memos.get(a) is da
+    del a
+    gc.collect()
+    assert len(memos) == 1 and memos.values() == [db]
