@@ -40,7 +40,8 @@ sandboxed workers, on the record's own matrix (``verified_variants``).
 ``python -m sparserl_compile.training.variants --out runs/variants.jsonl.gz`` writes the
 supervision records with their verified variants added to the training split's (grouped-record
 format, ``data.record_to_json``; the held-out records unchanged); ``sparserl sft --data runs/variants.jsonl.gz
---top-variants N`` then trains on them. A variant inherits the measured time of its point (its
+--top-variants N`` then trains on them; ``--stats PATH`` also counts, per transform, the candidates,
+the verified variants and the novel ones (no point of the space up to whitespace and names). A variant inherits the measured time of its point (its
 own time is unknown until it is timed on a GPU), so it ranks right after its point.
 """
 
@@ -76,10 +77,13 @@ def record_candidates(record, matrix, top: int = 2, combine: bool = True) -> lis
     return out
 
 
-def verified_variants(record, matrix, evaluator, top: int = 2, combine: bool = True) -> list:
+def verified_variants(record, matrix, evaluator, top: int = 2, combine: bool = True, stats=None) -> list:
     """The record's variants (``record_candidates``) that ``evaluator`` (a ``rewards``
     evaluator; ``SandboxEvaluator(executor="cpu")`` verifies on the CPU executor in sandboxed
-    workers) finds correct on ``matrix``."""
+    workers) finds correct on ``matrix``. ``stats`` (a ``collections.Counter``): counts
+    ``(transform, "candidates" | "verified" | "novel")`` for each variant's transform names, a
+    combination under its own name and under each part's ``any:<part>`` (novel: no point of the
+    space, ``novelty.is_novel``)."""
     from sparserl_compile.training.rewards import RLProblem
 
     cands = record_candidates(record, matrix, top, combine)
@@ -87,15 +91,37 @@ def verified_variants(record, matrix, evaluator, top: int = 2, combine: bool = T
         return []
     pb = RLProblem(matrix, record.op, record.dtype, record.n, record.matrix.label)
     outcomes = evaluator(pb, [text for _v, text in cands])
+    if stats is not None:
+        from sparserl_compile.training.novelty import is_novel
+
+        for (v, text), o in zip(cands, outcomes):
+            name = dict(v.params)[TRANSFORM_KEY]
+            novel = o.correct and is_novel(text, record.op, record.dtype, matrix)
+            parts = name.split("+")
+            for key in [name] + ([f"any:{part}" for part in parts] if len(parts) > 1 else []):
+                stats[key, "candidates"] += 1
+                stats[key, "verified"] += bool(o.correct)
+                stats[key, "novel"] += bool(novel)
     return [v for (v, _t), o in zip(cands, outcomes) if o.correct]
 
 
+def stats_table(stats) -> str:
+    """``verified_variants``'s counts as a text table, single transforms and combinations first."""
+    names = sorted({k for k, _ in stats}, key=lambda k: (k.startswith("any:"), k))
+    lines = [f"{'transform':28s} {'candidates':>10s} {'verified':>8s} {'novel':>6s}"]
+    lines += [f"{k:28s} {stats[k, 'candidates']:10d} {stats[k, 'verified']:8d} {stats[k, 'novel']:6d}" for k in names]
+    own = [k for k in names if not k.startswith("any:")]
+    lines.append(f"{'all (distinct variants)':28s} {sum(stats[k, 'candidates'] for k in own):10d} "
+                 f"{sum(stats[k, 'verified'] for k in own):8d} {sum(stats[k, 'novel'] for k in own):6d}")
+    return "\n".join(lines)
+
+
 def augment(records, evaluator, top: int = 2, combine: bool = True, max_nnz: int = 20000, limit: int = 0,
-            log=print) -> list:
+            log=print, stats=None) -> list:
     """``records`` with their verified variants added after their measured variants. Records
     whose matrix has more than ``max_nnz`` nonzeros are kept as they are (the CPU executor is
     slow on large matrices), and so is every record after the first ``limit`` that get variants
-    (0: no limit)."""
+    (0: no limit). ``stats``: see ``verified_variants``."""
     from dataclasses import replace
 
     out, loaded, done = [], {}, 0
@@ -110,7 +136,7 @@ def augment(records, evaluator, top: int = 2, combine: bool = True, max_nnz: int
             out.append(r)
             continue
         done += 1
-        found = verified_variants(r, m, evaluator, top, combine)
+        found = verified_variants(r, m, evaluator, top, combine, stats)
         log(f"[variants] {i + 1}/{len(records)} {r.matrix.label} {r.op} n={r.n}: {len(found)} verified variants")
         out.append(replace(r, variants=r.variants + tuple(found)))
     return out
@@ -120,6 +146,7 @@ def main(argv=None) -> int:
     import argparse
     import gzip
     import json
+    from collections import Counter
 
     from sparserl_compile.training.data import DEFAULT_SUPERVISION, load_supervision, record_to_json, split
     from sparserl_compile.training.rewards import make_evaluator
@@ -135,15 +162,24 @@ def main(argv=None) -> int:
                                                                "records within --max-nnz (0 = all)")
     p.add_argument("--executor", choices=("cpu", "gpu"), default="cpu", help="where variants are verified")
     p.add_argument("--workers", type=int, default=2, help="sandbox worker processes")
+    p.add_argument("--stats", help="also write per transform the candidates, the verified and the novel "
+                                   "variants (no point of the space) to this JSON file, and print them")
     a = p.parse_args(argv)
     if a.top < 1 or a.max_nnz < 1 or a.max_records < 0:
         p.error("--top and --max-nnz are 1 or more, --max-records 0 or more")
     parts = split(load_supervision(a.data))
     evaluator = make_evaluator(a.executor, a.workers)
+    stats = Counter() if a.stats else None
     try:
-        records = augment(parts.train, evaluator, a.top, not a.no_combine, a.max_nnz, a.max_records)
+        records = augment(parts.train, evaluator, a.top, not a.no_combine, a.max_nnz, a.max_records, stats=stats)
     finally:
         evaluator.close()
+    if stats is not None:
+        rows = {k: {c: stats[k, c] for c in ("candidates", "verified", "novel")} for k, _ in stats}
+        with open(a.stats, "w", encoding="utf-8") as f:
+            json.dump({"executor": a.executor, "top": a.top, "combine": not a.no_combine, "max_nnz": a.max_nnz,
+                       "max_records": a.max_records, "transforms": rows}, f, indent=1, sort_keys=True)
+        print(stats_table(stats))
     records += parts.held_out  # unchanged: the file serves SFT's held-out loss and the evaluation alike
     lines = "".join(json.dumps(record_to_json(r)) + "\n" for r in records)
     opener = gzip.open if a.out.endswith(".gz") else open

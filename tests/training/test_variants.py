@@ -89,7 +89,9 @@ def test_the_command_writes_records_with_variants_that_load_back(tmp_path):
     data = tmp_path / "sup.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in structure_dependent_supervision()))
     out = tmp_path / "variants.jsonl.gz"
-    assert V.main(["--data", str(data), "--out", str(out), "--max-records", "1", "--no-combine", "--top", "1"]) == 0
+    stats = tmp_path / "stats.json"
+    assert V.main(["--data", str(data), "--out", str(out), "--max-records", "1", "--no-combine", "--top", "1",
+                   "--stats", str(stats)]) == 0
     before, after = load_supervision(data), load_supervision(out)
     assert len(after) == len(before)
     grown = [r for r in after if any(V.TRANSFORM_KEY in dict(v.params) for v in r.variants)]
@@ -98,3 +100,33 @@ def test_the_command_writes_records_with_variants_that_load_back(tmp_path):
     best = grown[0].best()
     assert V.TRANSFORM_KEY not in dict(best.params)
     assert split(after).held_out == split(before).held_out
+    # the counts: every variant added was verified, and each counted transform is a single one
+    counts = json.loads(stats.read_text())["transforms"]
+    added = sum(V.TRANSFORM_KEY in dict(v.params) for v in grown[0].variants)
+    assert sum(c["verified"] for c in counts.values()) == added > 0
+    assert all(c["candidates"] >= c["verified"] >= c["novel"] for c in counts.values())
+    assert not any(k.startswith("any:") or "+" in k for k in counts)
+
+
+def test_stats_count_each_transform_and_each_part_of_a_combination():
+    """A stand-in evaluator that passes every variant but the unroll2 ones: the counts follow it,
+    a combination counts under its own name and under each of its parts."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    m = BANDED.load()
+    rec = _record("spmv", 1, "csr_scalar", {"block": 128})
+    cands = V.record_candidates(rec, m, top=1, combine=True)
+    names = [dict(v.params)[V.TRANSFORM_KEY] for v, _t in cands]
+
+    def evaluator(problem, texts):
+        return [SimpleNamespace(correct=not n.startswith("unroll2")) for n in names]
+
+    stats = Counter()
+    V.verified_variants(rec, m, evaluator, top=1, combine=True, stats=stats)
+    assert stats["unroll2", "candidates"] == 1 and stats["unroll2", "verified"] == 0
+    assert stats["unroll4", "verified"] == stats["unroll4", "novel"] == 1
+    combos = [n for n in names if "+" in n]
+    assert combos and stats[f"any:{combos[0].split('+')[1]}", "candidates"] >= 1
+    table = V.stats_table(stats)
+    assert f"{len(names):10d}" in table.splitlines()[-1]  # the total counts every distinct variant once
