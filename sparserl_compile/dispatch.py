@@ -48,7 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from sparserl_compile import inputs, plans, structure
-from sparserl_compile.memo import version_counter
+from sparserl_compile.memo import lasting, version_counter
 from sparserl_compile.reference import VALUE_DTYPES
 from sparserl_compile.tensor import _eager_plain
 
@@ -146,8 +146,7 @@ def _build(a: torch.Tensor, idx: tuple, nnz: int) -> _Native:
     if a.layout == torch.sparse_csr and idx[0].dtype == torch.int32 and idx[1].dtype == torch.int32:
         crow, col = idx[0], idx[1]  # already canonical int32: no copy (the key's version counters guard it)
     else:
-        crow = torch.from_numpy(p.indptr).to(a.device)
-        col = torch.from_numpy(p.indices).to(a.device)
+        crow, col = lasting(a.device, lambda: [torch.from_numpy(t).to(a.device) for t in (p.indptr, p.indices)])
     return _Native(idx, crow, col, fp)
 
 
