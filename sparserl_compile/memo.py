@@ -14,6 +14,7 @@ private memory pool.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,15 @@ class ValueMemos:
 _helper: ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
 _on_helper = threading.local()
+
+
+def _forget_helper() -> None:
+    """In a forked child: the parent's helper thread does not exist there."""
+    global _helper
+    _helper = None
+
+
+os.register_at_fork(after_in_child=_forget_helper)
 
 
 def _helper_pool() -> ThreadPoolExecutor:

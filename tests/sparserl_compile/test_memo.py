@@ -84,3 +84,16 @@ def test_memos_keep_one_entry_per_live_values_tensor():
     del a
     gc.collect()
     assert len(memos) == 1 and memos.values() == [db]
+
+
+def test_lasting_starts_a_helper_of_its_own_in_a_forked_child(on_helper):
+    import os
+    import signal
+
+    assert memo.lasting("cuda", lambda: 1) == 1  # the parent's helper thread exists now
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's helper thread is not there; a wait for it would hang
+        signal.alarm(20)
+        os._exit(0 if memo.lasting("cuda", lambda: 7) == 7 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
