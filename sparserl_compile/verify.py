@@ -35,7 +35,8 @@ that tries to cheat (DESIGN.md, "Threats verification must assume"). The checks,
    whose checks all run on device tensors), ``deterministic`` (the two runs bit-identical; ``zero_output=1``
    kernels accumulate with ``atomicAdd`` in a varying order, so only the bound applies to
    them), on the GPU ``cusparse`` (random sets: within twice the bound of ``torch.sparse``
-   CSR, where cuSPARSE supports the dtype; half-precision operands multiplied in float32), and ``stale`` (two calls into one un-poisoned
+   CSR, where cuSPARSE supports the dtype; half-precision operands multiplied in float32), and
+   ``stale`` (two calls into one un-poisoned
    output with different operands: the second gives the second answer, so a kernel that
    keeps what ``y`` already holds is caught; ``zero_output=1`` kernels get a zeroed ``y``).
    State kept across launches shows up as a failure on a later set or run.

@@ -40,9 +40,10 @@ sandboxed workers, on the record's own matrix (``verified_variants``).
 ``python -m sparserl_compile.training.variants --out runs/variants.jsonl.gz`` writes the
 supervision records with their verified variants added to the training split's (grouped-record
 format, ``data.record_to_json``; the held-out records unchanged); ``sparserl sft --data runs/variants.jsonl.gz
---top-variants N`` then trains on them; ``--stats PATH`` also counts, per transform, the candidates,
-the verified variants and the novel ones (no point of the space up to whitespace and names). A variant inherits the measured time of its point (its
-own time is unknown until it is timed on a GPU), so it ranks right after its point.
+--top-variants N`` then trains on them; ``--stats PATH`` also counts, per transform, the
+candidates, the verified variants and the novel ones (no point of the space up to whitespace and
+names). A variant inherits the measured time of its point (its own time is unknown until it is
+timed on a GPU), so it ranks right after its point.
 """
 
 from __future__ import annotations
