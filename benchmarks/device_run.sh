@@ -52,6 +52,7 @@ xargs -P "${GPU_TEST_JOBS:-4}" -I{} bash -c 'f={}; n=$(echo "$f" | tr / _); time
   >"$LOGS/gpu/$n.log" 2>&1; echo "rc=$? $f: $(tail -1 "$LOGS/gpu/$n.log")"' <"$LOGS/gpu_files.txt" \
   | tee "$LOGS/pytest_gpu.log"
 GPU_RC=$(grep -cv "^rc=0 " "$LOGS/pytest_gpu.log")  # files that failed or were cut
+[ -s "$LOGS/gpu_files.txt" ] || { GPU_RC="no GPU test collected"; echo "$GPU_RC (pytest --collect-only -m gpu found none)"; }
 grep -h "^FAILED\|^ERROR" "$LOGS"/gpu/*.log | cut -c1-250 | head -40
 fi
 

@@ -263,11 +263,12 @@ class GpuRunner:
         alternative (``bench`` times that one)."""
         torch = self.torch
         from sparserl_compile.bench import csr_tensor
+        from sparserl_compile.reference import HALF
 
         p = self.pattern
         vt = as_storage(torch, vals, dtype, self.device)
         xt = as_storage(torch, x, dtype, self.device)
-        if vt.dtype in (torch.float16, torch.bfloat16):
+        if vt.dtype in HALF:
             vt, xt = vt.float(), xt.float()
         if self.header.op != "spmv":
             xt = xt.reshape(p.shape[1], -1)[:, :w].contiguous()
