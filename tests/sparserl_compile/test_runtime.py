@@ -735,6 +735,31 @@ def test_a_cached_dense_verdict_runs_the_dense_product_and_keeps_one_copy(kernel
     assert plan.nbytes == 30 * 20 * 4 and config.stats().dense_calls == 4
 
 
+def test_a_linear_layer_the_dense_product_serves_is_one_f_linear_on_the_input_as_given(kernels_on_cpu, monkeypatch):
+    """Where the route at a layer's batch is the dense product, ``F.linear`` runs on ``x`` as the
+    user passed it, bias fused: no transposes of ``x`` or ``y``, no separate addition. A bias
+    the shortcut cannot take (wrong shape) still meets the sparse route's clear error."""
+    a, key = _cached_problem(monkeypatch)
+    cache.KernelCache.default().put(_dense_entry(key))
+    plans.configure(provider=RecordingProvider([]))
+    want = torch.from_numpy(matrix().toarray())
+    x, bias = torch.randn(4, 20), torch.randn(30)
+    F.linear(x, a)  # the first product at batch 4 makes the plan
+    F.linear(x, a)  # a hit: the route is stored
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(plans, "product", lambda *args, **kw: pytest.fail("the route was not taken"))
+    y = F.linear(x, a, bias)
+    outer, args = calls  # the user's call, then the one it became
+    assert outer[1] is a and args[0] is x and args[2] is bias and args[1].shape == (30, 20)  # the user's x, the dense weight
+    torch.testing.assert_close(y, x @ want.t() + bias)
+    torch.testing.assert_close(F.linear(x.reshape(2, 2, 20), a), (x @ want.t()).reshape(2, 2, 30))
+    assert config.stats().dense_calls == 4
+    with pytest.raises(ValueError, match="bias"):
+        F.linear(x, a, torch.randn(7))
+
+
 def test_entry_plan_builds_a_dense_plan_that_multiplies_right_including_the_transposed_pattern():
     m = matrix()
     a = S.sparsify(m).to(torch.bfloat16)
