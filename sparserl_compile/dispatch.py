@@ -30,7 +30,12 @@ version counter, so the tensor is checked again; a write that bypasses it (throu
 The memo holds a reference to the index tensors it keys on (so a freed pointer cannot be
 reused by a different pattern while the entry lives) and keeps the ``MEMO_SIZE`` most recent
 structures; ``clear_memo()`` drops them. The int32 copies of int64 indices live in the same
-entry.
+entry, and so does one detached alias of the values: ``values()`` makes a new tensor object per
+call, and what the runtime derives from values (a plan's value gather, a dense plan's copy, the
+reference's CSR tensor) is memoized on the values tensor's identity and version counter. The
+alias is reused while it points at the same memory (it keeps that memory alive, so no other
+tensor can be there) and shares the version counter of the tensor's values, so an in-place
+update is seen.
 
 The mode is per thread and adds a Python call to every torch function in its scope; enable it
 around sparse work, not globally in a dense-heavy program. Dynamo cannot trace native sparse
@@ -63,6 +68,8 @@ class _Native:
     crow: torch.Tensor | None  # int32; None: not canonical, pass through
     col: torch.Tensor | None
     fingerprint: str
+    vals: torch.Tensor | None = None  # the detached alias of the values last seen (module docstring)
+    routes: plans.Routes | None = None  # the shortcuts past the plan table for (this structure, vals)
 
 
 @dataclass
@@ -86,25 +93,25 @@ def clear_memo() -> None:
 
 
 def _native_csr(a: torch.Tensor, count: bool = False):
-    """(int32 crow, int32 col, values, fingerprint) of a native sparse matrix, or None to pass it
+    """(int32 crow, int32 col, values, fingerprint, routes) of a native sparse matrix, or None to pass it
     through to torch. A malformed one raises ``ValueError`` (checked once per structure).
     ``count``: this lookup counts in ``memo_stats`` (the operand check does, once per operand
     and call; the product's second lookup does not)."""
     if a.layout == torch.sparse_csr:
-        if a.dim() != 2 or a.values().dim() != 1:
+        vals = a.values()  # each accessor makes a new alias (most of this function's time): one call each
+        if a.dim() != 2 or vals.dim() != 1:
             return None
         idx = (a.crow_indices(), a.col_indices())
-        vals = a.values()
     elif a.layout == torch.sparse_coo:
         if a.sparse_dim() != 2 or a.dense_dim() != 0:
             return None
         idx = (a._indices(),)
         vals = a._values()
     elif a.layout == torch.sparse_csc:
-        if a.dim() != 2 or a.values().dim() != 1:
+        vals = a.values()
+        if a.dim() != 2 or vals.dim() != 1:
             return None
         idx = (a.ccol_indices(), a.row_indices())
-        vals = a.values()
     else:
         return None
     key = (a.layout, a.device, tuple(a.shape), vals.shape[0],
@@ -123,7 +130,13 @@ def _native_csr(a: torch.Tensor, count: bool = False):
                 _memo.popitem(last=False)
     if hit.crow is None:
         return None
-    return hit.crow, hit.col, vals, hit.fingerprint
+    v = hit.vals
+    if (v is None or v.data_ptr() != vals.data_ptr() or v.dtype != vals.dtype or v.shape != vals.shape
+            or v.device != vals.device):
+        # new values: a reference route (a torch CSR tensor over the old values) must not serve them
+        hit.routes, v = plans.Routes(), vals.detach()
+        hit.vals = v
+    return hit.crow, hit.col, v, hit.fingerprint, hit.routes
 
 
 def _build(a: torch.Tensor, idx: tuple, nnz: int) -> _Native:
@@ -179,14 +192,12 @@ def _run(s: torch.Tensor, d: torch.Tensor, natives: dict):
     got = natives[id(s)] if id(s) in natives else _native_csr(s)
     if got is None:
         return None
-    crow, col, vals, fp = got
+    crow, col, vals, fp, routes = got
     n_rows, n_cols = s.shape
     d = d.contiguous()
-    vals = vals.detach()
-    if _eager_plain(vals, d):  # nothing to record: call the runtime, not the custom op's layers
-        fn = plans.spmv if d.dim() == 1 else plans.spmm
-    else:
-        fn = torch.ops.sparserl.spmv if d.dim() == 1 else torch.ops.sparserl.spmm
+    if _eager_plain(vals, d):  # nothing to record: the runtime, by this structure's routes
+        return plans.routed_product(routes, "spmv" if d.dim() == 1 else "spmm", crow, col, vals, d, n_rows, n_cols, fp)
+    fn = torch.ops.sparserl.spmv if d.dim() == 1 else torch.ops.sparserl.spmm
     return fn(crow, col, vals, d, n_rows, n_cols, fp)
 
 

@@ -167,8 +167,8 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     op's layers and calls the runtime; with a dense operand that requires grad it goes through
     the op (autograd). Nested modes (enable() + accelerate()) still run one product."""
     direct = []
-    real = plans.spmm
-    monkeypatch.setattr(plans, "spmm", lambda *a: direct.append(1) or real(*a))
+    real = plans.routed_product
+    monkeypatch.setattr(plans, "routed_product", lambda *a: direct.append(1) or real(*a))
     A, X = native(dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
     S.enable()
     with S.accelerate():
@@ -180,6 +180,28 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
         (A @ Xg).sum().backward()
     assert direct == [1] and calls() == 3  # the op's forward and its adjoint, not the direct path
     torch.testing.assert_close(Xg.grad, A.to_dense().t() @ torch.ones(12, 3, dtype=torch.float64))
+
+
+def test_a_native_tensors_repeated_products_derive_from_its_values_once(monkeypatch):
+    """``values()`` is a new tensor object per call; what the runtime derives from values (here
+    the reference's torch CSR tensor) is still built once, and new or updated values are used."""
+    from sparserl_compile import reference
+
+    built = []
+    real = reference._new_csr
+    monkeypatch.setattr(reference, "_new_csr", lambda *a: built.append(1) or real(*a))
+    A, x = native(), torch.randn(9)
+    dense = A.to_dense()
+    with S.accelerate():
+        for _ in range(5):
+            torch.testing.assert_close(A @ x, dense @ x)
+        assert len(built) == 1
+        B = torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), 2 * A.values(), A.shape)  # one structure
+        torch.testing.assert_close(B @ x, 2 * dense @ x)
+        torch.testing.assert_close(A @ x, dense @ x)
+        A.values().mul_(3)  # in place: the version counter the alias shares
+        torch.testing.assert_close(A @ x, 3 * dense @ x)
+    assert calls() == 8
 
 
 def test_unsupported_combinations_pass_through_unchanged():
