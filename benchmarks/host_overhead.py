@@ -13,7 +13,8 @@ runtime find a real kernel for a 2D stencil and reports host microseconds per ca
 inside the timed loop) for sparserl and for torch.sparse. Both also time ``F.linear`` with a
 pruned weight (1536 x 576, 90 % zeros in every row, the shape of a SmolLM2-135M MLP
 projection) at one and 16 tokens: sparserl's eager shortcut against the dense ``F.linear``
-(cuBLAS) and, on the GPU, torch.sparse CSR.
+(cuBLAS) and, on the GPU, torch.sparse CSR. Both time the other doors too: a native CSR
+product under ``sr.accelerate()``, and what one more product adds to a compiled graph.
 """
 
 from __future__ import annotations
@@ -92,6 +93,27 @@ def linear_rows(device: str, noop: bool) -> None:
             print(f"  {tokens:2d} token(s) {name:22s}: {us:7.1f} us host per call")
 
 
+def entry_rows(t, tx, tn) -> None:
+    """The other two doors beside ``A @ x``: a native CSR product under ``sr.accelerate()`` (the
+    torch.sparse dispatch hook, PyG's route), and one product more in a graph compiled with
+    ``backend="sparserl"`` (eight chained SpMVs against one, default mode), next to eager."""
+    def chain(k):
+        def f(v):
+            for _ in range(k):
+                v = t @ v
+            return v
+        return f
+
+    with S.accelerate():
+        print(f"  torch.mv on CSR in accelerate()  : {_per_call_us(lambda: torch.mv(tn, tx), n=5000):7.1f} us")
+    per = {}
+    for mode, wrap in (("eager", lambda f: f), ("compiled", lambda f: torch.compile(f, backend="sparserl"))):
+        one, eight = wrap(chain(1)), wrap(chain(8))
+        t1, t8 = _per_call_us(lambda: one(tx), n=3000), _per_call_us(lambda: eight(tx), n=3000)
+        per[mode] = (t8 - t1) / 7
+        print(f"  one SpMV more, {mode:8s}          : {per[mode]:7.1f} us ({t1:.1f} us for a graph of one)")
+
+
 def _noop_plan(a, op: str, n: int) -> plans.KernelPlan:
     """A checked CSR kernel plan for ``a`` (CPU tensors) whose launch does nothing."""
     cand = next(c for c in kernels.space(op, "f32", n=n) if c.header.format == "csr")
@@ -119,6 +141,7 @@ def cpu(side: int) -> None:
         print(f"  SparseRLTensor @ x, reference    : {_per_call_us(lambda: t @ tx):7.1f} us")
         print(f"  ... without the tensor's route   : {_per_call_us(lambda: tw @ tx):7.1f} us")
     print(f"  torch.mv on CSR                  : {_per_call_us(lambda: torch.mv(tn, tx)):7.1f} us")
+    entry_rows(t, tx, tn)
     print("pruned linear 1536 x 576, 90 % zeros per row, no-op kernel (sparserl) vs dense (computes):")
     linear_rows("cpu", noop=True)
 
@@ -147,6 +170,8 @@ def cuda(side: int) -> None:
                          ("torch.mv again", lambda: torch.mv(native, x))):
             print(f"  {name:20s}: {_per_call_us(fn, n=5000):7.1f} us host per call, "
                   f"{wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
+    print("the same, through the dispatch hook and in a compiled graph (reference plan):")
+    entry_rows(a, x, native)
     print("pruned linear 1536 x 576, 90 % zeros per row:")
     linear_rows("cuda", noop=False)
 

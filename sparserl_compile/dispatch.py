@@ -114,8 +114,13 @@ def _native_csr(a: torch.Tensor, count: bool = False):
         idx = (a.ccol_indices(), a.row_indices())
     else:
         return None
-    key = (a.layout, a.device, tuple(a.shape), vals.shape[0],
-           tuple(t.data_ptr() for t in idx), tuple(version_counter(t) for t in idx))
+    i0 = idx[0]  # (no generator expressions: this runs on every product)
+    if len(idx) == 1:
+        ptrs, vers = i0.data_ptr(), version_counter(i0)
+    else:
+        i1 = idx[1]
+        ptrs, vers = (i0.data_ptr(), i1.data_ptr()), (version_counter(i0), version_counter(i1))
+    key = (a.layout, a.device, tuple(a.shape), vals.shape[0], ptrs, vers)
     with _memo_lock:
         hit = _memo.get(key)
         if hit is not None:
@@ -131,8 +136,8 @@ def _native_csr(a: torch.Tensor, count: bool = False):
     if hit.crow is None:
         return None
     v = hit.vals
-    if (v is None or v.data_ptr() != vals.data_ptr() or v.dtype != vals.dtype or v.shape != vals.shape
-            or v.device != vals.device):
+    # the key holds the device and nnz; one address can still be viewed as another dtype
+    if v is None or v.data_ptr() != vals.data_ptr() or v.dtype != vals.dtype:
         # new values: a reference route (a torch CSR tensor over the old values) must not serve them
         hit.routes, v = plans.Routes(), vals.detach()
         hit.vals = v
