@@ -13,7 +13,8 @@ They are opaque to Dynamo and Inductor (``torch.library.custom_op``): a compiled
 them like any extern kernel, and the fingerprint travels as a constant string argument, so the
 fake (meta) kernels below use shapes only and never read index data. The real kernels call
 ``plans.product`` (plan table -> generated kernel or torch.sparse reference), the one door of
-every product: plain eager products with nothing to record (no autograd, no tracing, no
+every product, through the kernel and dense plan routes of their values tensor
+(``plans.routed_by_values``: a compiled graph passes the same values on every call): plain eager products with nothing to record (no autograd, no tracing, no
 dispatch mode) call it directly from ``tensor.py``/``dispatch.py`` and skip these ops' Python
 layers, with the same result.
 
@@ -89,14 +90,25 @@ def _out_shape(dense, n_rows, n_cols, transposed, vector):
 
 
 def _kernel(name: str, fn, transposed: bool, vector: bool):
-    """The real kernel of ``name`` (shared by the op and its graph twin): check, then run."""
+    """The real kernel of ``name`` (shared by the op and its graph twin): check, then run. A
+    product of A itself goes by the routes of its values tensor (``plans.routed_by_values``)."""
+    if not transposed:
+        op = "spmv" if vector else "spmm"
 
-    def kernel(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
-        if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector):
-            _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
+        def kernel(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
+            if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, False, vector):
+                _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, False, vector)
+            return plans.routed_by_values(op, crow_indices, col_indices, values, dense.contiguous(), n_rows,
+                                          n_cols, fingerprint)
+
+        return kernel
+
+    def kernel_t(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
+        if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, True, vector):
+            _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, True, vector)
         return fn(crow_indices, col_indices, values, dense.contiguous(), n_rows, n_cols, fingerprint)
 
-    return kernel
+    return kernel_t
 
 
 def _fake(name: str, transposed: bool, vector: bool):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import fields, replace
 
 import torch
@@ -555,6 +556,36 @@ def wait_for_searches(timeout: float | None = None) -> bool:
 
 
 # ------------------------------------------------------------------------- entry points
+
+
+class _PlanRoutes(Routes):
+    """Routes to kernel and dense plans only. A reference route is a torch CSR tensor over the
+    values, which would keep them alive from a table keyed by them (``routed_by_values``)."""
+
+    __slots__ = ()
+
+    def store(self, generation: int, n: int, native) -> None:
+        if type(native) is not torch.Tensor:
+            super().store(generation, n, native)
+
+
+#: id(values) -> (weak reference to them, fingerprint, their _PlanRoutes): ``routed_by_values``
+_routes_by_values: dict[int, tuple] = {}
+
+
+def routed_by_values(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
+    """``routed_product`` for callers that hold no ``Routes`` (the custom ops, which compiled
+    graphs and autograd call with a sparse tensor's arrays): the kernel and dense plan routes of
+    this values tensor and fingerprint, dropped with the values tensor. A compiled graph passes
+    the same values tensor on every call, so its kernel products skip the plan key as eager
+    ones do."""
+    k = id(val)
+    e = _routes_by_values.get(k)
+    if e is None or e[0]() is not val or e[1] != fp:
+        d = _routes_by_values
+        ref = weakref.ref(val, lambda r: d.pop(k) if k in d and d[k][0] is r else None)
+        e = d[k] = (ref, fp, _PlanRoutes())
+    return routed_product(e[2], op, crow, col, val, x, n_rows, n_cols, fp)
 
 
 def spmv(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:

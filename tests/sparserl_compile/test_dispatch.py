@@ -166,19 +166,21 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     """Nothing to record (no autograd, no dispatch mode): the routed product skips the custom
     op's layers and calls the runtime; with a dense operand that requires grad it goes through
     the op (autograd). Nested modes (enable() + accelerate()) still run one product."""
-    direct = []
-    real = plans.routed_product
-    monkeypatch.setattr(plans, "routed_product", lambda *a: direct.append(1) or real(*a))
+    routed, by_op = [], []  # every routed product; those the custom op's kernel made
+    real, real_op = plans.routed_product, plans.routed_by_values
+    monkeypatch.setattr(plans, "routed_product", lambda *a: routed.append(1) or real(*a))
+    monkeypatch.setattr(plans, "routed_by_values", lambda *a: by_op.append(1) or real_op(*a))
     A, X = native(dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
     S.enable()
     with S.accelerate():
         y = A @ X
-    assert direct == [1] and calls() == 1
+    assert routed == [1] and by_op == [] and calls() == 1
     torch.testing.assert_close(y, A.to_dense() @ X)
     Xg = X.clone().requires_grad_(True)
     with S.accelerate():
         (A @ Xg).sum().backward()
-    assert direct == [1] and calls() == 3  # the op's forward and its adjoint, not the direct path
+    # the op's forward (by its values' routes) and its adjoint, not the direct path
+    assert len(routed) == 2 and by_op == [1] and calls() == 3
     torch.testing.assert_close(Xg.grad, A.to_dense().t() @ torch.ones(12, 3, dtype=torch.float64))
 
 

@@ -120,3 +120,33 @@ def test_graph_twins_check_operands_like_the_ops():
         torch.ops.sparserl.spmm_graph(crow, col, val, torch.ones(4, 2), 5, 4, fp)
     with pytest.raises(RuntimeError, match=r"dense operand has 5 rows.*has 4 columns"):
         torch.ops.sparserl.spmm_graph(crow, col, val, torch.ones(5, 2, dtype=torch.float64), 5, 4, fp)
+
+
+
+@pytest.mark.parametrize("name", ["spmv", "spmv_graph", "spmm", "spmm_graph"])
+def test_an_ops_products_see_new_values_and_keep_none_alive(name):
+    """The ops keep routes per values tensor (``plans.routed_by_values``): an in-place update of
+    the values and other values of the same structure give the right product, and values freed
+    take their entry with them (a reference plan's CSR tensor, which would hold them, is never
+    kept there)."""
+    import gc
+    import weakref
+
+    from sparserl_compile import plans, reference
+
+    m, (crow, col, val), fp = csr_args(7, 5, 0.4, seed=2, dtype=torch.float32)
+    op = getattr(torch.ops.sparserl, name)
+    x = dense_for(name.removesuffix("_graph"), 7, 5, dtype=torch.float32)
+    want = torch.from_numpy(m.toarray()).float() @ x
+    for _ in range(2):
+        torch.testing.assert_close(op(crow, col, val, x, 7, 5, fp), want)
+    val.mul_(2)
+    torch.testing.assert_close(op(crow, col, val, x, 7, 5, fp), 2 * want)
+    other = -val
+    torch.testing.assert_close(op(crow, col, other, x, 7, 5, fp), -2 * want)
+    k, alive = id(other), weakref.ref(other)
+    assert k in plans._routes_by_values
+    del other
+    reference.clear()  # the reference's own memo of its last CSR tensors (bounded) holds values too
+    gc.collect()
+    assert alive() is None and k not in plans._routes_by_values

@@ -760,6 +760,24 @@ def test_a_linear_layer_the_dense_product_serves_is_one_f_linear_on_the_input_as
         F.linear(x, a, torch.randn(7))
 
 
+@pytest.mark.parametrize("name", ["spmm", "spmm_graph"])
+def test_the_ops_go_by_a_dense_or_kernel_plan_route_of_their_values(kernels_on_cpu, monkeypatch, name):
+    """A compiled graph calls the ops with the same values tensor each time: from the second
+    product on they go by that tensor's route (no plan key), and an in-place update is seen."""
+    a, key = _cached_problem(monkeypatch)
+    cache.KernelCache.default().put(_dense_entry(key))
+    plans.configure(provider=RecordingProvider([]))
+    op = getattr(torch.ops.sparserl, name)
+    want, x = torch.from_numpy(matrix().toarray()), torch.randn(20, 4)
+    for _ in range(2):  # the plan, then a hit that stores the route
+        op(a.crow, a.col, a.val, x, 30, 20, a.fingerprint)
+    monkeypatch.setattr(plans, "product", lambda *args, **kw: pytest.fail("the route was not taken"))
+    torch.testing.assert_close(op(a.crow, a.col, a.val, x, 30, 20, a.fingerprint), want @ x)
+    a.val.mul_(2)  # the dense copy is built again
+    torch.testing.assert_close(op(a.crow, a.col, a.val, x, 30, 20, a.fingerprint), 2 * want @ x)
+    assert config.stats().dense_calls == 4
+
+
 def test_entry_plan_builds_a_dense_plan_that_multiplies_right_including_the_transposed_pattern():
     m = matrix()
     a = S.sparsify(m).to(torch.bfloat16)
