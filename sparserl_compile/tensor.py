@@ -165,7 +165,7 @@ class SparseRLTensor(torch.Tensor):
         if handler is None:
             raise NotImplementedError(
                 f"SparseRLTensor does not implement {func}: convert with .to_dense() first, "
-                "or use the products sparserl supports (@, mm, mv, matmul, addmm, linear)"
+                "or use the products sparserl supports (@, mm, mv, matmul, addmm, linear, torch.sparse.mm)"
             )
         return handler(func, types, args, kwargs or {})
 
@@ -464,12 +464,38 @@ def _two(args, kwargs, names):
     return vals
 
 
+def _ndim(t) -> int:
+    """``t.dim()`` without a SparseRLTensor's ``__torch_function__`` trip (about a microsecond of
+    host time on every product that reads it): its matrices are 2-D."""
+    return 2 if isinstance(t, SparseRLTensor) else t.dim()
+
+
 @implements(torch.mm, torch.Tensor.mm)
 def _mm(func, types, args, kwargs):
     a, b = _two(args, kwargs, ("input", "mat2"))
-    if a.dim() != 2 or b.dim() != 2:
+    if _ndim(a) != 2 or _ndim(b) != 2:
         raise ValueError(f"mm needs two 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     return _dispatch_pair(func, a, b)
+
+
+@implements(torch.sparse.mm)
+def _sparse_mm(func, types, args, kwargs):
+    """``torch.sparse.mm(A, B)``, and its ``reduce=`` form as torch defines it for a CSR matrix:
+    "sum" is the product, "mean" divides each row by its number of stored entries (a row with
+    none gives 0)."""
+    a, b, *rest = _two(args, kwargs, ("mat1", "mat2", "reduce"))
+    reduce = rest[0] if rest else "sum"
+    if reduce not in ("sum", "mean"):
+        raise NotImplementedError(f"torch.sparse.mm(reduce={reduce!r}): sparserl computes 'sum' and 'mean'; "
+                                  "for other reductions convert the matrix with .to_sparse_csr()")
+    if _ndim(a) != 2 or _ndim(b) != 2:
+        raise ValueError(f"torch.sparse.mm needs two 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    p = _dispatch_pair(func, a, b)
+    if reduce == "sum":
+        return p
+    if not isinstance(a, SparseRLTensor):
+        raise NotImplementedError("torch.sparse.mm(reduce='mean') takes the sparse matrix first")
+    return p / _row_counts(a).clamp(min=1).to(p.dtype).unsqueeze(1)
 
 
 @implements(torch.mv, torch.Tensor.mv)
@@ -516,7 +542,7 @@ def _addmm(func, types, args, kwargs):
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if isinstance(inp, SparseRLTensor):
         raise NotImplementedError("addmm with a SparseRLTensor as the added input: use .to_dense()")
-    if m1.dim() != 2 or m2.dim() != 2:
+    if _ndim(m1) != 2 or _ndim(m2) != 2:
         raise ValueError(f"addmm needs 2-D mat1 and mat2, got {tuple(m1.shape)} and {tuple(m2.shape)}")
     p = _dispatch_pair(func, m1, m2)
     inp = _addend("addmm", "input", inp, p)
@@ -588,6 +614,14 @@ def _addend(op: str, name: str, t, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{op}: {name} of shape {tuple(t.shape)} does not broadcast to the product's shape "
                          f"{tuple(out.shape)}")
     return t
+
+
+def _row_counts(A: SparseRLTensor) -> torch.Tensor:
+    """The stored entries in each row of the matrix ``A`` is (a transposed view's rows are the
+    stored columns)."""
+    if A.transposed:
+        return torch.bincount(A.col.long(), minlength=A.n_cols)
+    return A.crow[1:] - A.crow[:-1]
 
 
 def _row_ids(A: SparseRLTensor) -> torch.Tensor:

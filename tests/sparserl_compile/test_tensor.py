@@ -717,3 +717,24 @@ def test_a_tampered_pickle_is_refused_with_the_field_named(tmp_path):
         _rebuild(A.crow, A.col, A.val, 3.0, 3, False)
     with pytest.raises(TypeError, match="column indices are not integers"):
         _rebuild(A.crow, A.col.float(), A.val, 3, 3, False)
+
+
+def test_torch_sparse_mm_sums_and_averages_like_torch():
+    """``torch.sparse.mm``, the GNN idiom, on a SparseRLTensor: as torch computes it on a CSR
+    tensor, with reduce "sum" and "mean" (a row without entries gives 0), on a transposed view
+    and with the dense operand first; other reductions say what to do."""
+    m = sp.random(12, 9, density=0.3, format="csr", random_state=3, dtype=np.float32)
+    m[4] = 0
+    m.eliminate_zeros()
+    a, d = S.sparsify(m), torch.from_numpy(m.toarray())
+    x, y, z = torch.randn(9, 4), torch.randn(12, 3), torch.randn(5, 12)
+    for reduce in ("sum", "mean"):
+        torch.testing.assert_close(torch.sparse.mm(a, x, reduce), torch.sparse.mm(d.to_sparse_csr(), x, reduce))
+        torch.testing.assert_close(torch.sparse.mm(a.t(), y, reduce=reduce),
+                                   torch.sparse.mm(d.t().contiguous().to_sparse_csr(), y, reduce=reduce))
+    torch.testing.assert_close(torch.sparse.mm(a, x), d @ x)
+    torch.testing.assert_close(torch.sparse.mm(z, a), z @ d)
+    with pytest.raises(NotImplementedError, match="'sum' and 'mean'.*to_sparse_csr"):
+        torch.sparse.mm(a, x, "amax")
+    with pytest.raises(ValueError, match="2-D operands"):
+        torch.sparse.mm(a, torch.randn(9))
