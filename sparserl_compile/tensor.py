@@ -536,9 +536,9 @@ def _dispatch_pair(func, a, b):
     return _right(a, b)
 
 
-@implements(torch.addmm, torch.Tensor.addmm)
+@implements(torch.addmm, torch.Tensor.addmm, torch.sparse.addmm)
 def _addmm(func, types, args, kwargs):
-    inp, m1, m2 = _two(args, kwargs, ("input", "mat1", "mat2"))
+    inp, m1, m2 = _two(args, kwargs, ("mat" if func is torch.sparse.addmm else "input", "mat1", "mat2"))
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if isinstance(inp, SparseRLTensor):
         raise NotImplementedError("addmm with a SparseRLTensor as the added input: use .to_dense()")
@@ -659,6 +659,45 @@ def _is_shared(func, types, args, kwargs):
 
 
 # ------------------------------------------------------------------------ aten level
+
+
+@implements(aten._nnz.default)
+def _nnz(func, types, args, kwargs):
+    return args[0].nnz
+
+
+def _scalar(x):
+    """``x`` as a Python number where it is a real scalar (a number, or a 0-D tensor without
+    grad, as torch passes ``A * 2``), else None."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, SparseRLTensor) and x.dim() == 0 and not x.requires_grad:
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return x
+
+
+@implements(aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+def _scale(func, types, args, kwargs):
+    """``A * s``, ``s * A`` and ``A / s`` for a real scalar ``s``: the same structure (and its
+    plans) with scaled values. Elementwise products with tensors change the structure's meaning
+    (a zero stays a zero, a row scale is not a scalar) and are refused."""
+    a, b = args[0], args[1]
+    div = func in (aten.div.Tensor, aten.div.Scalar)
+    if kwargs or (div and not isinstance(a, SparseRLTensor)):
+        s = None
+    else:
+        s = _scalar(b) if isinstance(a, SparseRLTensor) else _scalar(a)
+    if s is None:
+        raise NotImplementedError(
+            f"SparseRLTensor supports {'/' if div else '*'} by a real scalar only; for other elementwise "
+            "operations change the values: A.with_values(f(A.values())), or use .to_dense()")
+    m = a if isinstance(a, SparseRLTensor) else b
+    return m._with(val=m.val / s if div else m.val * s)
+
+
+@implements(aten.neg.default)
+def _neg(func, types, args, kwargs):
+    return args[0]._with(val=-args[0].val)
 
 
 @implements(aten.is_pinned.default)

@@ -140,14 +140,14 @@ def test_new_values_do_not_recompile_and_a_new_structure_does():
     assert cap.frames == 2
 
 
-def test_torch_sparse_mm_compiles_into_the_sparserl_ops():
+def test_torch_sparse_mm_and_scaling_compile_into_the_sparserl_ops():
     cap = Capture()
-    f = torch.compile(lambda A, x: torch.sparse.mm(A, x, "mean") + torch.sparse.mm(A, x), backend=cap.backend(),
+    f = torch.compile(lambda A, x: torch.sparse.mm(A, x, "mean") + torch.sparse.mm(A * 2, x), backend=cap.backend(),
                       fullgraph=True)
     a, x = S.sparsify(mat()), torch.randn(30, 4)
     d = a.to_dense()
     counts = (d != 0).sum(1, keepdim=True).clamp(min=1)
-    torch.testing.assert_close(f(a, x), (d @ x) / counts + d @ x)
+    torch.testing.assert_close(f(a, x), (d @ x) / counts + 2 * d @ x)
 
 
 def test_mode_and_options_become_inductor_config_patches(monkeypatch):

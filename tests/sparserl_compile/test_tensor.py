@@ -738,3 +738,23 @@ def test_torch_sparse_mm_sums_and_averages_like_torch():
         torch.sparse.mm(a, x, "amax")
     with pytest.raises(ValueError, match="2-D operands"):
         torch.sparse.mm(a, torch.randn(9))
+
+
+def test_scaling_by_a_scalar_keeps_the_structure_and_other_elementwise_ops_are_refused():
+    m = sp.random(12, 9, density=0.3, format="csr", random_state=4, dtype=np.float32)
+    a, d, x = S.sparsify(m), torch.from_numpy(m.toarray()), torch.randn(9, 4)
+    for scaled, want in ((a * 2, 2 * d), (2.5 * a, 2.5 * d), (a / 4, d / 4), (-a, -d), (a * torch.tensor(3.0), 3 * d)):
+        assert isinstance(scaled, SparseRLTensor) and scaled.fingerprint == a.fingerprint and scaled.dtype == a.dtype
+        torch.testing.assert_close(scaled @ x, want @ x)
+    torch.testing.assert_close((a.t() * 3) @ torch.ones(12), 3 * d.t() @ torch.ones(12))
+    assert a._nnz() == m.nnz
+    for bad in (lambda: a * torch.randn(12, 9), lambda: a * a, lambda: a * True):
+        with pytest.raises(NotImplementedError, match="by a real scalar only.*with_values"):
+            bad()
+
+
+def test_torch_sparse_addmm_is_addmm():
+    m = sp.random(12, 9, density=0.3, format="csr", random_state=5, dtype=np.float32)
+    a, d, x, inp = S.sparsify(m), torch.from_numpy(m.toarray()), torch.randn(9, 4), torch.randn(12, 4)
+    torch.testing.assert_close(torch.sparse.addmm(inp, a, x, beta=0.5, alpha=2.0), 0.5 * inp + 2 * d @ x)
+    torch.testing.assert_close(torch.sparse.addmm(inp, a, x), inp + d @ x)
