@@ -666,6 +666,33 @@ def _nnz(func, types, args, kwargs):
     return args[0].nnz
 
 
+def _csr_arrays(a: SparseRLTensor):
+    """(crow, col, values, shape) of the matrix ``a`` is, in copies (the transposed view's are
+    A^T's CSR, sorted as sparsify sorts)."""
+    if not a.transposed:
+        return a.crow.clone(), a.col.clone(), a.val.clone(), (a.n_rows, a.n_cols)
+    from sparserl_compile import transpose
+
+    tp = transpose.transpose_pattern(a.crow, a.col, a.n_rows, a.n_cols, a.fingerprint)
+    return tp.crow.clone(), tp.col.clone(), tp.values(a.val).clone(), (a.n_cols, a.n_rows)
+
+
+@implements(aten._to_sparse_csr.default, aten._to_sparse.default)
+def _to_sparse(func, types, args, kwargs):
+    """``to_sparse_csr()`` and ``to_sparse()``/``to_sparse_coo()``: torch's own sparse tensor of
+    the matrix, in copies (int32 CSR indices; COO takes torch's int64)."""
+    a = args[0]
+    layout = kwargs.get("layout") if func is aten._to_sparse.default else torch.sparse_csr
+    if func is aten._to_sparse.default and layout is None:
+        layout = torch.sparse_coo
+    if layout not in (torch.sparse_csr, torch.sparse_coo) or kwargs.get("blocksize") is not None:
+        raise NotImplementedError(f"{func}: a SparseRLTensor becomes a CSR or COO torch tensor only "
+                                  f"(asked for {layout}); from CSR, torch converts further")
+    crow, col, val, shape = _csr_arrays(a)
+    csr = torch.sparse_csr_tensor(crow, col, val, shape)
+    return csr if layout == torch.sparse_csr else csr.to_sparse_coo()
+
+
 def _scalar(x):
     """``x`` as a Python number where it is a real scalar (a number, or a 0-D tensor without
     grad, as torch passes ``A * 2``), else None."""

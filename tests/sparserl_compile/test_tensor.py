@@ -758,3 +758,15 @@ def test_torch_sparse_addmm_is_addmm():
     a, d, x, inp = S.sparsify(m), torch.from_numpy(m.toarray()), torch.randn(9, 4), torch.randn(12, 4)
     torch.testing.assert_close(torch.sparse.addmm(inp, a, x, beta=0.5, alpha=2.0), 0.5 * inp + 2 * d @ x)
     torch.testing.assert_close(torch.sparse.addmm(inp, a, x), inp + d @ x)
+
+
+def test_to_sparse_gives_torchs_own_tensor_in_copies():
+    m = sp.random(12, 9, density=0.3, format="csr", random_state=6, dtype=np.float32)
+    a, d = S.sparsify(m), torch.from_numpy(m.toarray())
+    for got, want, layout in ((a.to_sparse_csr(), d, torch.sparse_csr), (a.t().to_sparse_csr(), d.t(), torch.sparse_csr),
+                              (a.to_sparse(), d, torch.sparse_coo), (a.t().to_sparse_coo(), d.t(), torch.sparse_coo)):
+        assert got.layout == layout and not isinstance(got, SparseRLTensor)
+        torch.testing.assert_close(got.to_dense(), want)
+    a.to_sparse_csr().values().zero_()  # a copy: the matrix is untouched
+    torch.testing.assert_close(a.to_dense(), d)
+    torch.testing.assert_close(S.sparsify(a.t().to_sparse_csr()).to_dense(), d.t())  # and back
