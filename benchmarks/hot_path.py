@@ -10,7 +10,8 @@ Four measurements, each against what the user would otherwise run:
    microseconds) and the GPU time of each (CUDA events), SpMV and SpMM.
 2. ``reference_kept``: a product the runtime leaves to cuSPARSE (``configure(kernels=False)``)
    through sparserl against torch directly, back to back, on shared matrices where the
-   reference was kept.
+   reference was kept; and, to say where a difference goes, the tensor's route (its own CSR
+   tensor, int32 indices) called with ``torch.mv`` and through ``reference.native_mm``.
 3. ``l2``: for held-out shared matrices (``training.data.SHARED_HELD_OUT``) and a few others,
    SpMV and SpMM at N = 32, 128: the plan the runtime selects, timed through the public API
    with a cold L2 (flushed before each call) and back to back (hot), against torch.sparse the
@@ -19,9 +20,10 @@ Four measurements, each against what the user would otherwise run:
    then while the runtime searches a new structure in the background
    (``on_miss="background"``) and while the default provider loads the policy
    (``load_in_background``): per-call microseconds and the ratio to idle.
-5. ``compiled``: one product and a 2-layer GCN on Cora / CiteSeer, eager torch.sparse,
-   sparserl eager, ``torch.compile(backend="sparserl")`` in the default mode and with
-   ``mode="reduce-overhead"``, per call back to back.
+5. ``compiled``: one product, eight chained ones and a 2-layer GCN on Cora / CiteSeer, eager
+   torch.sparse, sparserl eager, ``torch.compile(backend="sparserl")`` in the default mode and
+   with ``mode="reduce-overhead"``, and a compiled graph of one dense op (its own host cost),
+   per call back to back; each variant recorded on its own (a failure loses no other row).
 
 Results as JSON (``--json``) and a table per section on stdout. Nothing here is asserted.
 """
@@ -39,7 +41,7 @@ import scipy.sparse as sp
 import torch
 
 import sparserl_compile as sr
-from sparserl_compile import bench, matrices, plans, providers
+from sparserl_compile import bench, matrices, plans, providers, reference
 from sparserl_compile.version import run_stamp
 
 
@@ -100,9 +102,18 @@ def reference_kept_section(quick: bool) -> list[dict]:
             a, t = sr.sparsify(m).cuda(), _csr(m)
             x = torch.randn(m.shape[1], device="cuda")
             a @ x
+            a @ x  # a hit: the tensor's route to cuSPARSE is stored
             calls = 2000 if quick else 10000
             ours, theirs = _best_loop_us(lambda: a @ x, calls), _best_loop_us(lambda: torch.mv(t, x), calls)
-            rows.append({"matrix": name, "op": "spmv", "sparserl_us": ours, "torch_us": theirs, "ratio": ours / theirs})
+            row = {"matrix": name, "op": "spmv", "sparserl_us": ours, "torch_us": theirs, "ratio": ours / theirs}
+            # where the difference goes: the route's own CSR tensor (int32 indices, as the runtime
+            # keeps them) called directly, and through reference.native_mm, against torch's int64 one
+            route = a._routes.get(plans.Routes.SPMV)
+            if isinstance(route, torch.Tensor):
+                row["route_index_dtype"] = str(route.crow_indices().dtype)
+                row["torch_mv_route_us"] = _best_loop_us(lambda: torch.mv(route, x), calls)
+                row["native_mm_route_us"] = _best_loop_us(lambda: reference.native_mm(route, x), calls)
+            rows.append(row)
     finally:
         sr.configure(kernels=True)
     return rows
