@@ -487,18 +487,15 @@ def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_co
     return y
 
 
-def routed_dense_linear(routes: Routes, x, bias, crow, col, val, n_rows: int, n_cols: int, width: int):
-    """``F.linear(x, W, bias)`` where a sparse weight's route at ``width`` (the rows of ``x``
-    folded) is the dense product, else None (the caller takes the sparse route). One cuBLAS call
-    on ``x`` as it is, bias fused: the layer the user had, without transposing ``x`` into
-    ``W x^T`` and the result back (two copies and an addition, each a launch and host time,
-    which at decoding sizes cost more than the product). The caller checked ``x`` and ``bias``
-    (dtype, device, shape) as for the sparse route."""
-    r = routes.get(width)
-    if type(r) is not DensePlan:
-        return None
+def dense_linear(plan: DensePlan, x, bias, crow, col, val, n_rows: int, n_cols: int):
+    """``F.linear(x, W, bias)`` for a sparse weight whose route at the batch of ``x`` is the
+    dense ``plan``; None where its dense copy cannot be built (the caller takes the sparse route,
+    which falls back and logs). One cuBLAS call on ``x`` as it is, bias fused: the layer the
+    user had, without transposing ``x`` into ``W x^T`` and the result back (two copies and an
+    addition, each a launch and host time, which at decoding sizes cost more than the product).
+    The caller checked ``x`` and ``bias`` (dtype, device, shape) as for the sparse route."""
     try:
-        w = r.weight(crow, col, val, n_rows, n_cols)
+        w = plan.weight(crow, col, val, n_rows, n_cols)
     except Exception:  # noqa: BLE001 - the sparse route builds it again, falls back and logs why
         return None
     with torch._C._DisableAutocast():  # the operands' dtype, as every plan

@@ -575,10 +575,12 @@ def _linear(func, types, args, kwargs):
         # One token (batch-1 decoding): x^T is x as a column and y^T's memory is y's, so two
         # reshapes serve instead of the four transposing ops (each about a microsecond of host)
         one = x.numel() == k
-        if bias is None or (type(bias) is torch.Tensor and bias.dtype is val.dtype and bias.device == val.device
-                            and bias.shape == (w.n_rows,)):
-            y = _plans.routed_dense_linear(w._routes, x, bias, w.crow, w.col, val, w.n_rows, k, x.numel() // k)
-            if y is not None:  # selection kept the dense product at this width: F.linear as the user had it
+        r = w._routes.get(1 if one else x.numel() // k)
+        if type(r) is _plans.DensePlan and (bias is None or (
+                type(bias) is torch.Tensor and bias.dtype is val.dtype and bias.device == val.device
+                and bias.shape == (w.n_rows,))):
+            y = _plans.dense_linear(r, x, bias, w.crow, w.col, val, w.n_rows, k)
+            if y is not None:  # selection kept the dense product at this batch: F.linear as the user had it
                 return y
         xt = x.reshape(k, 1) if one else x.reshape(-1, k).t().contiguous()
         y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint)
