@@ -68,8 +68,9 @@ class _Native:
     crow: torch.Tensor | None  # int32; None: not canonical, pass through
     col: torch.Tensor | None
     fingerprint: str
-    vals: torch.Tensor | None = None  # the detached alias of the values last seen (module docstring)
-    routes: plans.Routes | None = None  # the shortcuts past the plan table for (this structure, vals)
+    #: (the detached alias of the values last seen, the Routes of this structure with them):
+    #: one tuple, read once per call, so a thread never pairs its values with another's routes
+    values_routes: tuple | None = None
 
 
 @dataclass
@@ -135,13 +136,12 @@ def _native_csr(a: torch.Tensor, count: bool = False):
                 _memo.popitem(last=False)
     if hit.crow is None:
         return None
-    v = hit.vals
+    vr = hit.values_routes
     # the key holds the device and nnz; one address can still be viewed as another dtype
-    if v is None or v.data_ptr() != vals.data_ptr() or v.dtype != vals.dtype:
+    if vr is None or vr[0].data_ptr() != vals.data_ptr() or vr[0].dtype != vals.dtype:
         # new values: a reference route (a torch CSR tensor over the old values) must not serve them
-        hit.routes, v = plans.Routes(), vals.detach()
-        hit.vals = v
-    return hit.crow, hit.col, v, hit.fingerprint, hit.routes
+        vr = hit.values_routes = (vals.detach(), plans.Routes())
+    return hit.crow, hit.col, vr[0], hit.fingerprint, vr[1]
 
 
 def _build(a: torch.Tensor, idx: tuple, nnz: int) -> _Native:

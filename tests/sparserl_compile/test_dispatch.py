@@ -120,6 +120,23 @@ def test_threads_routing_more_structures_than_the_memo_keeps(monkeypatch):
     assert errors_from_threads(work, 6) == []
 
 
+def test_threads_multiplying_one_structure_with_different_values_each_get_their_own():
+    """Two tensors of one structure (one memo entry) with different values, used from many
+    threads at once: each product pairs its own values with their routes."""
+    A = native()
+    mats = [A, torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), -3 * A.values(), A.shape)]
+    x = torch.randn(9)
+    want = [m.to_dense() @ x for m in mats]
+
+    def work(i):
+        with S.accelerate():
+            for r in range(200):
+                k = (i + r) % 2
+                assert torch.allclose(mats[k] @ x, want[k], atol=1e-6)
+
+    assert errors_from_threads(work, 6) == []
+
+
 def test_fingerprint_is_memoized_per_structure(monkeypatch):
     counter = {"n": 0}
     real = dispatch.structure.fingerprint
