@@ -695,11 +695,15 @@ def _to_sparse(func, types, args, kwargs):
     return csr if layout == torch.sparse_csr else csr.to_sparse_coo()
 
 
-def _scalar(x):
-    """``x`` as a Python number where it is a real scalar (a number, or a 0-D tensor without
-    grad, as torch passes ``A * 2``), else None."""
-    if isinstance(x, torch.Tensor) and not isinstance(x, SparseRLTensor) and x.dim() == 0 and not x.requires_grad:
-        x = x.item()
+def _scalar(x, val: torch.Tensor):
+    """``x`` where it is a real scalar that scales ``val`` in place of a number (a Python int or
+    float, or a 0-D real tensor without grad on the CPU or on ``val``'s device, as torch passes
+    ``A * 2``: a 0-D operand keeps ``val``'s dtype and is never read on the host), else None."""
+    if isinstance(x, torch.Tensor):
+        ok = (not isinstance(x, SparseRLTensor) and x.dim() == 0 and not x.requires_grad
+              and not x.dtype.is_complex and x.dtype != torch.bool
+              and (x.device.type == "cpu" or x.device == val.device))
+        return x if ok else None
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     return x
@@ -715,7 +719,7 @@ def _scale(func, types, args, kwargs):
     if kwargs or (div and not isinstance(a, SparseRLTensor)):
         s = None
     else:
-        s = _scalar(b) if isinstance(a, SparseRLTensor) else _scalar(a)
+        s = _scalar(b, a.val) if isinstance(a, SparseRLTensor) else _scalar(a, b.val)
     if s is None:
         raise NotImplementedError(
             f"SparseRLTensor supports {'/' if div else '*'} by a real scalar only; for other elementwise "

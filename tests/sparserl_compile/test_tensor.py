@@ -747,8 +747,10 @@ def test_scaling_by_a_scalar_keeps_the_structure_and_other_elementwise_ops_are_r
         assert isinstance(scaled, SparseRLTensor) and scaled.fingerprint == a.fingerprint and scaled.dtype == a.dtype
         torch.testing.assert_close(scaled @ x, want @ x)
     torch.testing.assert_close((a.t() * 3) @ torch.ones(12), 3 * d.t() @ torch.ones(12))
+    assert (a.to(torch.bfloat16) * torch.tensor(2.0, dtype=torch.float64)).dtype == torch.bfloat16
     assert a._nnz() == m.nnz
-    for bad in (lambda: a * torch.randn(12, 9), lambda: a * a, lambda: a * True):
+    for bad in (lambda: a * torch.randn(12, 9), lambda: a * a, lambda: a * True, lambda: a * (1 + 2j),
+                lambda: a * torch.tensor(2.0, requires_grad=True)):
         with pytest.raises(NotImplementedError, match="by a real scalar only.*with_values"):
             bad()
 
