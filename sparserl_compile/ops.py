@@ -14,9 +14,11 @@ them like any extern kernel, and the fingerprint travels as a constant string ar
 fake (meta) kernels below use shapes only and never read index data. The real kernels call
 ``plans.product`` (plan table -> generated kernel or torch.sparse reference), the one door of
 every product, through the kernel and dense plan routes of their values tensor
-(``plans.routed_by_values``: a compiled graph passes the same values on every call): plain eager products with nothing to record (no autograd, no tracing, no
-dispatch mode) call it directly from ``tensor.py``/``dispatch.py`` and skip these ops' Python
-layers, with the same result.
+(``plans.routed_by_values``: a compiled graph passes the same values on every call). Plain
+eager products with nothing to record (no autograd, no tracing, no dispatch mode) call the
+runtime directly from ``tensor.py``/``dispatch.py`` and skip these ops' Python layers, with the
+same result; eager products whose dense operand requires grad (nothing tracing) record
+``tensor._EagerProduct``, an ``autograd.Function``, instead of these ops' autograd layers.
 
 Autograd: the gradient w.r.t. the dense operand is the product with the transposed matrix
 (spmm <-> spmm_t, spmv <-> spmv_t), so higher derivatives work too. The sparse *values* get
