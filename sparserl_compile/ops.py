@@ -18,7 +18,7 @@ every product, through the kernel and dense plan routes of their values tensor
 eager products with nothing to record (no autograd, no tracing, no dispatch mode) call the
 runtime directly from ``tensor.py``/``dispatch.py`` and skip these ops' Python layers, with the
 same result; eager products whose dense operand requires grad (nothing tracing) record
-``tensor._EagerProduct``, an ``autograd.Function``, instead of these ops' autograd layers.
+``EagerProduct``, an ``autograd.Function``, instead of these ops' autograd layers.
 
 Autograd: the gradient w.r.t. the dense operand is the product with the transposed matrix
 (spmm <-> spmm_t, spmv <-> spmv_t), so higher derivatives work too. The sparse *values* get
@@ -132,6 +132,50 @@ def _define(name: str, fn, transposed: bool, vector: bool):
     op.register_fake(_fake(name, transposed, vector))
     op.__doc__ = fn.__doc__
     return op
+
+
+def _eager(csr: tuple, x, t: bool):
+    """op(A) @ x by the runtime itself; ``csr`` = (crow, col, values, n_rows, n_cols,
+    fingerprint, routes) of A, op(A) = A^T where ``t``; x checked and contiguous."""
+    crow, col, val, n_rows, n_cols, fp, routes = csr
+    mv = x.dim() == 1
+    if t:
+        return (plans.spmv_t if mv else plans.spmm_t)(crow, col, val, x, n_rows, n_cols, fp)
+    return plans.routed_product(routes, "spmv" if mv else "spmm", crow, col, val, x, n_rows, n_cols, fp)
+
+
+class EagerProduct(torch.autograd.Function):
+    """op(A) @ x differentiated w.r.t. x in plain eager autograd: ``apply(x, csr, t)`` with
+    ``csr`` as ``_eager`` takes it (a tuple: autograd treats it as data). Forward the product,
+    backward op(A)^T @ g, recorded again where a double backward needs it. The custom ops record
+    the same through ``torch.library``'s Python layers, which cost several times the product's
+    own host time; they still serve tracing, dispatch modes and functorch (``eager_grad``)."""
+
+    @staticmethod
+    def forward(ctx, x, csr, t):
+        ctx.csr, ctx.t = csr, t
+        return _eager(csr, x, t)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        if torch.is_grad_enabled() and g.requires_grad:  # create_graph: the adjoint is recorded too
+            return EagerProduct.apply(g, ctx.csr, not ctx.t), None, None
+        return _eager(ctx.csr, g, not ctx.t), None, None
+
+
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def eager_grad(val, x) -> bool:
+    """Whether ``EagerProduct`` may record a product: plain tensors, no dispatch mode (fake,
+    proxy, functionalization), no functorch transform, and values without grad (for those the
+    ops raise the error asking for their gradient deserves)."""
+    return (
+        type(x) is torch.Tensor and type(val) is torch.Tensor and not val.requires_grad
+        and not _dispatch_depth() and not _functorch_active()
+    )
 
 
 #: the graph twins' library (the ``*_graph`` ops below)

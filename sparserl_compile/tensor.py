@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from sparserl_compile import inputs
+from sparserl_compile import ops as _ops
 from sparserl_compile import plans as _plans
 from sparserl_compile.reference import VALUE_DTYPES
 from sparserl_compile.structure import fingerprint as _fingerprint
@@ -399,8 +400,8 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
     mv = X.dim() == 1
     if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
         return _direct(A, X, t, mv, val)
-    if _eager_grad(val, X):  # autograd to X alone: one autograd.Function, not the custom op's layers
-        return _EagerProduct.apply(X, (A,), t, mv)
+    if _ops.eager_grad(val, X):  # autograd to X alone: one autograd.Function, not the custom op's layers
+        return _ops.EagerProduct.apply(X, (A.crow, A.col, val, A.n_rows, A.n_cols, A.fingerprint, A._routes), t)
     args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
     if mv:
         return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)
@@ -415,38 +416,7 @@ def _direct(A: SparseRLTensor, X: torch.Tensor, t: bool, mv: bool, val: torch.Te
                                  A.fingerprint)
 
 
-class _EagerProduct(torch.autograd.Function):
-    """op(A) @ X differentiated w.r.t. X in plain eager autograd: the product forward, op(A)^T @ G
-    backward (through ``_product`` again, so a double backward differentiates that too). The
-    custom ops record the same, through ``torch.library``'s Python layers, which cost about ten
-    times the product's own host time; they still serve tracing, dispatch modes and functorch.
-    A is passed in a tuple so that autograd treats it as data, not as an input."""
-
-    @staticmethod
-    def forward(ctx, X, boxed, t, mv):
-        (A,) = boxed
-        ctx.boxed, ctx.t = boxed, t
-        return _direct(A, X, t, mv, A.val)
-
-    @staticmethod
-    def backward(ctx, g):
-        (A,) = ctx.boxed
-        # op(A)^T @ g: _product multiplies by A^T where A.transposed != its flag, i.e. where not ctx.t
-        return _product(A, g.contiguous(), A.transposed == ctx.t), None, None, None
-
-
 _dispatch_depth = torch._C._len_torch_dispatch_stack
-_functorch_active = torch._C._are_functorch_transforms_active
-
-
-def _eager_grad(val: torch.Tensor, X: torch.Tensor) -> bool:
-    """True in plain eager autograd where only the dense operand is differentiated: no dispatch
-    mode, no functorch transform, plain tensors, values without grad (the custom op raises the
-    error that asking for theirs deserves)."""
-    return (
-        type(X) is torch.Tensor and type(val) is torch.Tensor and not val.requires_grad
-        and not _dispatch_depth() and not _functorch_active()
-    )
 
 
 def _eager_plain(val: torch.Tensor, X: torch.Tensor) -> bool:

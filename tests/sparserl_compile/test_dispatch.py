@@ -181,8 +181,8 @@ def test_autograd_flows_to_the_dense_operand():
 
 def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     """Nothing to record (no autograd, no dispatch mode): the routed product skips the custom
-    op's layers and calls the runtime; with a dense operand that requires grad it goes through
-    the op (autograd). Nested modes (enable() + accelerate()) still run one product."""
+    op's layers and calls the runtime; with a dense operand that requires grad it records one
+    autograd.Function, not the op. Nested modes (enable() + accelerate()) still run one product."""
     routed, by_op = [], []  # every routed product; those the custom op's kernel made
     real, real_op = plans.routed_product, plans.routed_by_values
     monkeypatch.setattr(plans, "routed_product", lambda *a: routed.append(1) or real(*a))
@@ -196,8 +196,9 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     Xg = X.clone().requires_grad_(True)
     with S.accelerate():
         (A @ Xg).sum().backward()
-    # the op's forward (by its values' routes) and its adjoint, not the direct path
-    assert len(routed) == 2 and by_op == [1] and calls() == 3
+    # eager autograd: one autograd.Function (its forward by the structure's routes, its adjoint), not the op
+    assert len(routed) == 2 and by_op == [] and calls() == 3
+    assert "EagerProduct" in type((A @ Xg).grad_fn).__name__
     torch.testing.assert_close(Xg.grad, A.to_dense().t() @ torch.ones(12, 3, dtype=torch.float64))
 
 
