@@ -94,9 +94,10 @@ def linear_rows(device: str, noop: bool) -> None:
 
 
 def entry_rows(t, tx, tn) -> None:
-    """The other two doors beside ``A @ x``: a native CSR product under ``sr.accelerate()`` (the
-    torch.sparse dispatch hook, PyG's route), and one product more in a graph compiled with
-    ``backend="sparserl"`` (eight chained SpMVs against one, default mode), next to eager."""
+    """The other doors beside ``A @ x``: a native CSR product under ``sr.accelerate()`` (the
+    torch.sparse dispatch hook, PyG's route), an eager SpMM whose dense operand requires grad
+    (autograd records it), and one product more in a graph compiled with ``backend="sparserl"``
+    (eight chained SpMVs against one, default mode), next to eager."""
     def chain(k):
         def f(v):
             for _ in range(k):
@@ -106,6 +107,9 @@ def entry_rows(t, tx, tn) -> None:
 
     with S.accelerate():
         print(f"  torch.mv on CSR in accelerate()  : {_per_call_us(lambda: torch.mv(tn, tx), n=5000):7.1f} us")
+    xg = torch.randn(t.n_cols, 16, device=tx.device, requires_grad=True)  # eager autograd records the product
+    print(f"  SparseRLTensor @ X, X needs grad : {_per_call_us(lambda: t @ xg, n=3000):7.1f} us")
+    print(f"  torch.mm on CSR, X needs grad    : {_per_call_us(lambda: torch.mm(tn, xg), n=3000):7.1f} us")
     per = {}
     for mode, wrap in (("eager", lambda f: f), ("compiled", lambda f: torch.compile(f, backend="sparserl"))):
         one, eight = wrap(chain(1)), wrap(chain(8))
