@@ -791,3 +791,18 @@ def test_eager_autograd_to_the_dense_operand_is_one_function_and_twice_different
         fn = fn.next_functions[0][0] if fn.next_functions else None
     assert "EagerProductBackward" in chain and not any("sparserl" in c.lower() for c in chain), chain
     assert torch.autograd.gradcheck(f, (x,)) and torch.autograd.gradgradcheck(f, (x,))
+
+
+def test_eager_transposes_are_made_at_once_and_traced_ones_the_standard_way(monkeypatch):
+    from sparserl_compile import tensor as T
+
+    m = sp.random(12, 9, density=0.3, format="csr", random_state=8, dtype=np.float32)
+    a, d = S.sparsify(m), torch.from_numpy(m.toarray())
+    f = torch.compile(lambda A, v: A.T @ v + A.mT @ v + A.t() @ v, backend="sparserl", fullgraph=True)
+    y = torch.randn(12, 2)
+    torch.testing.assert_close(f(a, y), 3 * d.t() @ y)
+    monkeypatch.setitem(T._ATEN_TABLE, torch.ops.aten.t.default, lambda *args: pytest.fail("aten.t reached"))
+    for view in (a.t(), a.T, a.mT, torch.t(a), a.t().t()):
+        assert isinstance(view, SparseRLTensor) and view is not a and view.fingerprint == a.fingerprint
+    torch.testing.assert_close(a.T @ y, d.t() @ y)
+    torch.testing.assert_close(a.t().t().to_dense(), d)
