@@ -53,8 +53,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from sparserl_compile import inputs, plans, structure
-from sparserl_compile.ops import EagerProduct, eager_grad
 from sparserl_compile.memo import lasting, version_counter
+from sparserl_compile.ops import EagerProduct, eager_grad
 from sparserl_compile.reference import VALUE_DTYPES
 from sparserl_compile.tensor import _eager_plain
 
