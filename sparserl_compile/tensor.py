@@ -658,6 +658,20 @@ def _t_eager(func, types, args, kwargs):
     return a._view(transposed=not a.transposed)
 
 
+@implements(torch._sparse_sum)
+def _sparse_sum(func, types, args, kwargs):
+    """``torch.sparse.sum(A[, dim][, dtype=])`` (torch's would coalesce a COO tensor first): as
+    ``A.sum``, a dense result."""
+    a = args[0]
+    if not isinstance(a, SparseRLTensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    rest = list(args[1:])
+    dtype = kwargs.get("dtype", rest.pop() if rest and isinstance(rest[-1], torch.dtype) else None)
+    dims = kwargs.get("dim", rest[0] if rest else None)
+    return _sums(a, dims, False, dtype)
+
+
 @implements(torch.Tensor.to_dense)
 def _to_dense(func, types, args, kwargs):
     return _dense(args[0])
@@ -750,6 +764,55 @@ def _scale(func, types, args, kwargs):
 @implements(aten.neg.default)
 def _neg(func, types, args, kwargs):
     return args[0]._with(val=-args[0].val)
+
+
+@implements(aten.abs.default)
+def _abs(func, types, args, kwargs):
+    return args[0]._with(val=args[0].val.abs())
+
+
+@implements(aten.pow.Tensor_Scalar)
+def _pow(func, types, args, kwargs):
+    """``A ** p`` entrywise for a real ``p > 0`` (0 ** p is 0: the structure stays)."""
+    a, p = args
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0:
+        raise NotImplementedError(f"SparseRLTensor ** {p!r}: only a real power > 0 keeps the zeros; "
+                                  "use .to_dense() first")
+    return a._with(val=a.val.pow(p))
+
+
+def _line_sums(a: SparseRLTensor, dim: int) -> torch.Tensor:
+    """The sums along ``dim`` of the matrix ``a`` is: dim 1 gives one per row, dim 0 one per
+    column (of a transposed view, the stored matrix's columns and rows)."""
+    stored_rows = (dim == 1) != a.transposed
+    index = _row_ids(a) if stored_rows else a.col.long()
+    out = a.val.new_zeros(a.n_rows if stored_rows else a.n_cols)
+    return out.index_add_(0, index, a.val)
+
+
+def _sums(a: SparseRLTensor, dims, keepdim: bool, dtype) -> torch.Tensor:
+    """Sums of the matrix ``a`` over ``dims`` (None or empty: all), a dense tensor."""
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+        dims = [0, 1]
+    dims = sorted({d % 2 for d in ([dims] if isinstance(dims, int) else dims)})
+    if dims == [0, 1]:
+        out = a.val.sum()
+        if keepdim:
+            out = out.reshape(1, 1)
+    else:
+        out = _line_sums(a, dims[0])
+        if keepdim:
+            out = out.unsqueeze(dims[0])
+    return out if dtype is None else out.to(dtype)
+
+
+@implements(aten.sum.default, aten.sum.dim_IntList)
+def _sum(func, types, args, kwargs):
+    """``A.sum()`` and ``A.sum(dim, keepdim=...)``: sums over the stored entries (a node's
+    degree is ``A.sum(1)``)."""
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return _sums(args[0], dims, keepdim, kwargs.get("dtype"))
 
 
 @implements(aten.is_pinned.default)

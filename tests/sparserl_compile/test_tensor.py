@@ -806,3 +806,23 @@ def test_eager_transposes_are_made_at_once_and_traced_ones_the_standard_way(monk
         assert isinstance(view, SparseRLTensor) and view is not a and view.fingerprint == a.fingerprint
     torch.testing.assert_close(a.T @ y, d.t() @ y)
     torch.testing.assert_close(a.t().t().to_dense(), d)
+
+
+def test_sums_and_zero_keeping_entrywise_ops_match_the_dense_matrix():
+    """A node's degree (``A.sum(1)``), ``torch.sparse.sum`` and entrywise ops that keep the
+    zeros (abs, a positive power) on a matrix and its transposed view, eager and compiled."""
+    m = sp.random(12, 9, density=0.3, format="csr", random_state=9, dtype=np.float32)
+    a, d = S.sparsify(m), torch.from_numpy(m.toarray())
+    for mat, dense in ((a, d), (a.t(), d.t())):
+        for got, want in ((mat.sum(), dense.sum()), (mat.sum(1), dense.sum(1)), (mat.sum(0), dense.sum(0)),
+                          (mat.sum(-1, keepdim=True), dense.sum(-1, keepdim=True)), (mat.sum((0, 1)), dense.sum()),
+                          (mat.sum(1, dtype=torch.float64), dense.sum(1, dtype=torch.float64)),
+                          (torch.sparse.sum(mat), dense.sum()), (torch.sparse.sum(mat, dim=1), dense.sum(1)),
+                          (mat.abs().to_dense(), dense.abs()), ((mat.abs() ** 0.5).to_dense(), dense.abs() ** 0.5)):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
+    with pytest.raises(NotImplementedError, match="power > 0"):
+        a ** 0
+    f = torch.compile(lambda A, x: (A @ x) / A.sum(1, keepdim=True), backend="sparserl", fullgraph=True)
+    x = torch.randn(9, 3)
+    torch.testing.assert_close(f(a, x), (d @ x) / d.sum(1, keepdim=True))
