@@ -744,21 +744,44 @@ def _scalar(x, val: torch.Tensor):
 
 @implements(aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
 def _scale(func, types, args, kwargs):
-    """``A * s``, ``s * A`` and ``A / s`` for a real scalar ``s``: the same structure (and its
-    plans) with scaled values. Elementwise products with tensors change the structure's meaning
-    (a zero stays a zero, a row scale is not a scalar) and are refused."""
+    """``A * s``, ``s * A`` and ``A / s`` for a real scalar ``s``, or for a column (m x 1) or row
+    (1 x n, n) vector that scales rows or columns: the same structure (and its plans) with
+    scaled values; as with torch's sparse tensors, the entries not stored stay zero (also where
+    ``s`` is infinite or NaN). Other elementwise products (with a full matrix, another sparse
+    matrix) and ``s / A`` are refused."""
     a, b = args[0], args[1]
     div = func in (aten.div.Tensor, aten.div.Scalar)
-    if kwargs or (div and not isinstance(a, SparseRLTensor)):
-        s = None
-    else:
-        s = _scalar(b, a.val) if isinstance(a, SparseRLTensor) else _scalar(a, b.val)
+    m, other = (a, b) if isinstance(a, SparseRLTensor) else (b, a)
+    s = None
+    if not kwargs and not (div and m is not a) and not isinstance(other, SparseRLTensor):
+        s = _scalar(other, m.val)
+        if s is None:
+            s = _line_factors(m, other)
     if s is None:
         raise NotImplementedError(
-            f"SparseRLTensor supports {'/' if div else '*'} by a real scalar only; for other elementwise "
-            "operations change the values: A.with_values(f(A.values())), or use .to_dense()")
-    m = a if isinstance(a, SparseRLTensor) else b
+            f"SparseRLTensor supports {'/' if div else '*'} by a real scalar, a row vector (1 x n or n) or "
+            "a column vector (m x 1) only, which keep the zeros; for other elementwise operations change "
+            "the values: A.with_values(f(A.values())), or use .to_dense()")
     return m._with(val=m.val / s if div else m.val * s)
+
+
+def _line_factors(a: SparseRLTensor, v) -> torch.Tensor | None:
+    """For a dense ``v`` that broadcasts against the matrix ``a`` as a column (m x 1) or a row
+    (1 x n, or n): the factor of each stored entry, in the values' dtype (a row and column
+    scaling such as D^-1/2 A D^-1/2 keeps the structure); else None."""
+    if (not isinstance(v, torch.Tensor) or isinstance(v, SparseRLTensor) or v.layout != torch.strided
+            or v.requires_grad or v.device != a.val.device or v.dtype.is_complex or v.dtype == torch.bool):
+        return None
+    rows, cols = (a.n_cols, a.n_rows) if a.transposed else (a.n_rows, a.n_cols)
+    if v.dim() == 2 and tuple(v.shape) == (rows, 1):
+        along_rows = True
+    elif (v.dim() == 2 and tuple(v.shape) == (1, cols)) or (v.dim() == 1 and v.shape[0] == cols):
+        along_rows = False
+    else:
+        return None
+    stored_rows = along_rows != a.transposed  # which stored index picks the factor
+    index = _row_ids(a) if stored_rows else a.col.long()
+    return v.reshape(-1).to(a.val.dtype)[index]
 
 
 @implements(aten.neg.default)

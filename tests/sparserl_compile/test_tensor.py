@@ -749,9 +749,15 @@ def test_scaling_by_a_scalar_keeps_the_structure_and_other_elementwise_ops_are_r
     torch.testing.assert_close((a.t() * 3) @ torch.ones(12), 3 * d.t() @ torch.ones(12))
     assert (a.to(torch.bfloat16) * torch.tensor(2.0, dtype=torch.float64)).dtype == torch.bfloat16
     assert a._nnz() == m.nnz
+    r, c = torch.rand(12, 1) + 0.5, torch.rand(9) + 0.5  # row and column scalings keep the structure
+    for scaled, want in ((a * r, d * r), (c * a, c * d), (a / c[None], d / c[None]), (a * r * c, d * r * c),
+                         (a.t() * r.reshape(-1), d.t() * r.reshape(-1)), (a.t() * c[:, None], d.t() * c[:, None])):
+        assert isinstance(scaled, SparseRLTensor) and scaled.fingerprint == a.fingerprint
+        torch.testing.assert_close(scaled.to_dense(), want)
+    assert (a.to(torch.bfloat16) * r).dtype == torch.bfloat16
     for bad in (lambda: a * torch.randn(12, 9), lambda: a * a, lambda: a * True, lambda: a * (1 + 2j),
-                lambda: a * torch.tensor(2.0, requires_grad=True)):
-        with pytest.raises(NotImplementedError, match="by a real scalar only.*with_values"):
+                lambda: a * torch.tensor(2.0, requires_grad=True), lambda: a * torch.rand(9, 1), lambda: c / a):
+        with pytest.raises(NotImplementedError, match="by a real scalar, a row vector.*with_values"):
             bad()
 
 
