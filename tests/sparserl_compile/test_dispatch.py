@@ -347,3 +347,13 @@ def test_uncoalesced_coo_in_canonical_order_is_routed():
         y = raw @ X
     assert calls() == 1
     torch.testing.assert_close(y, A.to_dense() @ X)
+
+
+def test_native_products_differentiate_to_the_dense_operand_twice():
+    A = native(dtype=torch.float64)
+    for x in (torch.randn(9, 3, dtype=torch.float64, requires_grad=True),
+              torch.randn(9, dtype=torch.float64, requires_grad=True)):
+        with S.accelerate():
+            assert "EagerProduct" in type((A @ x).grad_fn).__name__
+            assert torch.autograd.gradcheck(lambda v: A @ v, (x,))
+            assert torch.autograd.gradgradcheck(lambda v: torch.mm(A, v) if v.dim() == 2 else torch.mv(A, v), (x,))
