@@ -712,14 +712,19 @@ def _csr_arrays(a: SparseRLTensor):
     return tp.crow.clone(), tp.col.clone(), tp.values(a.val).clone(), (a.n_cols, a.n_rows)
 
 
-@implements(aten._to_sparse_csr.default, aten._to_sparse.default)
+# (under inference_mode the composite to_sparse* ops reach aten as themselves)
+@implements(aten._to_sparse_csr.default, aten._to_sparse.default, aten.to_sparse_csr.default,
+            aten.to_sparse.default, aten._to_sparse.sparse_dim, aten.to_sparse.sparse_dim)
 def _to_sparse(func, types, args, kwargs):
     """``to_sparse_csr()`` and ``to_sparse()``/``to_sparse_coo()``: torch's own sparse tensor of
     the matrix, in copies (int32 CSR indices; COO takes torch's int64)."""
     a = args[0]
-    layout = kwargs.get("layout") if func is aten._to_sparse.default else torch.sparse_csr
-    if func is aten._to_sparse.default and layout is None:
-        layout = torch.sparse_coo
+    if func in (aten._to_sparse_csr.default, aten.to_sparse_csr.default):
+        layout = torch.sparse_csr
+    elif func in (aten._to_sparse.sparse_dim, aten.to_sparse.sparse_dim):
+        layout = torch.sparse_coo if args[1] == 2 else None
+    else:
+        layout = kwargs.get("layout") or torch.sparse_coo
     if layout not in (torch.sparse_csr, torch.sparse_coo) or kwargs.get("blocksize") is not None:
         raise NotImplementedError(f"{func}: a SparseRLTensor becomes a CSR or COO torch tensor only "
                                   f"(asked for {layout}); from CSR, torch converts further")

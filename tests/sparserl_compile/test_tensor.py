@@ -832,3 +832,18 @@ def test_sums_and_zero_keeping_entrywise_ops_match_the_dense_matrix():
     f = torch.compile(lambda A, x: (A @ x) / A.sum(1, keepdim=True), backend="sparserl", fullgraph=True)
     x = torch.randn(9, 3)
     torch.testing.assert_close(f(a, x), (d @ x) / d.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("made_in_inference_mode", [False, True])
+def test_the_entrywise_ops_sums_and_conversions_under_inference_mode(made_in_inference_mode):
+    """Under inference_mode composite ops reach the subclass as themselves (to_sparse_csr, ...)."""
+    m = sp.random(12, 9, density=0.3, format="csr", random_state=10, dtype=np.float32)
+    with torch.inference_mode(made_in_inference_mode):
+        a = S.sparsify(m)
+    d, x, r = torch.from_numpy(m.toarray()), torch.randn(9, 3), torch.rand(12, 1)
+    with torch.inference_mode():
+        for got, want in (((a * 2) @ x, 2 * d @ x), (a.sum(1), d.sum(1)), (a.T @ torch.ones(12), d.t() @ torch.ones(12)),
+                          (torch.sparse.mm(a, x, "mean"), torch.sparse.mm(d.to_sparse_csr(), x, "mean")),
+                          (a.to_sparse_csr().to_dense(), d), (a.to_sparse().to_dense(), d), ((a * r).to_dense(), d * r),
+                          ((-a).abs().to_dense(), d.abs())):
+            torch.testing.assert_close(got, want)
