@@ -54,7 +54,7 @@ from torch.overrides import TorchFunctionMode
 
 from sparserl_compile import inputs, plans, structure
 from sparserl_compile.memo import lasting, version_counter
-from sparserl_compile.ops import EagerProduct, eager_grad
+from sparserl_compile.ops import EagerProduct, eager_grad, run_eager
 from sparserl_compile.reference import VALUE_DTYPES
 from sparserl_compile.tensor import _eager_plain
 
@@ -202,7 +202,7 @@ def _run(s: torch.Tensor, d: torch.Tensor, natives: dict):
     n_rows, n_cols = s.shape
     d = d.contiguous()
     if _eager_plain(vals, d):  # nothing to record: the runtime, by this structure's routes
-        return plans.routed_product(routes, "spmv" if d.dim() == 1 else "spmm", crow, col, vals, d, n_rows, n_cols, fp)
+        return run_eager(crow, col, vals, n_rows, n_cols, fp, routes, d, False)
     if eager_grad(vals, d):  # autograd to d alone: one autograd.Function, not the custom op's layers
         return EagerProduct.apply(d, (crow, col, vals, n_rows, n_cols, fp, routes), False)
     fn = torch.ops.sparserl.spmv if d.dim() == 1 else torch.ops.sparserl.spmm

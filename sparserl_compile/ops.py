@@ -134,10 +134,10 @@ def _define(name: str, fn, transposed: bool, vector: bool):
     return op
 
 
-def _eager(csr: tuple, x, t: bool):
-    """op(A) @ x by the runtime itself; ``csr`` = (crow, col, values, n_rows, n_cols,
-    fingerprint, routes) of A, op(A) = A^T where ``t``; x checked and contiguous."""
-    crow, col, val, n_rows, n_cols, fp, routes = csr
+def run_eager(crow, col, val, n_rows: int, n_cols: int, fp: str, routes, x, t: bool):
+    """op(A) @ x by the runtime itself, past these ops' layers (an eager product with nothing to
+    record, and ``EagerProduct``'s two directions): A's CSR arrays, its fingerprint and its
+    ``plans.Routes``; op(A) = A^T where ``t``; x checked and contiguous."""
     mv = x.dim() == 1
     if t:
         return (plans.spmv_t if mv else plans.spmm_t)(crow, col, val, x, n_rows, n_cols, fp)
@@ -146,7 +146,7 @@ def _eager(csr: tuple, x, t: bool):
 
 class EagerProduct(torch.autograd.Function):
     """op(A) @ x differentiated w.r.t. x in plain eager autograd: ``apply(x, csr, t)`` with
-    ``csr`` as ``_eager`` takes it (a tuple: autograd treats it as data). Forward the product,
+    ``csr`` the tuple of ``run_eager``'s leading arguments (a tuple: autograd treats it as data). Forward the product,
     backward op(A)^T @ g, recorded again where a double backward needs it. The custom ops record
     the same through ``torch.library``'s Python layers, which cost several times the product's
     own host time; they still serve tracing, dispatch modes and functorch (``eager_grad``)."""
@@ -154,14 +154,14 @@ class EagerProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, csr, t):
         ctx.csr, ctx.t = csr, t
-        return _eager(csr, x, t)
+        return run_eager(*csr, x, t)
 
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous()
         if torch.is_grad_enabled() and g.requires_grad:  # create_graph: the adjoint is recorded too
             return EagerProduct.apply(g, ctx.csr, not ctx.t), None, None
-        return _eager(ctx.csr, g, not ctx.t), None, None
+        return run_eager(*ctx.csr, g, not ctx.t), None, None
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack

@@ -397,23 +397,14 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
         )
     if not X.is_contiguous():
         X = X.contiguous()
-    mv = X.dim() == 1
     if _eager_plain(val, X):  # skip the custom-op machinery (~70 us of host time per call)
-        return _direct(A, X, t, mv, val)
+        return _ops.run_eager(A.crow, A.col, val, A.n_rows, A.n_cols, A.fingerprint, A._routes, X, t)
     if _ops.eager_grad(val, X):  # autograd to X alone: one autograd.Function, not the custom op's layers
         return _ops.EagerProduct.apply(X, (A.crow, A.col, val, A.n_rows, A.n_cols, A.fingerprint, A._routes), t)
     args = (A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
-    if mv:
+    if X.dim() == 1:
         return torch.ops.sparserl.spmv_t(*args) if t else torch.ops.sparserl.spmv(*args)
     return torch.ops.sparserl.spmm_t(*args) if t else torch.ops.sparserl.spmm(*args)
-
-
-def _direct(A: SparseRLTensor, X: torch.Tensor, t: bool, mv: bool, val: torch.Tensor) -> torch.Tensor:
-    """op(A) @ X by the runtime itself (X checked and contiguous; op(A) = A^T where ``t``)."""
-    if t:
-        return (_plans.spmv_t if mv else _plans.spmm_t)(A.crow, A.col, val, X, A.n_rows, A.n_cols, A.fingerprint)
-    return _plans.routed_product(A._routes, "spmv" if mv else "spmm", A.crow, A.col, val, X, A.n_rows, A.n_cols,
-                                 A.fingerprint)
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
