@@ -724,20 +724,6 @@ def _to_sparse(func, types, args, kwargs):
     return csr if layout == torch.sparse_csr else csr.to_sparse_coo()
 
 
-def _scalar(x, val: torch.Tensor):
-    """``x`` where it is a real scalar that scales ``val`` in place of a number (a Python int or
-    float, or a 0-D real tensor without grad on the CPU or on ``val``'s device, as torch passes
-    ``A * 2``: a 0-D operand keeps ``val``'s dtype and is never read on the host), else None."""
-    if isinstance(x, torch.Tensor):
-        ok = (not isinstance(x, SparseRLTensor) and x.dim() == 0 and not x.requires_grad
-              and not x.dtype.is_complex and x.dtype != torch.bool
-              and (x.device.type == "cpu" or x.device == val.device))
-        return x if ok else None
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return x
-
-
 @implements(aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
 def _scale(func, types, args, kwargs):
     """``A * s``, ``s * A`` and ``A / s`` for a real scalar ``s``, or for a column (m x 1) or row
@@ -748,11 +734,7 @@ def _scale(func, types, args, kwargs):
     a, b = args[0], args[1]
     div = func in (aten.div.Tensor, aten.div.Scalar)
     m, other = (a, b) if isinstance(a, SparseRLTensor) else (b, a)
-    s = None
-    if not kwargs and not (div and m is not a) and not isinstance(other, SparseRLTensor):
-        s = _scalar(other, m.val)
-        if s is None:
-            s = _line_factors(m, other)
+    s = None if kwargs or (div and m is not a) else _factor(m, other)
     if s is None:
         raise NotImplementedError(
             f"SparseRLTensor supports {'/' if div else '*'} by a real scalar, a row vector (1 x n or n) or "
@@ -761,12 +743,21 @@ def _scale(func, types, args, kwargs):
     return m._with(val=m.val / s if div else m.val * s)
 
 
-def _line_factors(a: SparseRLTensor, v) -> torch.Tensor | None:
-    """For a dense ``v`` that broadcasts against the matrix ``a`` as a column (m x 1) or a row
-    (1 x n, or n): the factor of each stored entry, in the values' dtype (a row and column
-    scaling such as D^-1/2 A D^-1/2 keeps the structure); else None."""
-    if (not isinstance(v, torch.Tensor) or isinstance(v, SparseRLTensor) or v.layout != torch.strided
-            or v.requires_grad or v.device != a.val.device or v.dtype.is_complex or v.dtype == torch.bool):
+def _factor(a: SparseRLTensor, v):
+    """What scales the values of the matrix ``a`` for ``a * v``, or None where ``v`` is not a
+    real scalar or line of factors: a Python int or float; a 0-D real tensor without grad on the
+    CPU or on the values' device (as torch passes ``A * 2``: it keeps the values' dtype and is
+    never read on the host); or a column (m x 1) or row (1 x n, or n) of such factors on the
+    values' device, which gives the factor of each stored entry in the values' dtype (a row and
+    column scaling such as D^-1/2 A D^-1/2 keeps the structure)."""
+    if not isinstance(v, torch.Tensor):
+        return None if isinstance(v, bool) or not isinstance(v, (int, float)) else v
+    if (isinstance(v, SparseRLTensor) or v.layout != torch.strided or v.requires_grad or v.dtype.is_complex
+            or v.dtype == torch.bool):
+        return None
+    if v.dim() == 0:
+        return v if v.device.type == "cpu" or v.device == a.val.device else None
+    if v.device != a.val.device:
         return None
     rows, cols = (a.n_cols, a.n_rows) if a.transposed else (a.n_rows, a.n_cols)
     if v.dim() == 2 and tuple(v.shape) == (rows, 1):
@@ -775,8 +766,7 @@ def _line_factors(a: SparseRLTensor, v) -> torch.Tensor | None:
         along_rows = False
     else:
         return None
-    stored_rows = along_rows != a.transposed  # which stored index picks the factor
-    index = _row_ids(a) if stored_rows else a.col.long()
+    index, _ = _line_index(a, along_rows)
     return v.reshape(-1).to(a.val.dtype)[index]
 
 
@@ -800,13 +790,18 @@ def _pow(func, types, args, kwargs):
     return a._with(val=a.val.pow(p))
 
 
+def _line_index(a: SparseRLTensor, rows: bool) -> tuple[torch.Tensor, int]:
+    """(the row, or with ``rows`` False the column, of every stored entry in the matrix ``a``
+    is, how many rows or columns it has): of a transposed view, the stored columns or rows."""
+    if rows != a.transposed:
+        return _row_ids(a), a.n_rows
+    return a.col.long(), a.n_cols
+
+
 def _line_sums(a: SparseRLTensor, dim: int) -> torch.Tensor:
-    """The sums along ``dim`` of the matrix ``a`` is: dim 1 gives one per row, dim 0 one per
-    column (of a transposed view, the stored matrix's columns and rows)."""
-    stored_rows = (dim == 1) != a.transposed
-    index = _row_ids(a) if stored_rows else a.col.long()
-    out = a.val.new_zeros(a.n_rows if stored_rows else a.n_cols)
-    return out.index_add_(0, index, a.val)
+    """The sums along ``dim`` of the matrix ``a`` is: dim 1 gives one per row, dim 0 one per column."""
+    index, n = _line_index(a, dim == 1)
+    return a.val.new_zeros(n).index_add_(0, index, a.val)
 
 
 def _sums(a: SparseRLTensor, dims, keepdim: bool, dtype) -> torch.Tensor:
