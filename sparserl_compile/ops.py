@@ -13,8 +13,8 @@ They are opaque to Dynamo and Inductor (``torch.library.custom_op``): a compiled
 them like any extern kernel, and the fingerprint travels as a constant string argument, so the
 fake (meta) kernels below use shapes only and never read index data. The real kernels call
 ``plans.product`` (plan table -> generated kernel or torch.sparse reference), the one door of
-every product, through the kernel and dense plan routes of their values tensor
-(``plans.routed_by_values``: a compiled graph passes the same values on every call). Plain
+every product, through the routes of their values tensor (``plans.routed_by_values``: a
+compiled graph passes the same values on every call). Plain
 eager products with nothing to record (no autograd, no tracing, no dispatch mode) call the
 runtime directly from ``tensor.py``/``dispatch.py`` and skip these ops' Python layers, with the
 same result; eager products whose dense operand requires grad (nothing tracing) record

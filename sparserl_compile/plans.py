@@ -479,6 +479,8 @@ def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_co
             return product(op, crow, col, val, x, n_rows, n_cols, fp, routes)
         counter = "kernel_calls" if kind is KernelPlan else "dense_calls"
     else:
+        if r is _REFERENCE:  # a reference route of ``routed_by_values``: the CSR tensor from reference.csr's memo
+            r = reference.csr(crow, col, val, n_rows, n_cols)
         y, counter = reference.native_mm(r, x), "reference_calls"
     counts = config.counts
     counts["calls"] += 1
@@ -555,15 +557,19 @@ def wait_for_searches(timeout: float | None = None) -> bool:
 # ------------------------------------------------------------------------- entry points
 
 
+#: what ``_PlanRoutes`` keeps for a reference route: the mark, not the torch CSR tensor
+_REFERENCE = object()
+
+
 class _PlanRoutes(Routes):
-    """Routes to kernel and dense plans only. A reference route is a torch CSR tensor over the
-    values, which would keep them alive from a table keyed by them (``routed_by_values``)."""
+    """Routes of ``routed_by_values``. A reference route is kept as ``_REFERENCE``, not as the
+    torch CSR tensor over the values, which would keep them alive from a table keyed by them;
+    ``routed_product`` takes that tensor from ``reference.csr``'s memo (bounded)."""
 
     __slots__ = ()
 
     def store(self, generation: int, n: int, native) -> None:
-        if type(native) is not torch.Tensor:
-            super().store(generation, n, native)
+        super().store(generation, n, _REFERENCE if type(native) is torch.Tensor else native)
 
 
 #: id(values) -> (weak reference to them, fingerprint, their _PlanRoutes): ``routed_by_values``
@@ -572,10 +578,9 @@ _routes_by_values: dict[int, tuple] = {}
 
 def routed_by_values(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
     """``routed_product`` for callers that hold no ``Routes`` (the custom ops, which compiled
-    graphs and autograd call with a sparse tensor's arrays): the kernel and dense plan routes of
-    this values tensor and fingerprint, dropped with the values tensor. A compiled graph passes
-    the same values tensor on every call, so its kernel products skip the plan key as eager
-    ones do."""
+    graphs and autograd call with a sparse tensor's arrays): the routes of this values tensor
+    and fingerprint, dropped with the values tensor. A compiled graph passes the same values
+    tensor on every call, so its products skip the plan key as eager ones do."""
     k = id(val)
     e = _routes_by_values.get(k)
     if e is None or e[0]() is not val or e[1] != fp:

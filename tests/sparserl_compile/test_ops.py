@@ -124,22 +124,30 @@ def test_graph_twins_check_operands_like_the_ops():
 
 
 @pytest.mark.parametrize("name", ["spmv", "spmv_graph", "spmm", "spmm_graph"])
-def test_an_ops_products_see_new_values_and_keep_none_alive(name):
+def test_an_ops_products_see_new_values_and_keep_none_alive(name, monkeypatch):
     """The ops keep routes per values tensor (``plans.routed_by_values``): an in-place update of
     the values and other values of the same structure give the right product, and values freed
     take their entry with them (a reference plan's CSR tensor, which would hold them, is never
-    kept there)."""
+    kept there). The second product of the same values goes by its reference route, past the
+    plan key."""
     import gc
     import weakref
 
-    from sparserl_compile import plans, reference
+    from sparserl_compile import config, plans, reference
 
     m, (crow, col, val), fp = csr_args(7, 5, 0.4, seed=2, dtype=torch.float32)
     op = getattr(torch.ops.sparserl, name)
     x = dense_for(name.removesuffix("_graph"), 7, 5, dtype=torch.float32)
     want = torch.from_numpy(m.toarray()).float() @ x
-    for _ in range(2):
+    for _ in range(2):  # a miss plans it, a hit stores the route
         torch.testing.assert_close(op(crow, col, val, x, 7, 5, fp), want)
+    keyed, real_key = [], plans.width_bucket
+    monkeypatch.setattr(plans, "width_bucket", lambda n: keyed.append(n) or real_key(n))
+    plans.reset_stats()
+    torch.testing.assert_close(op(crow, col, val, x, 7, 5, fp), want)
+    assert keyed == [] and config.stats().reference_calls == 1  # routed: no plan key built
+    monkeypatch.undo()
+    assert plans._REFERENCE in plans._routes_by_values[id(val)][2].native.values()
     val.mul_(2)
     torch.testing.assert_close(op(crow, col, val, x, 7, 5, fp), 2 * want)
     other = -val
