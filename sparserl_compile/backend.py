@@ -14,9 +14,13 @@ After AOTAutograd has differentiated the graph, an Inductor post-grad pass (``Gr
 chained after any ``post_grad_custom_post_pass`` of the user's) swaps each sparserl op for its
 graph twin ``sparserl::<op>_graph`` (``ops.py``): the same kernel and operand checks, without
 the ``torch.library.custom_op`` layers (a Python autograd kernel that redispatches, then output
-alias checks) that cost about 45 us of host time per product per call on a 2-core CPU. The
-pass's uuid hashes this file, ``ops.py`` and ``tensor.py``, so Inductor's and AOTAutograd's
-caches never hand back a graph compiled without it, or under another version of them.
+alias checks) that cost about 45 us of host time per product per call on a 2-core CPU.
+Inductor then lowers each twin to a direct call of its Python function
+(``lower_graph_twins_to_calls``), past the dispatcher's round trip into a Python kernel: a
+product in a compiled graph costs the host what an eager one does. The pass's uuid hashes this
+file, ``ops.py`` and ``tensor.py`` (and says whether the direct calls are in place), so
+Inductor's and AOTAutograd's caches never hand back a graph compiled without them, or under
+another version of them.
 
 The structure fingerprint is flatten metadata of ``SparseRLTensor``, so Dynamo guards on it:
 a new structure recompiles; new values with the same structure do not. The runtime's plan
@@ -57,6 +61,7 @@ def sparserl_backend(gm, example_inputs, **kwargs: Any):
     patches.update(options)
     from torch._inductor import config as inductor_config
 
+    lower_graph_twins_to_calls()
     theirs = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     patches["post_grad_custom_post_pass"] = GraphTwinPass(theirs)
     del torch
@@ -79,6 +84,57 @@ def lower_to_graph_twins(graph) -> int:
             node.target = GRAPH_TWINS[node.target]
             n += 1
     return n
+
+
+_calls: bool | None = None  # whether the twins are lowered to direct calls (None: not tried yet)
+
+
+def lower_graph_twins_to_calls() -> bool:
+    """Register, once, an Inductor lowering of each graph twin to a call of its Python function
+    (``ops.GRAPH_CALLS``) from the graph's code, ``extern_kernels.sparserl_<op>(...)``, in place
+    of ``torch.ops.sparserl.<op>_graph.default(...)``, whose trip through the dispatcher into a
+    Python kernel (arguments parsed against the schema, boxed, converted back to Python objects)
+    costs as much host time as the product's own path. The node is the same kind as the
+    fallback kernel Inductor would make (``ExternKernelAlloc``), with a contiguous ``dense``
+    and a contiguous output. Graphs compiled for Inductor's C++ wrapper (``cpp_wrapper``), which
+    calls no Python function, keep the twin as a fallback kernel. Returns whether the lowering
+    is in place (False where this torch's Inductor lacks what it uses: the twins serve)."""
+    global _calls
+    if _calls is not None:
+        return _calls
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import fallback_handler, register_lowering
+        from torch._inductor.select_algorithm import extern_kernels
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - an Inductor without these: the twins' fallback kernels
+        _calls = False
+        return False
+    from sparserl_compile.ops import GRAPH_CALLS
+
+    def lowering(twin, name: str, transposed: bool, vector: bool):
+        fallback = fallback_handler(twin, add_to_fallback_set=False)
+
+        def lower(crow, col, val, dense, n_rows, n_cols, fingerprint):
+            if V.graph.cpp_wrapper:
+                return fallback(crow, col, val, dense, n_rows, n_cols, fingerprint)
+            arrays = [ir.ExternKernel.realize_input(t) for t in (crow, col, val)]
+            dense = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(dense))
+            m = n_cols if transposed else n_rows
+            size = [m] if vector else [m, dense.get_size()[1]]
+            layout = ir.FixedLayout(dense.get_device(), dense.get_dtype(), size,
+                                    ir.FlexibleLayout.contiguous_strides(size))
+            return ir.TensorBox.create(ir.ExternKernelAlloc(
+                layout, [*arrays, dense], constant_args=(n_rows, n_cols, fingerprint),
+                python_kernel_name=f"extern_kernels.{name}"))
+
+        return lower
+
+    for twin, (name, fn, transposed, vector) in GRAPH_CALLS.items():
+        setattr(extern_kernels, name, fn)
+        register_lowering(twin, type_promotion_kind=None)(lowering(twin, name, transposed, vector))
+    _calls = True
+    return True
 
 
 def _graph_twin_pass_base():
@@ -106,7 +162,7 @@ class GraphTwinPass(_graph_twin_pass_base()):
         lower_to_graph_twins(graph)
 
     def uuid(self):
-        ours = _source_hash()
+        ours = _source_hash() + ("-calls" if lower_graph_twins_to_calls() else "")
         if self.inner is None:
             return ours
         theirs = getattr(self.inner, "uuid", lambda: None)()

@@ -31,6 +31,10 @@ layer, no output alias checks. The ``"sparserl"`` compile backend puts the twins
 graphs AOTAutograd has already differentiated, where those layers are pure per-call host
 cost; called directly, a twin does not differentiate (use the ops).
 
+``backend.py`` goes one step further: Inductor lowers each twin to a direct call of its Python
+function (``GRAPH_CALLS``), past the dispatcher's round trip into Python, which costs as much
+host time as the product's own path.
+
 Operands are checked (dtype, device, shape) in both the real and the fake kernel with
 messages that name the operand and the fix. The dense operand must be contiguous here;
 ``tensor.py`` and ``dispatch.py`` make it so before calling.
@@ -206,6 +210,29 @@ spmv, spmm, spmv_t, spmm_t = (_define(name, fn, t, v) for name, fn, t, v in _OPS
 #: each op's overload -> its graph twin's (what ``backend.py`` swaps in after AOTAutograd)
 GRAPH_TWINS = {
     getattr(torch.ops.sparserl, name).default: _define_graph_twin(name, fn, t, v).default
+    for name, fn, t, v in _OPS
+}
+
+def _graph_call(fn, transposed: bool, vector: bool):
+    """The product a compiled graph calls in place of a graph twin, without the dispatcher's
+    round trip into Python (``backend.py`` lowers each twin to a call of it) and without
+    operand checks: the fake kernel checked them when the graph was traced, Dynamo's guards
+    hold the inputs' dtypes and devices to what it saw, the graph asserts their sizes, and the
+    lowering makes ``dense`` contiguous."""
+    if not transposed:
+        op = "spmv" if vector else "spmm"
+
+        def call(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
+            return plans.routed_by_values(op, crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint)
+
+        return call
+    return fn
+
+
+#: each graph twin's overload -> (the name Inductor's code calls it by, the function, transposed,
+#: vector): what ``backend.py`` lowers it to
+GRAPH_CALLS = {
+    GRAPH_TWINS[getattr(torch.ops.sparserl, name).default]: (f"sparserl_{name}", _graph_call(fn, t, v), t, v)
     for name, fn, t, v in _OPS
 }
 

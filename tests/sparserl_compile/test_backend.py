@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -244,9 +245,11 @@ def test_graph_twin_pass_chains_the_users_pass_and_keys_the_caches():
     assert backend.GraphTwinPass(lambda g: None).uuid() is None  # no uuid: Inductor bypasses its cache
 
 
-def test_compiled_forward_and_backward_call_the_graph_twins():
-    """The real backend: Inductor's code calls sparserl::*_graph (not the custom ops and their
-    autograd layer) in the forward and the backward, and the results match eager."""
+def test_compiled_forward_and_backward_call_the_products_directly():
+    """The real backend: Inductor's code calls each product's Python function directly
+    (``extern_kernels.sparserl_*``: neither the custom ops and their autograd layer nor the
+    dispatcher's trip into the twins) in the forward and the backward, and the results match
+    eager."""
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
@@ -259,9 +262,9 @@ def test_compiled_forward_and_backward_call_the_graph_twins():
         _, bw = run_and_get_code(lambda: y.sum().backward())
     torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
     fw, bw = "\n".join(fw), "\n".join(bw)
-    assert fw.count("torch.ops.sparserl.spmm_graph.default(") == 2, fw  # (W x^T)^T and adj @ h
-    assert "torch.ops.sparserl.spmm_t_graph.default(" in bw, bw  # adj^T @ grad, W^T @ grad
-    assert "torch.ops.sparserl.spmm.default(" not in fw + bw and "torch.ops.sparserl.spmm_t.default(" not in fw + bw
+    assert fw.count("extern_kernels.sparserl_spmm(") == 2, fw  # (W x^T)^T and adj @ h
+    assert "extern_kernels.sparserl_spmm_t(" in bw, bw  # adj^T @ grad, W^T @ grad
+    assert not re.search(r"torch\.ops\.sparserl\.\w+\.default\(", fw + bw)  # no op is called (asserts name them)
     grads = [p.grad.clone() for p in (model.lin.bias, model.head.weight)]
     model.zero_grad()
     model(x).sum().backward()
@@ -290,4 +293,46 @@ def test_the_cache_key_covers_the_file_that_lowers_products():
     h = hashlib.sha256()
     for name in ("backend.py", "ops.py", "tensor.py"):
         h.update((here / name).read_bytes())
-    assert backend.GraphTwinPass().uuid() == "sparserl-graph-twins-" + h.hexdigest()
+    assert backend.GraphTwinPass().uuid() == "sparserl-graph-twins-" + h.hexdigest() + "-calls"
+
+
+@pytest.mark.parametrize("name", ["spmv", "spmm", "spmv_t", "spmm_t"])
+def test_every_product_compiles_to_a_direct_call_with_dynamic_shapes(name):
+    """Each op, traced with dynamic shapes (a symbolic dense width and batch), lowers to its
+    direct call and computes what eager does at sizes the graph was not traced at; a dense
+    operand the graph made non-contiguous is made contiguous first."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    A = S.sparsify(mat(40, 30, density=0.2))
+    t = name.endswith("_t")
+    k = 40 if t else 30
+    op = (lambda a: a.t()) if t else (lambda a: a)
+    if name.startswith("spmv"):
+        f = torch.compile(lambda A, x: op(A) @ torch.relu(x), backend="sparserl", fullgraph=True, dynamic=True)
+        args = [torch.randn(k)]
+    else:
+        f = torch.compile(lambda A, x: op(A) @ x.t(), backend="sparserl", fullgraph=True, dynamic=True)
+        args = [torch.randn(5, k), torch.randn(3, k)]
+    with inductor_config.patch(force_disable_caches=True):
+        for i, x in enumerate(args):
+            got, code = run_and_get_code(f, A, x)
+            want = op(A).to_dense() @ (torch.relu(x) if x.dim() == 1 else x.t())
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if i == 0:
+                assert f"extern_kernels.sparserl_{name}(" in "\n".join(code)
+
+
+def test_the_cpp_wrapper_keeps_the_graph_twin():
+    """Inductor's C++ wrapper calls no Python function: there the product stays the twin's
+    fallback kernel, and computes the same."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    A, x = S.sparsify(mat(40, 30, density=0.2)), torch.randn(30, 4)
+    f = torch.compile(lambda A, x: torch.relu(A @ x), backend="sparserl", fullgraph=True,
+                      options={"cpp_wrapper": True})
+    with inductor_config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(f, A, x)
+    torch.testing.assert_close(got, torch.relu(A.to_dense() @ x), rtol=1e-5, atol=1e-5)
+    assert "extern_kernels.sparserl_" not in "\n".join(code)
