@@ -489,6 +489,29 @@ def routed_product(routes: Routes, op: str, crow, col, val, x, n_rows: int, n_co
     return y
 
 
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+
+
+def reference_route(native: torch.Tensor, x, val):
+    """``native @ x`` for a sparse tensor whose route at the width of ``x`` is the reference's
+    torch CSR tensor ``native``, before any check of sparserl's own: torch checks the operands
+    itself (dtype, device, shape, layout), so the product costs what ``torch.mv``/``torch.mm``
+    does. None where torch refuses them (the caller's checked path then raises the error that
+    names the problem) and where the product must be seen by something (autograd, a dispatch
+    mode, autocast), which the checked path handles. Counted as the table hit it stands for."""
+    if x.requires_grad or val.requires_grad or _dispatch_depth() or reference._autocast_on():
+        return None
+    try:
+        y = torch.mv(native, x) if x.dim() == 1 else torch.mm(native, x)
+    except (RuntimeError, TypeError):
+        return None
+    counts = config.counts
+    counts["calls"] += 1
+    counts["hits"] += 1
+    counts["reference_calls"] += 1
+    return y
+
+
 def dense_linear(plan: DensePlan, x, bias, crow, col, val, n_rows: int, n_cols: int):
     """``F.linear(x, W, bias)`` for a sparse weight whose route at the batch of ``x`` is the
     dense ``plan``; None where its dense copy cannot be built (the caller takes the sparse route,

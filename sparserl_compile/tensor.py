@@ -173,14 +173,23 @@ class SparseRLTensor(torch.Tensor):
     def __matmul__(self, other):
         """``self @ other``: eagerly, straight to the product handler, skipping
         ``Tensor.__matmul__``'s wrapper and the ``__torch_function__`` trip (about 7 us of host
-        time per call on the development CPU, a third of an eager product's Python path). Under
+        time per call on the development CPU, a third of an eager product's Python path); at a
+        width whose plan is the reference, straight to torch (``plans.reference_route``). Under
         ``torch.compile``, or with a torch function mode active (which must see every op), it
         takes the standard route."""
         if (not isinstance(other, torch.Tensor) or torch._C._is_torch_function_mode_enabled()
                 or torch.compiler.is_compiling()):
             return super().__matmul__(other)
-        if type(other) is torch.Tensor and 1 <= other.dim() <= 2:  # the common case: straight to the product
-            return _product(self, other, False)
+        if type(other) is torch.Tensor and other.layout is torch.strided:
+            d = other.dim()
+            if d == 1 or d == 2:  # the common case: straight to the product
+                if not self.transposed:  # a width whose plan is the reference: torch at once
+                    r = self._routes.get(_SPMV if d == 1 else other.shape[1])
+                    if type(r) is torch.Tensor:
+                        y = _plans.reference_route(r, other, self.val)
+                        if y is not None:
+                            return y
+                return _product(self, other, False)
         return _dispatch_pair(torch.matmul, self, other)
 
     def __repr__(self) -> str:
@@ -408,6 +417,7 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
+_SPMV = _plans.Routes.SPMV
 
 
 def _eager_plain(val: torch.Tensor, X: torch.Tensor) -> bool:

@@ -362,6 +362,76 @@ def test_a_reference_plan_is_served_by_the_tensors_route_with_the_same_results_a
     assert (st.calls, st.misses, st.hits, st.reference_calls) == (7, 2, 5, 7)
 
 
+def test_at_a_reference_route_matmul_goes_to_torch_at_once(monkeypatch):
+    """``A @ x`` at a width whose route is the reference calls torch with no sparserl check in
+    between (torch checks the operands itself) and counts the hit."""
+    m = matrix()
+    a = S.sparsify(m)
+    x, x1 = torch.randn(20, 4), torch.randn(20)
+    for _ in range(2):
+        a @ x, a @ x1  # a miss plans each, a hit stores each route
+    from sparserl_compile import tensor as T
+
+    monkeypatch.setattr(T, "_product", lambda *args: pytest.fail("the checked path was taken"))
+    config.reset_counts()
+    for y, v in ((a @ x, x), (a @ x1, x1), (a @ x.t().contiguous().t(), x)):  # (a strided view too)
+        np.testing.assert_allclose(y.numpy(), m @ v.numpy(), rtol=1e-5, atol=1e-6)
+    st = config.stats()
+    assert (st.calls, st.hits, st.reference_calls) == (3, 3, 3)
+
+
+def test_at_a_reference_route_bad_operands_still_get_sparserls_errors():
+    """Torch refusing an operand at the route sends the call down the checked path, whose error
+    names the problem and the fix."""
+    a = S.sparsify(matrix())
+    x, x1 = torch.randn(20, 4), torch.randn(20)
+    for _ in range(2):
+        a @ x, a @ x1
+    assert a._routes.get(4) is not None and a._routes.get(plans.Routes.SPMV) is not None
+    with pytest.raises(ValueError, match="dtype mismatch.*x.to"):
+        a @ x1.double()
+    with pytest.raises(ValueError, match="shape mismatch.*needs 20 rows"):
+        a @ torch.randn(21)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        a @ x.double()
+    with pytest.raises(NotImplementedError, match="dense strided tensor only"):
+        a @ x1.to_sparse()
+
+
+def test_at_a_reference_route_autograd_modes_and_autocast_take_the_checked_path():
+    """What must see the product (autograd for x, values that require grad, a dispatch mode,
+    autocast) is not short-cut by the route: gradients flow as before, values requiring grad
+    get sparserl's error, and under autocast the product runs in the operands' dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    m = matrix()
+    a = S.sparsify(m)
+    x = torch.randn(20)
+    a @ x, a @ x
+    xg = x.clone().requires_grad_()
+    (a @ xg).sum().backward()
+    np.testing.assert_allclose(xg.grad.numpy(), m.T @ np.ones(30, np.float32), rtol=1e-5, atol=1e-6)
+    b = S.SparseRLTensor(a.crow, a.col, a.val.clone().requires_grad_(), a.n_rows, a.n_cols, a.fingerprint)
+    b._routes = a._routes  # a reference route, values that require grad
+    with pytest.raises(RuntimeError, match="does not differentiate w.r.t. sparse values"):
+        b @ x
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Seen.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        y = a @ x
+    assert any("sparserl" in str(f) for f in Seen.ops)
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = a @ x
+    assert y.dtype == torch.float32
+
+
 def test_a_route_sees_in_place_value_updates_and_is_never_copied():
     import copy
 
