@@ -624,12 +624,14 @@ def spmm(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
 
 
 def spmv_t(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
-    """y = A^T x, x of shape (n_rows,); A is given as its own CSR (n_rows x n_cols)."""
+    """y = A^T x, x of shape (n_rows,); A is given as its own CSR (n_rows x n_cols). By the
+    routes of A^T's values (memoized per values tensor and version: a change of A's values
+    makes new ones, with routes of their own)."""
     tp = transpose.transpose_pattern(crow, col, n_rows, n_cols, fp)
-    return product("spmv", tp.crow, tp.col, tp.values(val), x, n_cols, n_rows, tp.fingerprint)
+    return routed_by_values("spmv", tp.crow, tp.col, tp.values(val), x, n_cols, n_rows, tp.fingerprint)
 
 
 def spmm_t(crow, col, val, x, n_rows: int, n_cols: int, fp: str) -> torch.Tensor:
-    """Y = A^T X, X of shape (n_rows, n)."""
+    """Y = A^T X, X of shape (n_rows, n); by the routes of A^T's values, as ``spmv_t``."""
     tp = transpose.transpose_pattern(crow, col, n_rows, n_cols, fp)
-    return product("spmm", tp.crow, tp.col, tp.values(val), x, n_cols, n_rows, tp.fingerprint)
+    return routed_by_values("spmm", tp.crow, tp.col, tp.values(val), x, n_cols, n_rows, tp.fingerprint)

@@ -183,10 +183,12 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     """Nothing to record (no autograd, no dispatch mode): the routed product skips the custom
     op's layers and calls the runtime; with a dense operand that requires grad it records one
     autograd.Function, not the op. Nested modes (enable() + accelerate()) still run one product."""
-    routed, by_op = [], []  # every routed product; those the custom op's kernel made
-    real, real_op = plans.routed_product, plans.routed_by_values
+    from sparserl_compile import ops
+
+    routed, by_op = [], []  # every routed product; the custom op kernels' calls (they check first)
+    real, real_check = plans.routed_product, ops._fast_ok
     monkeypatch.setattr(plans, "routed_product", lambda *a: routed.append(1) or real(*a))
-    monkeypatch.setattr(plans, "routed_by_values", lambda *a: by_op.append(1) or real_op(*a))
+    monkeypatch.setattr(ops, "_fast_ok", lambda *a: by_op.append(1) or real_check(*a))
     A, X = native(dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
     S.enable()
     with S.accelerate():
@@ -196,8 +198,9 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     Xg = X.clone().requires_grad_(True)
     with S.accelerate():
         (A @ Xg).sum().backward()
-    # eager autograd: one autograd.Function (its forward by the structure's routes, its adjoint), not the op
-    assert len(routed) == 2 and by_op == [] and calls() == 3
+    # eager autograd: one autograd.Function (its forward by the structure's routes, its adjoint by
+    # the routes of the transposed values), not the op
+    assert len(routed) == 3 and by_op == [] and calls() == 3
     assert "EagerProduct" in type((A @ Xg).grad_fn).__name__
     torch.testing.assert_close(Xg.grad, A.to_dense().t() @ torch.ones(12, 3, dtype=torch.float64))
 

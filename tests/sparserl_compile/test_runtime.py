@@ -432,6 +432,29 @@ def test_at_a_reference_route_autograd_modes_and_autocast_take_the_checked_path(
     assert y.dtype == torch.float32
 
 
+def test_transposed_products_go_by_the_routes_of_the_transposed_values(monkeypatch):
+    """A^T @ X, x @ A and the adjoint in backward use the routes of A^T's values (memoized per
+    values tensor and version): past the plan key once planned, and an in-place update of A's
+    values is seen."""
+    m = matrix()
+    a = S.sparsify(m)
+    x, r = torch.randn(30, 4), torch.randn(3, 30)
+    for _ in range(2):  # a miss plans each product (a new plan voids every route), a hit stores its route
+        a.t() @ x, r @ a, a @ torch.randn(20, 4)
+    keyed, real_key = [], plans.width_bucket
+    monkeypatch.setattr(plans, "width_bucket", lambda n: keyed.append(n) or real_key(n))
+    np.testing.assert_allclose((a.t() @ x).numpy(), m.T @ x.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose((r @ a).numpy(), r.numpy() @ m, rtol=1e-5, atol=1e-5)
+    xg = torch.randn(20, 4, requires_grad=True)
+    (a @ xg).sum().backward()  # the adjoint A^T @ G, width 4: the route A^T @ x stored
+    np.testing.assert_allclose(xg.grad.numpy(), m.T @ np.ones((30, 4), np.float32), rtol=1e-5, atol=1e-5)
+    assert keyed == []
+    monkeypatch.undo()
+    a.val.mul_(2)
+    np.testing.assert_allclose((a.t() @ x).numpy(), 2 * (m.T @ x.numpy()), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose((r @ a).numpy(), 2 * (r.numpy() @ m), rtol=1e-5, atol=1e-5)
+
+
 def test_a_route_sees_in_place_value_updates_and_is_never_copied():
     import copy
 
