@@ -14,10 +14,10 @@ them like any extern kernel, and the fingerprint travels as a constant string ar
 fake (meta) kernels below use shapes only and never read index data. The real kernels call
 ``plans.product`` (plan table -> generated kernel or torch.sparse reference), the one door of
 every product, through the routes of their values tensor (``plans.routed_by_values``: a
-compiled graph passes the same values on every call). Plain
-eager products with nothing to record (no autograd, no tracing, no dispatch mode) call the
-runtime directly from ``tensor.py``/``dispatch.py`` and skip these ops' Python layers, with the
-same result; eager products whose dense operand requires grad (nothing tracing) record
+compiled graph passes the same values on every call). Plain eager products with nothing to
+record (no autograd, no tracing, no dispatch mode) call the runtime directly from
+``tensor.py``/``dispatch.py`` and skip these ops' Python layers, with the same result; eager
+products whose dense operand requires grad (nothing tracing) record
 ``EagerProduct``, an ``autograd.Function``, instead of these ops' autograd layers.
 
 Autograd: the gradient w.r.t. the dense operand is the product with the transposed matrix
@@ -212,6 +212,7 @@ GRAPH_TWINS = {
     getattr(torch.ops.sparserl, name).default: _define_graph_twin(name, fn, t, v).default
     for name, fn, t, v in _OPS
 }
+
 
 def _graph_call(fn, transposed: bool, vector: bool):
     """The product a compiled graph calls in place of a graph twin, without the dispatcher's
