@@ -205,6 +205,29 @@ def test_plain_eager_products_call_the_runtime_directly(monkeypatch):
     torch.testing.assert_close(Xg.grad, A.to_dense().t() @ torch.ones(12, 3, dtype=torch.float64))
 
 
+def test_a_reference_route_under_accelerate_goes_to_torch_at_once(monkeypatch):
+    """Once a native structure's product at a width has hit the reference, the next one calls
+    torch on its int32 CSR with nothing of the runtime between (counted as the hit it is); an
+    update of the values in place is seen (torch bumps the version counter the indices share, so
+    the structure is looked up again), and autograd still records its product."""
+    A, X, v = native(), torch.randn(9, 4), torch.randn(9)
+    with S.accelerate():
+        for _ in range(2):
+            A @ X, A @ v  # a miss plans each, a hit stores each route
+        monkeypatch.setattr(plans, "routed_product", lambda *a: pytest.fail("the runtime was called"))
+        config.reset_counts()
+        torch.testing.assert_close(A @ X, A.to_dense() @ X)
+        torch.testing.assert_close(torch.mv(A, v), A.to_dense() @ v)
+        assert (config.stats().calls, config.stats().reference_calls) == (2, 2)
+        monkeypatch.undo()
+        A.values().mul_(2)
+        for _ in range(2):
+            torch.testing.assert_close(A @ X, A.to_dense() @ X)
+        Xg = X.clone().requires_grad_(True)
+        (A @ Xg).sum().backward()
+    torch.testing.assert_close(Xg.grad, A.to_dense().t() @ torch.ones(12, 4))
+
+
 def test_a_native_tensors_repeated_products_derive_from_its_values_once(monkeypatch):
     """``values()`` is a new tensor object per call; what the runtime derives from values (here
     the reference's torch CSR tensor) is still built once, and new or updated values are used."""
