@@ -9,7 +9,8 @@ place, and an in-place change made inside inference mode is not seen (give new v
 ``SparseRLTensor.with_values``).
 
 ``lasting`` makes such a kept tensor (and a plan's format arrays) outside any CUDA graph's
-private memory pool.
+private memory pool. Inside a capture nothing is kept (``capturing``): a CUDA graph tree
+records from copies of its inputs in its pool, and an entry would keep one alive.
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+
+
+def capturing(t) -> bool:
+    """Whether work on ``t``'s device is being captured into a CUDA graph now. What is derived
+    then is not kept: a CUDA graph tree records from copies of its inputs in its private pool,
+    and a memo entry would keep such a copy (or what was made from it there) alive, which the
+    tree refuses ("tensor(s) in the cudagraph pool not tracked as outputs")."""
+    if not t.is_cuda:
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 def version_counter(t) -> int:
@@ -44,8 +57,9 @@ class ValueMemo:
         return None
 
     def put(self, val, derived):
-        """Keep ``derived`` for ``val``; returns ``derived``."""
-        self._entry = (weakref.ref(val), version_counter(val), derived)
+        """Keep ``derived`` for ``val`` (not inside a CUDA graph capture); returns ``derived``."""
+        if not capturing(val):
+            self._entry = (weakref.ref(val), version_counter(val), derived)
         return derived
 
 
@@ -65,7 +79,9 @@ class ValueMemos:
         return None
 
     def put(self, val, derived):
-        """Keep ``derived`` for ``val``; returns ``derived``."""
+        """Keep ``derived`` for ``val`` (not inside a CUDA graph capture); returns ``derived``."""
+        if capturing(val):
+            return derived
         k, d = id(val), self._entries
         ref = weakref.ref(val, lambda r: d.pop(k) if k in d and d[k][0] is r else None)
         d[k] = (ref, version_counter(val), derived)

@@ -50,7 +50,7 @@ import torch
 from sparserl_compile import config, contract, miss, providers, reference, transpose
 from sparserl_compile.cache import width_bucket  # the plan table buckets widths as the disk cache does
 from sparserl_compile.config import RuntimeConfig
-from sparserl_compile.memo import ValueMemo, ValueMemos, lasting
+from sparserl_compile.memo import ValueMemo, ValueMemos, capturing, lasting
 from sparserl_compile.problem import device_arch
 from sparserl_compile.reference import HALF, FirstUseMismatch, first_use_check, reference_product
 
@@ -255,10 +255,12 @@ class KernelPlan:
             return y
         b = self._bound.get(n)
         if b is None or b[0] is not v:
-            if len(self._bound) >= self.BOUND_WIDTHS:
-                self._bound.clear()
             fixed = self.fdata.kernel_args(op, n, self.arrays, v, x, y)[:-2]
-            b = self._bound[n] = (v, self.kernel.bind(fixed, grid=ls.grid(self.fdata.scalars, n)))
+            b = (v, self.kernel.bind(fixed, grid=ls.grid(self.fdata.scalars, n)))
+            if not capturing(v):  # (a binding keeps its values alive: none of a capture's copies)
+                if len(self._bound) >= self.BOUND_WIDTHS:
+                    self._bound.clear()
+                self._bound[n] = b
         b[1](x, y)
         return y
 

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import torch
 
 from sparserl_compile.bench import csr_tensor
+from sparserl_compile.memo import capturing
 
 _native_ok: dict[tuple, bool] = {}
 #: the value dtypes a sparse operand may have: the kernels' float32, float16 and bfloat16, and
@@ -81,6 +82,8 @@ def csr(crow, col, val, n_rows, n_cols):
     if hit is not None and hit[0]() is crow and hit[1]() is col and hit[2]() is val:
         return hit[3]
     t = _new_csr(crow, col, val, n_rows, n_cols)
+    if capturing(val):  # a capture's operands may be a CUDA graph tree's copies: keep none alive
+        return t
     _csr_memo[key] = (weakref.ref(crow), weakref.ref(col), weakref.ref(val), t)
     while len(_csr_memo) > CSR_MEMO_SIZE:
         _csr_memo.popitem(last=False)

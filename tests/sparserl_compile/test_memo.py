@@ -97,3 +97,27 @@ def test_lasting_starts_a_helper_of_its_own_in_a_forked_child(on_helper):
         os._exit(0 if memo.lasting("cuda", lambda: 7) == 7 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_nothing_derived_is_kept_while_a_cuda_graph_is_being_captured(monkeypatch):
+    """A CUDA graph tree records from copies of its inputs in its private pool and refuses to
+    finish while anything keeps such a copy alive: inside a capture the memos and the
+    reference's CSR memo hand back what they made without keeping it."""
+    from sparserl_compile import memo, reference
+
+    assert not memo.capturing(torch.ones(1))  # never on the CPU
+    v, d = torch.ones(2), torch.zeros(2)
+    one, many = memo.ValueMemo(), memo.ValueMemos()
+    crow, col = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    reference.clear()
+    monkeypatch.setattr(memo, "capturing", lambda t: True)
+    monkeypatch.setattr(reference, "capturing", lambda t: True)
+    assert one.put(v, d) is d and one.get(v) is None
+    assert many.put(v, d) is d and many.get(v) is None and len(many) == 0
+    t = reference.csr(crow, col, v, 2, 2)
+    torch.testing.assert_close(t.to_dense(), torch.eye(2))
+    assert len(reference._csr_memo) == 0
+    monkeypatch.undo()
+    assert one.put(v, d) is d and one.get(v) is d
+    assert many.put(v, d) is d and many.get(v) is d
+    assert reference.csr(crow, col, v, 2, 2) is reference.csr(crow, col, v, 2, 2)

@@ -334,6 +334,29 @@ def install_kernel_plan(a, width, kernel):
     return key
 
 
+class BindingKernel(FakeKernel):
+    """A ``FakeKernel`` with launcher.LoadedKernel's prepared launch (``bind``)."""
+
+    def bind(self, fixed, grid):
+        return lambda x, y: self.launch((*fixed, x, y), grid, None, None)
+
+
+def test_a_kernel_plan_keeps_no_binding_made_inside_a_cuda_graph_capture(kernels_on_cpu, monkeypatch):
+    """A binding keeps its values tensor alive; inside a capture that may be a CUDA graph
+    tree's copy in its pool, so the launch is bound for that call only."""
+    m = matrix()
+    a = S.sparsify(m)
+    plan = plans._table[install_kernel_plan(a, 4, BindingKernel())]
+    x = torch.randn(20, 4)
+    monkeypatch.setattr(plans, "capturing", lambda t: True)
+    y = plan.run("spmm", a.crow, a.col, a.val, x, a.n_rows, a.n_cols)
+    np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert plan._bound == {} and plan.kernel.launches == 1
+    monkeypatch.undo()
+    plan.run("spmm", a.crow, a.col, a.val, x, a.n_rows, a.n_cols)
+    assert list(plan._bound) == [4]
+
+
 def test_kernel_plan_runs_the_kernel(kernels_on_cpu):
     m = matrix()
     a = S.sparsify(m)
