@@ -95,26 +95,34 @@ def _out_shape(dense, n_rows, n_cols, transposed, vector):
     return (m,) if vector else (m, dense.shape[1])
 
 
-def _kernel(name: str, fn, transposed: bool, vector: bool):
-    """The real kernel of ``name`` (shared by the op and its graph twin): check, then run. A
-    product of A itself goes by the routes of its values tensor (``plans.routed_by_values``)."""
+def _graph_call(fn, transposed: bool, vector: bool):
+    """The product a compiled graph calls in place of a graph twin, without the dispatcher's
+    round trip into Python (``backend.py`` lowers each twin to a call of it) and without
+    operand checks: the fake kernel checked them when the graph was traced, Dynamo's guards
+    hold the inputs' dtypes and devices to what it saw, the graph asserts their sizes, and the
+    lowering makes ``dense`` contiguous."""
     if not transposed:
         op = "spmv" if vector else "spmm"
 
-        def kernel(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
-            if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, False, vector):
-                _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, False, vector)
-            return plans.routed_by_values(op, crow_indices, col_indices, values, dense.contiguous(), n_rows,
-                                          n_cols, fingerprint)
+        def call(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
+            return plans.routed_by_values(op, crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint)
 
-        return kernel
+        return call
+    return fn
 
-    def kernel_t(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
-        if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, True, vector):
-            _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, True, vector)
-        return fn(crow_indices, col_indices, values, dense.contiguous(), n_rows, n_cols, fingerprint)
 
-    return kernel_t
+def _kernel(name: str, fn, transposed: bool, vector: bool):
+    """The real kernel of ``name`` (shared by the op and its graph twin): check, then run the
+    product a compiled graph calls (``_graph_call``); a product of A itself goes by the routes of
+    its values tensor (``plans.routed_by_values``)."""
+    call = _graph_call(fn, transposed, vector)
+
+    def kernel(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
+        if not _fast_ok(crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector):
+            _check(name, crow_indices, col_indices, values, dense, n_rows, n_cols, transposed, vector)
+        return call(crow_indices, col_indices, values, dense.contiguous(), n_rows, n_cols, fingerprint)
+
+    return kernel
 
 
 def _fake(name: str, transposed: bool, vector: bool):
@@ -212,22 +220,6 @@ GRAPH_TWINS = {
     getattr(torch.ops.sparserl, name).default: _define_graph_twin(name, fn, t, v).default
     for name, fn, t, v in _OPS
 }
-
-
-def _graph_call(fn, transposed: bool, vector: bool):
-    """The product a compiled graph calls in place of a graph twin, without the dispatcher's
-    round trip into Python (``backend.py`` lowers each twin to a call of it) and without
-    operand checks: the fake kernel checked them when the graph was traced, Dynamo's guards
-    hold the inputs' dtypes and devices to what it saw, the graph asserts their sizes, and the
-    lowering makes ``dense`` contiguous."""
-    if not transposed:
-        op = "spmv" if vector else "spmm"
-
-        def call(crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint):
-            return plans.routed_by_values(op, crow_indices, col_indices, values, dense, n_rows, n_cols, fingerprint)
-
-        return call
-    return fn
 
 
 #: each graph twin's overload -> (the name Inductor's code calls it by, the function, transposed,
