@@ -68,6 +68,15 @@ CPU_RC=$?
 tail -8 "$LOGS/pytest_cpu.log"
 fi
 
+# The [gpu] extra with the CUDA toolkit hidden (DRIVER_ONLY=1): benchmarks/driver_only.sh
+DRIVER_RC=skipped
+if [ -n "${DRIVER_ONLY:-}" ]; then
+  echo "== driver only"
+  timeout "${DRIVER_TIMEOUT:-240}" bash benchmarks/driver_only.sh >"$LOGS/driver_only.log" 2>&1
+  DRIVER_RC=$?
+  tail -15 "$LOGS/driver_only.log"
+fi
+
 # The optional steps, each set by a variable holding its arguments. run_hook NAME ARGS LIMIT
 # LINES FILTER CMD... runs `CMD... ARGS` when ARGS is not empty, cut at LIMIT seconds, output
 # in $LOGS/NAME.log (the last LINES lines not matching FILTER printed), NAME=rc added to APP_RC.
@@ -150,7 +159,7 @@ for r in $RESULTS_ALL; do
 done
 
 echo "== summary"
-echo "gpu test files not passing: $GPU_RC  cpu tests rc=$CPU_RC  apps $APP_RC  bench rc=$BENCH_RC"
+echo "gpu test files not passing: $GPU_RC  cpu tests rc=$CPU_RC  driver-only rc=$DRIVER_RC  apps $APP_RC  bench rc=$BENCH_RC"
 if [ -n "$RESULTS" ]; then
   python3 - $RESULTS_ALL <<'EOF'
 import json, sys, math
