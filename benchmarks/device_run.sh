@@ -45,7 +45,7 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
 echo "== gpu tests (${GPU_TEST_JOBS:-4} files at a time, each at most ${GPU_TEST_TIMEOUT:-300}s)"
 mkdir -p "$LOGS/gpu"
 python3 -m pytest --collect-only -q -m gpu tests -p no:cacheprovider 2>/dev/null | grep "::" | cut -d: -f1 \
-  | sort -u >"$LOGS/gpu_files.txt"
+  | sort -u | grep -E "${GPU_TEST_ONLY:-.}" >"$LOGS/gpu_files.txt"  # GPU_TEST_ONLY: a regex of the files to run
 export LOGS GPU_TEST_TIMEOUT
 xargs -P "${GPU_TEST_JOBS:-4}" -I{} bash -c 'f={}; n=$(echo "$f" | tr / _); timeout "${GPU_TEST_TIMEOUT:-300}" \
   python3 -m pytest -q -rfE --tb=short -m gpu "$f" -p no:cacheprovider --junitxml="$LOGS/gpu/$n.xml" \

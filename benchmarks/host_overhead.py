@@ -150,7 +150,36 @@ def cpu(side: int) -> None:
     linear_rows("cpu", noop=True)
 
 
-def cuda(side: int) -> None:
+def breakdown(a, x, plan) -> None:
+    """Where a kernel plan's host time goes: its parts timed alone, then Python's profile of
+    the whole call (its own overhead inflates every figure, so read it for shares)."""
+    import cProfile
+    import pstats
+
+    key = next(k for k, p in plans._table.items() if p is plan)
+    y = x.new_empty(a.n_rows)
+    plan.run("spmv", a.crow, a.col, a.val, x, a.n_rows, a.n_cols)
+    bound = plan._bound[1][1]
+    parts = (("x.new_empty(n_rows)", lambda: x.new_empty(a.n_rows)),
+             ("bound launch alone", lambda: bound(x, y)),
+             ("KernelPlan.run", lambda: plan.run("spmv", a.crow, a.col, a.val, x, a.n_rows, a.n_cols)),
+             ("plans.product", lambda: plans.product("spmv", a.crow, a.col, a.val, x, a.n_rows, a.n_cols,
+                                                     a.fingerprint)),
+             ("SparseRLTensor @ x", lambda: a @ x))
+    print(f"where the host time of a kernel plan goes (plan key {key[:2]}):")
+    for name, fn in parts:
+        print(f"  {name:22s}: {_per_call_us(fn, n=5000):7.1f} us host per call")
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5000):
+        a @ x
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+def cuda(side: int, profile: bool = False) -> None:
     m = matrices.stencil2d(side)
     a = S.sparsify(m).cuda()
     x = torch.randn(m.shape[1], device="cuda")
@@ -174,6 +203,8 @@ def cuda(side: int) -> None:
                          ("torch.mv again", lambda: torch.mv(native, x))):
             print(f"  {name:20s}: {_per_call_us(fn, n=5000):7.1f} us host per call, "
                   f"{wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
+    if profile:
+        breakdown(a, x, plan)
     print("the same, through the dispatch hook and in a compiled graph (reference plan):")
     entry_rows(a, x, native)
     print("pruned linear 1536 x 576, 90 % zeros per row:")
@@ -184,8 +215,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--side", type=int, default=300, help="stencil2d grid side")
+    p.add_argument("--profile", action="store_true", help="--cuda: break a kernel plan's host time down")
     args = p.parse_args()
-    (cuda if args.cuda else cpu)(args.side)
+    if args.cuda:
+        cuda(args.side, args.profile)
+    else:
+        cpu(args.side)
 
 
 if __name__ == "__main__":
