@@ -156,6 +156,9 @@ def breakdown(a, x, plan) -> None:
     import cProfile
     import pstats
 
+    if not isinstance(plan, plans.KernelPlan):
+        print(f"no kernel plan to break down ({plan!r})")
+        return
     key = next(k for k, p in plans._table.items() if p is plan)
     y = x.new_empty(a.n_rows)
     plan.run("spmv", a.crow, a.col, a.val, x, a.n_rows, a.n_cols)
@@ -195,6 +198,8 @@ def cuda(side: int, profile: bool = False) -> None:
         us = _per_call_us(fn, n=5000)
         torch.cuda.synchronize()
         print(f"  {name:20s}: {us:7.1f} us host per call, {wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
+    if profile:
+        breakdown(a, x, plan)
     for key in list(plans._table):  # the same calls when the runtime falls back to torch.sparse
         plans._table[key] = plans.ReferencePlan("forced by host_overhead.py")
     aw = _without_route(a)
@@ -203,8 +208,6 @@ def cuda(side: int, profile: bool = False) -> None:
                          ("torch.mv again", lambda: torch.mv(native, x))):
             print(f"  {name:20s}: {_per_call_us(fn, n=5000):7.1f} us host per call, "
                   f"{wall_median_us(fn, 'cuda', reps=200):7.1f} us synchronized")
-    if profile:
-        breakdown(a, x, plan)
     print("the same, through the dispatch hook and in a compiled graph (reference plan):")
     entry_rows(a, x, native)
     print("pruned linear 1536 x 576, 90 % zeros per row:")
