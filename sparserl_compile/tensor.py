@@ -591,6 +591,8 @@ def _linear(func, types, args, kwargs):
             if y is not None:  # selection kept the dense product at this batch: F.linear as the user had it
                 return y
         xt = x.reshape(k, 1) if one else x.reshape(-1, k).t().contiguous()
+        if one and not xt.is_contiguous():  # a strided token (x[:, ::2]): a kernel reads memory, not strides
+            xt = xt.contiguous()
         y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint)
         y = y.reshape(*x.shape[:-1], w.n_rows) if one else y.t().reshape(*x.shape[:-1], w.n_rows)
     else:

@@ -847,3 +847,65 @@ def test_the_entrywise_ops_sums_and_conversions_under_inference_mode(made_in_inf
                           (a.to_sparse_csr().to_dense(), d), (a.to_sparse().to_dense(), d), ((a * r).to_dense(), d * r),
                           ((-a).abs().to_dense(), d.abs())):
             torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------ the eager route to a kernel
+
+
+@pytest.fixture
+def kernel_routed(monkeypatch):
+    """A 30 x 20 float32 SparseRLTensor whose SpMV and SpMM (width 4) plans are checked CSR
+    kernel plans on the CPU (``test_plans.ArgsKernel`` computes the product from its launch
+    arguments): ``(A, m, {op: kernel})``."""
+    from test_plans import plan_for
+
+    from sparserl_compile import plans
+
+    monkeypatch.setattr(plans, "kernels_possible", lambda device: True)
+    monkeypatch.setattr(plans, "device_arch", lambda device: "sm_test")
+    plans.clear()
+    plans.reset_stats()
+    m = sp.random(30, 20, density=0.2, random_state=7, format="csr", dtype=np.float32)
+    m.sort_indices()
+    A = S.sparsify(m)
+    kernels = {}
+    for op, n in (("spmv", 1), ("spmm", 4)):
+        plan, kernels[op] = plan_for(m, "csr", op)
+        plan.checked = True
+        plans._table[(A.fingerprint, op, n, torch.float32, "sm_test")] = plan
+    yield A, m, kernels
+    plans.clear()
+    plans.reset_stats()
+
+
+def _reads_memory(kernel) -> None:
+    """Make a test kernel read ``x`` from its data pointer, row-major, as a GPU kernel does
+    (strides ignored)."""
+    launch = kernel.launch
+
+    def raw(args, *rest):
+        x = args[-2]
+        return launch((*args[:-2], torch.as_strided(x, (x.numel(),), (1,)).reshape(x.shape), args[-1]), *rest)
+
+    kernel.launch = raw
+
+
+def test_strided_operands_reach_a_kernel_contiguous(kernel_routed):
+    """Every door hands a kernel a contiguous ``x``: a strided view that reached one would be
+    read as the wrong numbers, since a kernel reads memory, not strides."""
+    from test_plans import plan_for
+
+    from sparserl_compile import plans
+
+    A, m, kernels = kernel_routed
+    plan, k1 = plan_for(m, "csr", "spmm")  # F.linear at one token: an SpMM of width 1
+    plan.checked = True
+    plans._table[(A.fingerprint, "spmm", 1, torch.float32, "sm_test")] = plan
+    for k in (*kernels.values(), k1):
+        _reads_memory(k)
+    x1 = torch.randn(1, 40)[:, ::2]  # one token of 20 features, every other float of its storage
+    Xs = torch.randn(40, 4)[::2]  # 20 x 4, every other row
+    for _ in range(2):  # the table's path, then the tensor's route
+        np.testing.assert_allclose(F.linear(x1, A).numpy(), x1.numpy() @ m.T.toarray(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose((A @ Xs).numpy(), m @ Xs.numpy(), rtol=1e-5, atol=1e-5)
+    assert len(k1.calls) == 2 and len(kernels["spmm"].calls) == 2
