@@ -246,8 +246,11 @@ class KernelPlan:
             return None
         if x.data_ptr() % 16:
             x = x.clone()  # a view at an odd offset: verification placed x 16-byte aligned
-        shape = (n_rows,) if vector else (n_rows, n)
-        y = x.new_zeros(shape) if ls.zero_output else x.new_empty(shape)
+        # sizes as separate ints, not a tuple: torch parses a tuple shape more slowly (every product passes here)
+        if ls.zero_output:
+            y = x.new_zeros(n_rows) if vector else x.new_zeros(n_rows, n)
+        else:
+            y = x.new_empty(n_rows) if vector else x.new_empty(n_rows, n)
         v = self._values(val)
         if not self._can_bind:
             args = self.fdata.kernel_args(op, n, self.arrays, v, x, y)
@@ -511,6 +514,24 @@ def reference_route(native: torch.Tensor, x, val):
     counts["calls"] += 1
     counts["hits"] += 1
     counts["reference_calls"] += 1
+    return y
+
+
+def kernel_route(plan: KernelPlan, op: str, crow, col, val, x, n_rows: int, n_cols: int):
+    """``plan.run`` for a sparse tensor whose route at the width of ``x`` is the checked kernel
+    ``plan``, counted as the table hit it stands for; the caller has checked ``x`` as the product
+    does (a plain contiguous tensor of the values' dtype with ``n_cols`` rows, nothing to record).
+    None where the plan cannot run this call (a launch error, a width its vector loads do not
+    suit, another device): the caller's full path then runs it again, falls back and logs why."""
+    try:
+        y = plan.run(op, crow, col, val, x, n_rows, n_cols)
+    except Exception:  # noqa: BLE001 - the full path tries again and logs
+        return None
+    if y is not None:
+        counts = config.counts
+        counts["calls"] += 1
+        counts["hits"] += 1
+        counts["kernel_calls"] += 1
     return y
 
 

@@ -174,7 +174,10 @@ class SparseRLTensor(torch.Tensor):
         """``self @ other``: eagerly, straight to the product handler, skipping
         ``Tensor.__matmul__``'s wrapper and the ``__torch_function__`` trip (about 7 us of host
         time per call on the development CPU, a third of an eager product's Python path); at a
-        width whose plan is the reference, straight to torch (``plans.reference_route``). Under
+        width whose plan is the reference, straight to torch (``plans.reference_route``), and at
+        one whose plan is a checked kernel, ``_product``'s checks inline, then the kernel
+        (``plans.kernel_route``); anything else, or a kernel that cannot run this call, takes
+        ``_product``, which checks, falls back and logs. Under
         ``torch.compile``, or with a torch function mode active (which must see every op), it
         takes the standard route."""
         if (not isinstance(other, torch.Tensor) or torch._C._is_torch_function_mode_enabled()
@@ -183,12 +186,21 @@ class SparseRLTensor(torch.Tensor):
         if type(other) is torch.Tensor and other.layout is torch.strided:
             d = other.dim()
             if d == 1 or d == 2:  # the common case: straight to the product
-                if not self.transposed:  # a width whose plan is the reference: torch at once
+                if not self.transposed:
                     r = self._routes.get(_SPMV if d == 1 else other.shape[1])
-                    if type(r) is torch.Tensor:
+                    kind = type(r)
+                    if kind is torch.Tensor:  # a width whose plan is the reference: torch at once
                         y = _plans.reference_route(r, other, self.val)
                         if y is not None:
                             return y
+                    elif kind is _KernelPlan:  # a checked kernel: _product's checks inline, then it
+                        val = self.val
+                        if (other.dtype is val.dtype and other.shape[0] == self.n_cols and other.device == val.device
+                                and other.is_contiguous() and _eager_plain(val, other)):
+                            y = _plans.kernel_route(r, "spmv" if d == 1 else "spmm", self.crow, self.col, val,
+                                                    other, self.n_rows, self.n_cols)
+                            if y is not None:
+                                return y
                 return _product(self, other, False)
         return _dispatch_pair(torch.matmul, self, other)
 
@@ -418,6 +430,7 @@ def _product(A: SparseRLTensor, X: torch.Tensor, transpose: bool) -> torch.Tenso
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _SPMV = _plans.Routes.SPMV
+_KernelPlan = _plans.KernelPlan
 
 
 def _eager_plain(val: torch.Tensor, X: torch.Tensor) -> bool:
@@ -593,7 +606,9 @@ def _linear(func, types, args, kwargs):
         xt = x.reshape(k, 1) if one else x.reshape(-1, k).t().contiguous()
         if one and not xt.is_contiguous():  # a strided token (x[:, ::2]): a kernel reads memory, not strides
             xt = xt.contiguous()
-        y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint)
+        y = _plans.kernel_route(r, "spmm", w.crow, w.col, val, xt, w.n_rows, k) if type(r) is _KernelPlan else None
+        if y is None:
+            y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint)
         y = y.reshape(*x.shape[:-1], w.n_rows) if one else y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
         y = _right(x, w, transpose=True)

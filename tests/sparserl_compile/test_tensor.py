@@ -878,6 +878,69 @@ def kernel_routed(monkeypatch):
     plans.reset_stats()
 
 
+def test_a_checked_kernel_serves_products_and_counts_each_once(kernel_routed, monkeypatch):
+    from sparserl_compile import plans
+
+    A, m, kernels = kernel_routed
+    routed = []
+    route = plans.kernel_route
+    monkeypatch.setattr(plans, "kernel_route", lambda *a: routed.append(a[1]) or route(*a))
+    x, X = torch.randn(20), torch.randn(20, 4)
+    for _ in range(3):  # the first call finds the plan in the table, the next ones by the tensor's route
+        np.testing.assert_allclose((A @ x).numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose((A @ X).numpy(), m @ X.numpy(), rtol=1e-5, atol=1e-5)
+    st = S.stats()
+    assert len(kernels["spmv"].calls) == 3 and len(kernels["spmm"].calls) == 3
+    assert st.calls == st.hits == st.kernel_calls == 6 and st.fallbacks == st.reference_calls == 0
+    assert routed == ["spmv", "spmm"] * 2  # after the first calls, straight from A @ x to the kernel
+
+
+def test_operands_a_kernel_route_must_not_take_get_the_products_checks(kernel_routed):
+    """What the route checks inline is what ``_product`` checks: a wrong dtype, row count or
+    device never reaches the kernel; a strided operand is made contiguous first."""
+    A, m, kernels = kernel_routed
+    x = torch.randn(20)
+    A @ x  # the route is in place
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        A @ x.double()
+    with pytest.raises(ValueError, match="shape mismatch"):
+        A @ torch.randn(21)
+    with pytest.raises(ValueError, match="device mismatch"):
+        A @ torch.randn(20, device="meta")
+    assert len(kernels["spmv"].calls) == 1
+    X = torch.randn(4, 20).t()  # 20 x 4, not contiguous
+    np.testing.assert_allclose((A @ X).numpy(), m @ X.numpy(), rtol=1e-5, atol=1e-5)
+    assert len(kernels["spmm"].calls) == 1
+
+
+def test_a_kernel_route_leaves_autograd_to_the_recorded_path(kernel_routed):
+    A, m, kernels = kernel_routed
+    A @ torch.randn(20)
+    x = torch.randn(20, requires_grad=True)
+    (A @ x).sum().backward()  # d/dx sum(A x) = A^T 1
+    np.testing.assert_allclose(x.grad.numpy(), m.T @ np.ones(30, np.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_cannot_run_a_call_falls_back_through_the_full_path(kernel_routed, monkeypatch):
+    """A routed kernel that fails (a launch error) or declines a call (None: a width its vector
+    loads do not suit, another device) is tried again by the table's path, which falls back to
+    the reference and logs; the answer is right either way."""
+    from sparserl_compile import plans
+
+    A, m, kernels = kernel_routed
+    x = torch.randn(20)
+    A @ x
+    monkeypatch.setattr(plans.KernelPlan, "run", lambda self, *a: None)
+    np.testing.assert_allclose((A @ x).numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+
+    def broken(self, *a):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(plans.KernelPlan, "run", broken)
+    np.testing.assert_allclose((A @ x).numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+    assert S.stats().fallbacks >= 1
+
+
 def _reads_memory(kernel) -> None:
     """Make a test kernel read ``x`` from its data pointer, row-major, as a GPU kernel does
     (strides ignored)."""
