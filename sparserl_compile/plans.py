@@ -36,6 +36,9 @@ configuring, clearing or any new plan sends every tensor back through the table 
 
 What it does not do: validate CSR invariants (``tensor.py``/``dispatch.py`` do that once per
 tensor), compute fingerprints of user tensors (callers pass them), or compile/verify kernels.
+
+This module is over 600 lines on purpose: the table, its plan kinds and the routes past it
+are one door; every shortcut must agree with the table's path, so they are read together.
 """
 
 from __future__ import annotations
