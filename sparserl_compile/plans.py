@@ -232,7 +232,9 @@ class KernelPlan:
     BOUND_WIDTHS = 8  # widths kept bound per plan
 
     def _values(self, val):
-        if self._direct and not val.data_ptr() % 16:
+        # a kernel reads memory, not strides: CSR-ordered values serve as they are only where
+        # they are contiguous and 16-byte aligned (as verification placed them); else the gather copies
+        if self._direct and not val.data_ptr() % 16 and val.is_contiguous():
             return val
         out = self._vmemo.get(val)
         if out is None:

@@ -227,3 +227,26 @@ def test_dense_plan_runs_in_the_operands_dtype_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = plans.DensePlan().run("spmm", crow, col, val, x, 6, 5)
     assert y.dtype == torch.float32 and torch.allclose(y, torch.from_numpy(m.toarray()) @ x, atol=1e-5)
+
+
+def test_strided_values_reach_a_kernel_contiguous():
+    """A kernel reads its value array from memory: CSR-ordered values that are a strided view
+    (every other float of a buffer) are copied contiguous before a launch, not handed over."""
+    m = matrix(7)
+    plan, kernel = plan_for(m, "csr")
+    launch = kernel.launch
+
+    def reads_memory(args, *rest):  # as a GPU kernel: the value array's memory, strides ignored
+        *head, vals, x, y = args
+        return launch((*head, torch.as_strided(vals, (vals.numel(),), (1,)), x, y), *rest)
+
+    kernel.launch = reads_memory
+    crow, col, val = operands(m)
+    buf = torch.zeros(2 * val.numel())
+    buf[::2] = val
+    strided = buf[::2]
+    assert not strided.is_contiguous()
+    x = torch.randn(20)
+    for _ in range(2):
+        y = plan.run("spmv", crow, col, strided, x, 30, 20)
+        np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
