@@ -309,7 +309,7 @@ _libcuda: list = []
 
 
 def _cuda_library():
-    """``libcuda`` through ctypes with ``cuLaunchKernel``'s signature, or None."""
+    """``libcuda`` through ctypes, or None."""
     if not _libcuda:
         lib = None
         for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
@@ -318,10 +318,6 @@ def _cuda_library():
                 break
             except OSError:
                 continue
-        if lib is not None:
-            f = lib.cuLaunchKernel
-            f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-            f.restype = ctypes.c_int
         _libcuda.append(lib)
     return _libcuda[0]
 
@@ -331,9 +327,12 @@ class _DirectLaunch:
     parameter array (one slot per argument, in contract order) is built once; a call writes the
     operand pointers into the last two slots under a lock (another thread may launch the same
     plan: the driver copies the parameters during the call) and launches on torch's current
-    stream."""
+    stream. Every argument but the stream is a ctypes object made once (the function, the
+    launch dimensions as ``unsigned int``, the parameter array), and the function pointer has
+    no ``argtypes``: ctypes passes ready objects as they are instead of converting ten Python
+    values per call."""
 
-    __slots__ = ("_fn", "_func", "_dims", "_slots", "_params", "_x", "_y", "_lock", "_raw_stream", "_device")
+    __slots__ = ("_fn", "_head", "_slots", "_params", "_x", "_y", "_lock", "_raw_stream", "_device")
 
     @classmethod
     def build(cls, kernel: "LoadedKernel", fixed_ptrs: tuple, dims) -> "_DirectLaunch | None":
@@ -349,10 +348,10 @@ class _DirectLaunch:
         if func is None:
             return None
         self = cls()
-        self._fn = lib.cuLaunchKernel
-        self._func = ctypes.c_void_p(func)
+        self._fn = lib["cuLaunchKernel"]  # a function object of its own: no argtypes (class doc)
+        self._fn.restype = ctypes.c_int
         grid, block, smem = dims
-        self._dims = (*_dim3(grid), *_dim3(block), int(smem))
+        self._head = (ctypes.c_void_p(func), *(ctypes.c_uint(int(d)) for d in (*_dim3(grid), *_dim3(block), smem)))
         slots = []
         for a in fixed_ptrs:
             if isinstance(a, np.integer):
@@ -371,12 +370,11 @@ class _DirectLaunch:
         return self
 
     def __call__(self, xp: int, yp: int) -> None:
-        gx, gy, gz, bx, by, bz, smem = self._dims
-        stream = self._raw_stream(self._device)
+        stream = ctypes.c_void_p(self._raw_stream(self._device))
         with self._lock:
             self._x.value = xp
             self._y.value = yp
-            rc = self._fn(self._func, gx, gy, gz, bx, by, bz, smem, stream, self._params, None)
+            rc = self._fn(*self._head, stream, self._params, None)
         if rc:
             raise LaunchError(f"cuLaunchKernel failed with CUresult {rc}")
 

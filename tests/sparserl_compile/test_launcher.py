@@ -117,3 +117,81 @@ def test_the_direct_launch_and_the_back_ends_own_agree_bit_for_bit(backend, monk
     torch.cuda.synchronize()
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
     torch.testing.assert_close(y1, torch.mm(a, x2), rtol=1e-5, atol=1e-5)
+
+
+_FAKE_LIBCUDA = r"""
+#include <stdint.h>
+#include <string.h>
+/* cuLaunchKernel's signature; records what it was handed (the first 8 bytes each parameter slot points at) */
+void *rec_f, *rec_stream, **rec_extra;
+unsigned rec_dims[7];
+uint64_t rec_params[16];
+int rec_nparams = 0, rec_calls = 0, rec_rc = 0;
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned smem, void *stream, void **params, void **extra) {
+    unsigned d[7] = {gx, gy, gz, bx, by, bz, smem};
+    rec_f = f; rec_stream = stream; rec_extra = extra; memcpy(rec_dims, d, sizeof d);
+    for (int i = 0; i < rec_nparams && i < 16; i++) memcpy(&rec_params[i], params[i], 8);
+    rec_calls++;
+    return rec_rc;
+}
+"""
+
+
+@pytest.fixture
+def fake_libcuda(tmp_path, monkeypatch):
+    """A shared library standing in for libcuda: its cuLaunchKernel records its arguments."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the stand-in libcuda")
+    src, lib = tmp_path / "fake.c", tmp_path / "libfakecuda.so"
+    src.write_text(_FAKE_LIBCUDA)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
+    fake = ctypes.CDLL(str(lib))
+    monkeypatch.setattr(launcher, "_libcuda", [fake])
+    return fake
+
+
+class _KernelStub:
+    """What ``_DirectLaunch.build`` reads of a ``LoadedKernel``: a driver-API function handle,
+    the device, and torch's current raw stream."""
+
+    backend = "driver"
+    device = 0
+
+    def __init__(self, handle: int, stream: int):
+        self._kernel = handle
+        self._raw_stream = lambda device: stream
+
+
+def test_the_direct_launch_hands_cuLaunchKernel_exactly_its_arguments(fake_libcuda):
+    """The bound launch's ctypes marshalling, checked against a stand-in libcuda on the CPU:
+    the function, grid, block, shared memory and stream as given, the parameter slots holding
+    the fixed arguments (pointers and int32 / float scalars) and the operand pointers of each
+    call, no extra options; a nonzero CUresult raises."""
+    import ctypes
+
+    fixed = (0x7F00_0000_1000, np.int32(300), np.int32(-7), np.float32(0.5), 0x7F00_0000_2000)
+    d = launcher._DirectLaunch.build(_KernelStub(0x5EED, 0xABC0), fixed, ((12, 3), 256, 4096))
+    assert d is not None
+    lib = fake_libcuda
+    ctypes.c_int.in_dll(lib, "rec_nparams").value = len(fixed) + 2
+    for xp, yp in ((0x7F00_0000_3000, 0x7F00_0000_4000), (0x7F00_0000_5000, 0x7F00_0000_6000)):
+        d(xp, yp)
+        assert ctypes.c_void_p.in_dll(lib, "rec_f").value == 0x5EED
+        assert ctypes.c_void_p.in_dll(lib, "rec_stream").value == 0xABC0
+        assert ctypes.c_void_p.in_dll(lib, "rec_extra").value is None
+        assert list((ctypes.c_uint * 7).in_dll(lib, "rec_dims")) == [12, 3, 1, 256, 1, 1, 4096]
+        p = list((ctypes.c_uint64 * 16).in_dll(lib, "rec_params"))
+        assert p[0] == 0x7F00_0000_1000 and p[4] == 0x7F00_0000_2000
+        assert ctypes.c_int32(p[1] & 0xFFFFFFFF).value == 300 and ctypes.c_int32(p[2] & 0xFFFFFFFF).value == -7
+        assert ctypes.c_float.from_buffer(ctypes.c_uint32(p[3] & 0xFFFFFFFF)).value == 0.5
+        assert (p[5], p[6]) == (xp, yp)
+    assert ctypes.c_int.in_dll(lib, "rec_calls").value == 2
+    ctypes.c_int.in_dll(lib, "rec_rc").value = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(launcher.LaunchError, match="CUresult 700"):
+        d(1, 2)
