@@ -250,3 +250,76 @@ def test_strided_values_reach_a_kernel_contiguous():
     for _ in range(2):
         y = plan.run("spmv", crow, col, strided, x, 30, 20)
         np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+
+
+class BindKernel(ArgsKernel):
+    """``ArgsKernel`` with ``bind``, as ``launcher.LoadedKernel`` has: a launch prepared once
+    with everything but ``x`` and ``y``; like a GPU kernel it reads the bound value array when
+    it runs, so a stale binding shows as a wrong product."""
+
+    def __init__(self, fmt: str):
+        super().__init__(fmt)
+        self.binds: list = []
+
+    def bind(self, fixed, *, grid, block=None, smem=None):
+        self.binds.append(fixed)
+        return lambda x, y: self.launch((*fixed, x, y), grid, block, smem)
+
+
+def bound_plan_for(m, fmt: str, op: str = "spmv"):
+    plan, _ = plan_for(m, fmt, op)
+    kernel = plan.kernel = BindKernel(fmt)
+    plan._can_bind = True
+    return plan, kernel
+
+
+@pytest.mark.parametrize("fmt", ["csr", "ell"])
+def test_a_bound_launch_follows_its_values(fmt):
+    """The binding is reused while the values are: updated in place, a format that reads the
+    CSR values as they are (csr) keeps its binding, one with a gathered value array (ell)
+    gathers and binds again; a new values tensor binds again."""
+    m = matrix(8)
+    plan, kernel = bound_plan_for(m, fmt)
+    crow, col, val = operands(m)
+    x = torch.randn(20)
+    want = m @ x.numpy()
+    for _ in range(2):
+        np.testing.assert_allclose(plan.run("spmv", crow, col, val, x, 30, 20).numpy(), want, rtol=1e-5, atol=1e-5)
+    assert len(kernel.binds) == 1
+    val.mul_(3)
+    np.testing.assert_allclose(plan.run("spmv", crow, col, val, x, 30, 20).numpy(), 3 * want, rtol=1e-5, atol=1e-5)
+    assert len(kernel.binds) == (1 if fmt == "csr" else 2)
+    other = val * -1
+    np.testing.assert_allclose(plan.run("spmv", crow, col, other, x, 30, 20).numpy(), -3 * want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plan.run("spmv", crow, col, val, x, 30, 20).numpy(), 3 * want, rtol=1e-5, atol=1e-5)
+
+
+def test_bound_widths_are_bounded_and_stay_right():
+    m = matrix(9)
+    plan, kernel = bound_plan_for(m, "csr", "spmm")
+    crow, col, val = operands(m)
+    widths = range(1, plan.BOUND_WIDTHS + 4)
+    for _ in range(2):
+        for n in widths:
+            x = torch.randn(20, n)
+            y = plan.run("spmm", crow, col, val, x, 30, 20)
+            np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
+            assert len(plan._bound) <= plan.BOUND_WIDTHS
+
+
+def test_nothing_is_bound_for_later_inside_a_graph_capture(monkeypatch):
+    """A binding keeps its value array alive; inside a CUDA graph capture that may be a graph
+    tree's copy, which must not outlive the capture: the launch is prepared, used and dropped."""
+    m = matrix(10)
+    plan, kernel = bound_plan_for(m, "csr")
+    crow, col, val = operands(m)
+    x = torch.randn(20)
+    monkeypatch.setattr(plans, "capturing", lambda t: True)
+    for _ in range(2):
+        np.testing.assert_allclose(plan.run("spmv", crow, col, val, x, 30, 20).numpy(), m @ x.numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    assert plan._bound == {} and len(kernel.binds) == 2
+    monkeypatch.setattr(plans, "capturing", lambda t: False)
+    plan.run("spmv", crow, col, val, x, 30, 20)
+    plan.run("spmv", crow, col, val, x, 30, 20)
+    assert len(plan._bound) == 1 and len(kernel.binds) == 3
