@@ -35,7 +35,10 @@ call, and what the runtime derives from values (a plan's value gather, a dense p
 reference's CSR tensor) is memoized on the values tensor's identity and version counter. The
 alias is reused while it points at the same memory (it keeps that memory alive, so no other
 tensor can be there) and shares the version counter of the tensor's values, so an in-place
-update is seen.
+update is seen. A native CSR tensor met again (the same Python object, the same C++ tensor, the
+same version: torch gives a sparse tensor's members one version counter, so an in-place change
+of any of them, or a resize, bumps it; ``torch.utils.swap_tensors`` changes the C++ tensor) is
+found by its identity, without the three accessor aliases and the key above (``_seen``).
 
 The mode is per thread and adds a Python call to every torch function in its scope; enable it
 around sparse work, not globally in a dense-heavy program. Dynamo cannot trace native sparse
@@ -81,6 +84,9 @@ class MemoStats:
 
 
 _memo: "OrderedDict[tuple, _Native]" = OrderedDict()
+#: id(native CSR tensor) -> (the tensor, its C++ tensor, its version, what ``_native_csr``
+#: gave for it): the module doc's identity memo, the ``MEMO_SIZE`` most recent tensors
+_seen: dict[int, tuple] = {}
 #: the memo is shared by every thread's mode: one thread's eviction must not land between
 #: another's lookup and its move_to_end (an OrderedDict raises KeyError there)
 _memo_lock = threading.Lock()
@@ -91,6 +97,7 @@ def clear_memo() -> None:
     """Forget every memoized native structure (release its index tensors), zero ``memo_stats``."""
     with _memo_lock:
         _memo.clear()
+        _seen.clear()
         memo_stats.hits = memo_stats.misses = 0
 
 
@@ -99,6 +106,36 @@ def _native_csr(a: torch.Tensor, count: bool = False):
     through to torch. A malformed one raises ``ValueError`` (checked once per structure).
     ``count``: this lookup counts in ``memo_stats`` (the operand check does, once per operand
     and call; the product's second lookup does not)."""
+    if a.layout == torch.sparse_csr and not a.is_inference():  # (an inference tensor has no version counter)
+        seen = _seen.get(id(a))
+        if seen is not None and seen[0] is a and seen[1] == a._cdata and seen[2] == a._version:
+            if count:
+                with _memo_lock:
+                    memo_stats.hits += 1
+            return seen[3]
+        got = _native_csr_keyed(a, count)
+        _remember(a, got)
+        return got
+    return _native_csr_keyed(a, count)
+
+
+def _remember(a: torch.Tensor, got) -> None:
+    """Keep what ``_native_csr`` gave for the CSR tensor ``a`` by its identity (module doc). The
+    entry holds ``a`` itself, not a weak reference, which ``torch.utils.swap_tensors`` would
+    refuse to swap; the key memo holds its index tensors and, where routed, a values alias
+    anyway, so at most ``MEMO_SIZE`` tensors are kept past their use, as before."""
+    d = _seen
+    d.pop(id(a), None)  # (re-inserted last: the oldest entry goes first)
+    d[id(a)] = (a, a._cdata, a._version, got)
+    while len(d) > MEMO_SIZE:
+        try:
+            d.pop(next(iter(d)))
+        except (StopIteration, KeyError, RuntimeError):  # another thread changed it meanwhile
+            break
+
+
+def _native_csr_keyed(a: torch.Tensor, count: bool):
+    """``_native_csr`` by the memo key of index pointers and versions."""
     if a.layout == torch.sparse_csr:
         vals = a.values()  # each accessor makes a new alias (most of this function's time): one call each
         if a.dim() != 2 or vals.dim() != 1:

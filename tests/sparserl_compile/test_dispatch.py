@@ -383,3 +383,41 @@ def test_native_products_differentiate_to_the_dense_operand_twice():
             assert "EagerProduct" in type((A @ x).grad_fn).__name__
             assert torch.autograd.gradcheck(lambda v: A @ v, (x,))
             assert torch.autograd.gradgradcheck(lambda v: torch.mm(A, v) if v.dim() == 2 else torch.mv(A, v), (x,))
+
+
+def test_a_csr_tensor_met_again_is_found_by_identity(monkeypatch):
+    """A CSR tensor multiplied again is found by identity, without its accessor aliases; any
+    in-place change (values, indices, a resize) or a swap of its C++ tensor is seen."""
+    A, X = native(), torch.randn(9, 3)
+    accessed = {"n": 0}
+    real = dispatch._native_csr_keyed
+
+    def keyed(*a, **k):
+        accessed["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(dispatch, "_native_csr_keyed", keyed)
+    with S.accelerate():
+        for _ in range(4):
+            torch.testing.assert_close(A @ X, A.to_dense() @ X)
+        assert accessed["n"] == 1 and dispatch.memo_stats.hits == 3
+        A.values().mul_(-2)  # new numbers: seen
+        torch.testing.assert_close(A @ X, A.to_dense() @ X)
+        assert accessed["n"] == 2
+        A.col_indices()[0] = 99  # a structure change, out of range: checked again and refused
+        with pytest.raises(ValueError, match="malformed"):
+            A @ X
+        B, C = native(seed=2), native(seed=3)
+        B @ X
+        torch.utils.swap_tensors(B, C)  # B is now the other matrix, with the same version
+        torch.testing.assert_close(B @ X, B.to_dense() @ X)
+
+
+def test_the_identity_memo_is_bounded_and_cleared():
+    X = torch.randn(9, 3)
+    with S.accelerate():
+        for seed in range(dispatch.MEMO_SIZE + 5):
+            native(seed=seed) @ X
+        assert len(dispatch._seen) == dispatch.MEMO_SIZE
+    dispatch.clear_memo()
+    assert len(dispatch._seen) == 0
