@@ -529,9 +529,12 @@ def test_pinning_reaches_the_csr_arrays():
     A = S.sparsify(torch.eye(3))
     assert A.is_pinned() is False
     if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError) as dense:  # what this build says (a CPU build, or CUDA without a driver)
+            torch.eye(3).pin_memory()
         for inference in (False, True):
-            with torch.inference_mode(inference), pytest.raises(RuntimeError, match="accelerator"):
+            with torch.inference_mode(inference), pytest.raises(RuntimeError) as sparse:
                 A.pin_memory()
+            assert str(sparse.value) == str(dense.value)
         return
     P = A.pin_memory()
     assert isinstance(P, SparseRLTensor) and P.is_pinned() and all(t.is_pinned() for t in (P.crow, P.col, P.val))
@@ -791,7 +794,8 @@ def test_eager_autograd_to_the_dense_operand_is_one_function_and_twice_different
                 "A.t() @ Y": (lambda v: a.t() @ v, (12, 3)), "x @ A": (lambda v: v @ a, (4, 12)),
                 "linear": (lambda v: F.linear(v, a.t()), (5, 12))}[case]
     x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-    chain, fn = [], f(x).grad_fn
+    out = f(x)  # kept: on torch 2.11 a node whose output is gone refuses next_functions
+    chain, fn = [], out.grad_fn
     while fn is not None:  # the recorded graph holds the Function, never the custom op's backward
         chain.append(type(fn).__name__)
         fn = fn.next_functions[0][0] if fn.next_functions else None
