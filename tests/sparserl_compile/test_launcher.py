@@ -145,12 +145,12 @@ def fake_libcuda(tmp_path, monkeypatch):
     import shutil
     import subprocess
 
-    cc = shutil.which("cc") or shutil.which("gcc")
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
     if cc is None:
-        pytest.skip("needs a C compiler to build the stand-in libcuda")
+        pytest.skip("needs a C compiler (cc, gcc or g++) to build the stand-in libcuda")
     src, lib = tmp_path / "fake.c", tmp_path / "libfakecuda.so"
     src.write_text(_FAKE_LIBCUDA)
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
+    subprocess.run([cc, "-x", "c", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True)
     fake = ctypes.CDLL(str(lib))
     monkeypatch.setattr(launcher, "_libcuda", [fake])
     return fake
