@@ -594,7 +594,8 @@ def _linear(func, types, args, kwargs):
         # the eager hot path of a sparsified model (a decoder runs hundreds of these per token):
         # y^T = W x^T straight to the runtime, the checks above being all _right/_product would do.
         # One token (batch-1 decoding): x^T is x as a column and y^T's memory is y's, so two
-        # reshapes serve instead of the four transposing ops (each about a microsecond of host)
+        # views serve instead of the four transposing ops (each about a microsecond of host);
+        # sizes given as ints where the rank says them (a shape built from x's costs more)
         one = x.numel() == k
         r = w._routes.get(1 if one else x.numel() // k)
         if type(r) is _plans.DensePlan and (bias is None or (
@@ -603,13 +604,18 @@ def _linear(func, types, args, kwargs):
             y = _plans.dense_linear(r, x, bias, w.crow, w.col, val, w.n_rows, k)
             if y is not None:  # selection kept the dense product at this batch: F.linear as the user had it
                 return y
-        xt = x.reshape(k, 1) if one else x.reshape(-1, k).t().contiguous()
+        two = x.dim() == 2
+        xt = (x.t() if two else x.reshape(k, 1)) if one else x.reshape(-1, k).t().contiguous()
         if one and not xt.is_contiguous():  # a strided token (x[:, ::2]): a kernel reads memory, not strides
             xt = xt.contiguous()
         y = _plans.kernel_route(r, "spmm", w.crow, w.col, val, xt, w.n_rows, k) if type(r) is _KernelPlan else None
         if y is None:
             y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint)
-        y = y.reshape(*x.shape[:-1], w.n_rows) if one else y.t().reshape(*x.shape[:-1], w.n_rows)
+        if one:  # x is (1, k) or (1, 1, k) (a decoder's hidden state) or (1, ..., 1, k)
+            d = x.dim()
+            y = y.reshape(1, w.n_rows) if d == 2 else y.reshape(1, 1, w.n_rows) if d == 3 else y.reshape(*x.shape[:-1], w.n_rows)
+        else:
+            y = y.t() if two else y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
         y = _right(x, w, transpose=True)
     return y if bias is None else y + _addend("linear", "bias", bias, y)

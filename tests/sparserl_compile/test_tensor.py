@@ -976,3 +976,28 @@ def test_strided_operands_reach_a_kernel_contiguous(kernel_routed):
         np.testing.assert_allclose(F.linear(x1, A).numpy(), x1.numpy() @ m.T.toarray(), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose((A @ Xs).numpy(), m @ Xs.numpy(), rtol=1e-5, atol=1e-5)
     assert len(k1.calls) == 2 and len(kernels["spmm"].calls) == 2
+
+
+@pytest.mark.parametrize("shape", [(1, 20), (3, 20), (1, 1, 20), (2, 3, 20)])
+def test_sparse_linear_through_a_kernel_has_the_dense_layers_values_and_shape(kernel_routed, shape):
+    """``F.linear(x, W)`` whose route at the batch is a kernel: one token or several, 2-D or
+    3-D inputs, with and without bias, as the dense layer gives them (the kernel reads memory)."""
+    from test_plans import plan_for
+
+    from sparserl_compile import plans
+
+    A, m, _ = kernel_routed
+    batch = int(np.prod(shape[:-1]))
+    plan, kernel = plan_for(m, "csr", "spmm")
+    plan.checked = True
+    plans._table[(A.fingerprint, "spmm", plans.width_bucket(batch), torch.float32, "sm_test")] = plan
+    _reads_memory(kernel)
+    dense = torch.from_numpy(m.toarray())
+    bias = torch.randn(30)
+    x = torch.randn(*shape)
+    for _ in range(2):  # the table's path, then the weight's route
+        for b in (None, bias):
+            got, want = F.linear(x, A, b), F.linear(x, dense, b)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(kernel.calls) == 4
