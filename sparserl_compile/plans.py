@@ -377,11 +377,6 @@ def kernels_possible(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    """Whether ``x``'s product is being captured into a CUDA graph (torch's current stream)."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
             routes: Routes | None = None) -> torch.Tensor:
     """``A @ x`` for ``op`` in ("spmv", "spmm"), through the plan table (see module doc).
@@ -396,7 +391,7 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
     key = (fp, op, width_bucket(n), val.dtype, device_arch(x.device))
     generation = _table.generation  # before the lookup: a change after it voids what is stored below
     plan = _table.get(key)
-    if plan is None and _capturing(x):  # a miss reads the pattern on the host: not inside a capture
+    if plan is None and capturing(x):  # a miss reads the pattern on the host: not inside a capture
         config.counts["misses"] += 1
         config.counts["reference_calls"] += 1
         return reference_product(crow, col, val, x, n_rows, n_cols)
@@ -416,7 +411,7 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
                 routes.store(generation, n if op == "spmm" else Routes.SPMV, native)
                 return reference.native_mm(native, x)
             return reference_product(crow, col, val, x, n_rows, n_cols)
-    if plan.kind == "pending" and plan.future.done() and not _capturing(x):  # (it uploads the format arrays)
+    if plan.kind == "pending" and plan.future.done() and not capturing(x):  # (it uploads the format arrays)
         with _lock:
             cur = _table.get(key)
             if cur is plan:  # the first product after the search: swap the verdict in
@@ -425,7 +420,7 @@ def product(op: str, crow, col, val, x, n_rows: int, n_cols: int, fp: str,
                 plan = cur
     if plan.kind == "dense":
         return _dense_product(plan, key, generation, routes, op, crow, col, val, x, n_rows, n_cols, fp)
-    if plan.kind == "kernel" and (plan.checked or not _capturing(x)):  # the check reads results on the host
+    if plan.kind == "kernel" and (plan.checked or not capturing(x)):  # the check reads results on the host
         try:
             y = plan.run(op, crow, col, val, x, n_rows, n_cols)
             if y is not None and not plan.checked:

@@ -132,7 +132,7 @@ def capturing(monkeypatch):
     """Products as inside a CUDA graph capture (no host reads, no host-to-device copies there)."""
     monkeypatch.setattr(plans, "kernels_possible", lambda device: True)
     monkeypatch.setattr(plans, "device_arch", lambda device: "sm_test")
-    monkeypatch.setattr(plans, "_capturing", lambda x: True)
+    monkeypatch.setattr(plans, "capturing", lambda x: True)
     plans.clear()
     plans.reset_stats()
     yield
@@ -168,10 +168,10 @@ def test_an_unchecked_kernel_waits_for_a_call_outside_the_capture(capturing, mon
     np.testing.assert_allclose(y.numpy(), m @ x.numpy(), rtol=1e-5, atol=1e-5)
     assert kernel.calls == [] and plans.plans()[key] is plan and not plan.checked
     assert config.stats().fallbacks == 0
-    monkeypatch.setattr(plans, "_capturing", lambda x: False)
+    monkeypatch.setattr(plans, "capturing", lambda x: False)
     plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture")
     assert len(kernel.calls) == 1 and plan.checked
-    monkeypatch.setattr(plans, "_capturing", lambda x: True)  # checked: it runs inside a capture too
+    monkeypatch.setattr(plans, "capturing", lambda x: True)  # checked: it runs inside a capture too
     plans.product("spmv", crow, col, val, x, 30, 20, "fp-capture")
     assert len(kernel.calls) == 2 and config.stats().kernel_calls == 2
 
