@@ -604,18 +604,17 @@ def _linear(func, types, args, kwargs):
             y = _plans.dense_linear(r, x, bias, w.crow, w.col, val, w.n_rows, k)
             if y is not None:  # selection kept the dense product at this batch: F.linear as the user had it
                 return y
-        two = x.dim() == 2
-        xt = (x.t() if two else x.reshape(k, 1)) if one else x.reshape(-1, k).t().contiguous()
+        d = x.dim()
+        xt = (x.t() if d == 2 else x.reshape(k, 1)) if one else x.reshape(-1, k).t().contiguous()
         if one and not xt.is_contiguous():  # a strided token (x[:, ::2]): a kernel reads memory, not strides
             xt = xt.contiguous()
         y = _plans.kernel_route(r, "spmm", w.crow, w.col, val, xt, w.n_rows, k) if type(r) is _KernelPlan else None
         if y is None:
             y = _plans.routed_product(w._routes, "spmm", w.crow, w.col, val, xt, w.n_rows, k, w.fingerprint)
         if one:  # x is (1, k) or (1, 1, k) (a decoder's hidden state) or (1, ..., 1, k)
-            d = x.dim()
             y = y.reshape(1, w.n_rows) if d == 2 else y.reshape(1, 1, w.n_rows) if d == 3 else y.reshape(*x.shape[:-1], w.n_rows)
         else:
-            y = y.t() if two else y.t().reshape(*x.shape[:-1], w.n_rows)
+            y = y.t() if d == 2 else y.t().reshape(*x.shape[:-1], w.n_rows)
     else:
         y = _right(x, w, transpose=True)
     return y if bias is None else y + _addend("linear", "bias", bias, y)
